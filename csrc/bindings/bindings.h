@@ -1,0 +1,11 @@
+// roundpipe._C is assembled from one registration function per runtime part; each lives in its
+// own file under csrc/bindings/ so that heavy torch headers stay out of the light parts.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace roundpipe::bindings {
+
+void bind_devices(pybind11::module_& m);
+
+}  // namespace roundpipe::bindings

@@ -1,0 +1,129 @@
+#include "device/registry.h"
+
+#include <unistd.h>
+
+#include <charconv>
+#include <cstdlib>
+#include <stdexcept>
+
+namespace roundpipe::device {
+namespace {
+
+std::string checked_kind(std::string_view kind, std::string_view source) {
+  if (kind == "auto" || kind == "cpu" || kind == "cuda") return std::string(kind);
+  throw std::invalid_argument(std::string(source) + " must be 'auto', 'cpu' or 'cuda', got '" +
+                              std::string(kind) + "'");
+}
+
+int checked_cpu_count(int count, std::string_view source) {
+  if (count < 1 || count > kMaxCpuDevices) {
+    throw std::invalid_argument(std::string(source) + " must be an integer in [1, " +
+                                std::to_string(kMaxCpuDevices) + "], got " + std::to_string(count));
+  }
+  return count;
+}
+
+std::uint64_t host_physical_memory() {
+  long pages = sysconf(_SC_PHYS_PAGES);
+  long page_size = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page_size <= 0) return 0;
+  return static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page_size);
+}
+
+}  // namespace
+
+std::string_view device_kind_name(DeviceKind kind) {
+  return kind == DeviceKind::kCuda ? "cuda" : "cpu";
+}
+
+int parse_cpu_device_count(std::string_view text, std::string_view source) {
+  int value = 0;
+  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error != std::errc() || end != text.data() + text.size()) {
+    throw std::invalid_argument(std::string(source) + " must be an integer in [1, " +
+                                std::to_string(kMaxCpuDevices) + "], got '" + std::string(text) +
+                                "'");
+  }
+  return checked_cpu_count(value, source);
+}
+
+Registry& Registry::instance() {
+  // Leaked on purpose: executors may still query it while static destructors run at exit.
+  static Registry* registry = [] {
+    auto* r = new Registry();
+    if (const char* kind = std::getenv("ROUNDPIPE_DEVICE_KIND"); kind && *kind) {
+      r->requested_kind_ = checked_kind(kind, "ROUNDPIPE_DEVICE_KIND");
+    }
+    if (const char* n = std::getenv("ROUNDPIPE_CPU_DEVICES"); n && *n) {
+      r->cpu_devices_ = parse_cpu_device_count(n, "ROUNDPIPE_CPU_DEVICES");
+    }
+    return r;
+  }();
+  return *registry;
+}
+
+void Registry::set_cuda_provider(const CudaProvider* provider) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  cuda_ = provider;
+  resolved_ = false;
+}
+
+void Registry::configure(std::optional<std::string_view> kind, std::optional<int> cpu_devices) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::string new_kind = kind ? checked_kind(*kind, "kind") : requested_kind_;
+  int new_count = cpu_devices ? checked_cpu_count(*cpu_devices, "num_cpu_devices") : cpu_devices_;
+  if (new_kind == "cuda" && (cuda_ == nullptr || cuda_->device_count() == 0)) {
+    throw std::runtime_error(
+        "kind='cuda' was requested but no CUDA device is usable (this build has CUDA " +
+        std::string(cuda_ ? "on" : "off") + "); use kind='cpu' or 'auto'");
+  }
+  requested_kind_ = std::move(new_kind);
+  cpu_devices_ = new_count;
+  resolved_ = false;
+}
+
+void Registry::resolve_locked() {
+  if (resolved_) return;
+  int cuda_count = cuda_ ? cuda_->device_count() : 0;
+  if (requested_kind_ == "cuda" && cuda_count == 0) {
+    throw std::runtime_error(
+        "ROUNDPIPE_DEVICE_KIND=cuda but no CUDA device is usable; unset it or use 'cpu'");
+  }
+  if (requested_kind_ != "cpu" && cuda_count > 0) {
+    kind_ = DeviceKind::kCuda;
+    count_ = cuda_count;
+  } else {
+    kind_ = DeviceKind::kCpu;
+    count_ = cpu_devices_;
+  }
+  resolved_ = true;
+}
+
+DeviceKind Registry::kind() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  resolve_locked();
+  return kind_;
+}
+
+int Registry::count() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  resolve_locked();
+  return count_;
+}
+
+std::uint64_t Registry::total_memory(int index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  resolve_locked();
+  if (index < 0 || index >= count_) {
+    throw std::out_of_range("device index " + std::to_string(index) + " is out of range [0, " +
+                            std::to_string(count_) + ")");
+  }
+  return kind_ == DeviceKind::kCuda ? cuda_->total_memory(index) : host_physical_memory();
+}
+
+bool Registry::cuda_available() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return cuda_ != nullptr && cuda_->device_count() > 0;
+}
+
+}  // namespace roundpipe::device

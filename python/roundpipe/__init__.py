@@ -1,0 +1,21 @@
+"""RoundPipe (native): train models far larger than one GPU's memory.
+
+Model state lives in host memory, GPUs are a stateless compute pool, layers are grouped into
+stages that are uploaded and dispatched round-robin, activations are recomputed, and the optimizer
+runs asynchronously on the host. Importing this package touches no device and starts no thread.
+"""
+
+from __future__ import annotations
+
+from roundpipe._native import BUILD_INFO
+from roundpipe.device import configure_devices, device_count, device_kind, devices
+
+__version__: str = str(BUILD_INFO["version"])
+
+__all__ = [
+    "__version__",
+    "configure_devices",
+    "device_count",
+    "device_kind",
+    "devices",
+]
