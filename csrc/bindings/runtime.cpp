@@ -1,0 +1,76 @@
+// Bindings of the runtime's native parts: host arenas, events and the per-device copy engines.
+#include <torch/csrc/utils/pybind.h>
+
+#include "bindings/bindings.h"
+#include "executor/copy_engine.h"
+#include "executor/event.h"
+#include "memory/host_arena.h"
+
+namespace py = pybind11;
+
+namespace roundpipe::bindings {
+namespace {
+
+executor::Lane parse_lane(const std::string& lane) {
+  if (lane == "activation") return executor::Lane::kActivation;
+  if (lane == "gradient") return executor::Lane::kGradient;
+  if (lane == "parameter") return executor::Lane::kParameter;
+  throw py::value_error("lane must be 'activation', 'gradient' or 'parameter', got '" + lane + "'");
+}
+
+}  // namespace
+
+void bind_runtime(py::module_& m) {
+  using executor::Event;
+  using executor::EventPtr;
+
+  py::class_<Event, EventPtr>(m, "Event",
+                              "Completion of an asynchronous copy, accumulation or compute step.")
+      .def("synchronize", &Event::synchronize, py::call_guard<py::gil_scoped_release>(),
+           "Block until the job finished; re-raise its error.")
+      .def("query", &Event::query, "True once the job finished.")
+      .def(
+          "block_current_stream",
+          [](Event& event, int device_index) {
+            event.block(executor::current_stream(device_index));
+          },
+          py::arg("device_index"), py::call_guard<py::gil_scoped_release>(),
+          "Make later work on the device's current stream wait for the job.");
+
+  m.def(
+      "record_event",
+      [](int device_index) {
+        c10::Stream stream = executor::current_stream(device_index);
+        return stream.device_type() == c10::DeviceType::CPU ? Event::completed()
+                                                            : Event::recorded_on(stream);
+      },
+      py::arg("device_index"),
+      "An event that completes when the work issued so far to the device's current stream has.");
+  m.def(
+      "copy_async",
+      [](int device_index, const at::Tensor& dst, const at::Tensor& src, const std::string& lane,
+         const EventPtr& after) {
+        return executor::copy_engine(device_index).copy(dst, src, parse_lane(lane), after);
+      },
+      py::arg("device_index"), py::arg("dst"), py::arg("src"), py::arg("lane"),
+      py::arg("after") = nullptr, py::call_guard<py::gil_scoped_release>(),
+      "dst.copy_(src) on the device's copy engine once `after` completed.");
+  m.def(
+      "accumulate_async",
+      [](int device_index, const at::Tensor& dst, const at::Tensor& src, const EventPtr& after) {
+        return executor::copy_engine(device_index).accumulate(dst, src, after);
+      },
+      py::arg("device_index"), py::arg("dst"), py::arg("src"), py::arg("after") = nullptr,
+      py::call_guard<py::gil_scoped_release>(),
+      "dst += src (dst on the host) on the device's copy engine once `after` completed.");
+  m.def(
+      "allocate_host_arena",
+      [](std::int64_t bytes, const std::string& pin_model) {
+        return memory::allocate_host_arena(bytes, memory::parse_pin_mode(pin_model));
+      },
+      py::arg("bytes"), py::arg("pin_model"),
+      "A zeroed uint8 host tensor of exactly `bytes` bytes, pinned per `pin_model`.");
+  m.def("is_page_locked", &memory::is_page_locked, py::arg("tensor"));
+}
+
+}  // namespace roundpipe::bindings

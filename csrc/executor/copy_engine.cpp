@@ -1,0 +1,123 @@
+#include "executor/copy_engine.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "device/registry.h"
+
+namespace roundpipe::executor {
+namespace {
+
+c10::Stream pool_stream(c10::Device device, bool high_priority) {
+  if (!device.is_cuda()) return c10::Stream(c10::Stream::DEFAULT, device);
+  return c10::impl::getDeviceGuardImpl(device.type())
+      ->getStreamFromGlobalPool(device, high_priority);
+}
+
+// Runs `work` on the worker once `after` completed, completing the returned event with its error.
+template <typename Work>
+EventPtr submit_host_job(WorkQueue& worker, Lane lane, EventPtr after, Work work) {
+  auto done = std::make_shared<Event>();
+  worker.submit(static_cast<int>(lane), [done, after = std::move(after), work = std::move(work)] {
+    try {
+      if (after) after->synchronize();
+      work();
+      done->complete();
+    } catch (...) {
+      done->complete(std::current_exception());
+    }
+  });
+  return done;
+}
+
+}  // namespace
+
+CopyEngine::CopyEngine(c10::Device device)
+    : device_(device),
+      activation_(pool_stream(device, true)),
+      parameter_(pool_stream(device, false)),
+      gradient_(pool_stream(device, false)) {}
+
+c10::Stream CopyEngine::lane_stream(Lane lane) const {
+  switch (lane) {
+    case Lane::kActivation:
+      return activation_;
+    case Lane::kGradient:
+      return gradient_;
+    case Lane::kParameter:
+      return parameter_;
+  }
+  return parameter_;
+}
+
+EventPtr CopyEngine::copy(const at::Tensor& dst, const at::Tensor& src, Lane lane,
+                          const EventPtr& after) {
+  TORCH_CHECK(dst.numel() == src.numel(), "CopyEngine.copy: dst has ", dst.numel(),
+              " elements but src has ", src.numel());
+  if (!on_cuda()) {
+    return submit_host_job(worker_, lane, after, [dst, src] { dst.copy_(src); });
+  }
+  c10::Stream stream = lane_stream(lane);
+  c10::StreamGuard guard(stream);
+  if (after) after->block(stream);
+  dst.copy_(src, /*non_blocking=*/true);
+  // The caller keeps src and dst alive until this event completes (the caching allocator may
+  // otherwise hand their blocks to other work on their allocation streams).
+  return Event::recorded_on(stream);
+}
+
+EventPtr CopyEngine::accumulate(const at::Tensor& dst, const at::Tensor& src,
+                                const EventPtr& after) {
+  TORCH_CHECK(dst.device().is_cpu(), "CopyEngine.accumulate: dst must be a host tensor");
+  TORCH_CHECK(dst.numel() == src.numel(), "CopyEngine.accumulate: dst has ", dst.numel(),
+              " elements but src has ", src.numel());
+  if (!on_cuda()) {
+    return submit_host_job(worker_, Lane::kGradient, after, [dst, src] { dst.add_(src); });
+  }
+  c10::Stream stream = lane_stream(Lane::kGradient);
+  at::Tensor staging;
+  {
+    c10::StreamGuard guard(stream);
+    if (after) after->block(stream);
+    staging = at::empty(src.sizes(), src.options().device(at::kCPU).pinned_memory(true));
+    staging.copy_(src, /*non_blocking=*/true);
+  }
+  EventPtr downloaded = Event::recorded_on(stream);
+  // src stays referenced until the download completed, so its device block is not reused early.
+  return submit_host_job(worker_, Lane::kGradient, downloaded,
+                         [dst, src, staging] { dst.add_(staging); });
+}
+
+c10::Stream current_stream(int index) {
+  c10::Device device = copy_engine(index).device();
+  if (!device.is_cuda()) return c10::Stream(c10::Stream::DEFAULT, device);
+  return c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
+}
+
+CopyEngine& copy_engine(int index) {
+  auto& registry = device::Registry::instance();
+  const bool cuda = registry.kind() == device::DeviceKind::kCuda;
+  TORCH_CHECK(index >= 0 && index < registry.count(), "device index ", index,
+              " is out of range [0, ", registry.count(), ")");
+  // Engines live for the whole process (leaked on purpose: worker threads must not be joined
+  // during static destruction, after libtorch may already be gone). Keyed by kind and index so
+  // that reconfiguring the registry never hands out an engine of the other kind.
+  static std::mutex mutex;
+  static auto* engines = new std::map<std::pair<bool, int>, std::unique_ptr<CopyEngine>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& engine = (*engines)[{cuda, index}];
+  if (!engine) {
+    c10::Device device = cuda ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index))
+                              : c10::Device(c10::DeviceType::CPU);
+    engine = std::make_unique<CopyEngine>(device);
+  }
+  return *engine;
+}
+
+}  // namespace roundpipe::executor

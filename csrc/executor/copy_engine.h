@@ -1,0 +1,54 @@
+// The copy engine of one device: asynchronous parameter uploads, activation transfers and
+// gradient downloads, each returning an Event.
+//
+// CUDA devices: one stream per lane (activations on a high-priority stream so they overtake
+// parameter prefetch); copies are issued from the calling thread and complete on the GPU; the
+// host-side gradient accumulation after a download runs on the engine's worker thread.
+// Virtual CPU devices: every copy runs on the engine's worker thread, activations first, so
+// transfers overlap the compute that the calling thread runs meanwhile.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+
+#include "executor/event.h"
+#include "executor/work_queue.h"
+
+namespace roundpipe::executor {
+
+// Lanes in priority order.
+enum class Lane : int { kActivation = 0, kGradient = 1, kParameter = 2 };
+
+class CopyEngine {
+ public:
+  explicit CopyEngine(c10::Device device);
+  CopyEngine(const CopyEngine&) = delete;
+  CopyEngine& operator=(const CopyEngine&) = delete;
+
+  c10::Device device() const { return device_; }
+
+  // dst.copy_(src) once `after` (may be null) has completed.
+  EventPtr copy(const at::Tensor& dst, const at::Tensor& src, Lane lane, const EventPtr& after);
+  // dst += src once `after` has completed; dst is a host tensor, src may be on the device.
+  EventPtr accumulate(const at::Tensor& dst, const at::Tensor& src, const EventPtr& after);
+
+ private:
+  bool on_cuda() const { return device_.is_cuda(); }
+  c10::Stream lane_stream(Lane lane) const;
+
+  c10::Device device_;
+  c10::Stream activation_;
+  c10::Stream parameter_;
+  c10::Stream gradient_;
+  WorkQueue worker_;
+};
+
+// The process-wide engine of device `index` of the registry's current kind, created on first use.
+CopyEngine& copy_engine(int index);
+
+// The stream that compute on device `index` is currently issued to (the CPU pseudo-stream on
+// virtual CPU devices).
+c10::Stream current_stream(int index);
+
+}  // namespace roundpipe::executor

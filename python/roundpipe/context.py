@@ -1,0 +1,126 @@
+"""What a layer can ask of the runtime while it runs: recompute data and the optimizer context.
+
+``save_for_recompute`` lets a layer stash values computed in its forward pass (for example
+positions or masks built once) so the recompute in the backward pass reuses them instead of
+rebuilding them (and, on GPUs, without a host synchronisation).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+
+@dataclass
+class _LayerCall:
+    """The layer call in progress on this thread."""
+
+    store: dict[tuple[int, int], tuple[Any, ...]]
+    layer: int
+    microbatch: int
+    recompute: bool
+    saving_enabled: bool
+    saved: bool = False
+
+
+@dataclass
+class _State(threading.local):
+    call: _LayerCall | None = None
+    optimizer_depth: int = 0
+    stack: list[_LayerCall | None] = field(default_factory=list)
+
+
+_state = _State()
+
+
+class layer_call:
+    """Marks a layer call in progress (used by the runtime around every layer it runs)."""
+
+    def __init__(self, call: _LayerCall) -> None:
+        self._call = call
+
+    def __enter__(self) -> None:
+        _state.stack.append(_state.call)
+        _state.call = self._call
+
+    def __exit__(self, *exc: object) -> None:
+        _state.call = _state.stack.pop()
+
+
+def save_for_recompute(*data: Any) -> None:
+    """Keep ``data`` from this layer's forward pass for its recompute in the backward pass.
+
+    Call at most once per layer per forward pass. Tensors must not require grad (save detached
+    values). A no-op when gradients are off, outside a RoundPipe layer, and during the recompute
+    itself (where :func:`get_recompute_data` returns what the forward pass saved).
+    """
+    call = _state.call
+    if call is None or call.recompute or not call.saving_enabled:
+        return
+    if call.saved:
+        raise RuntimeError(
+            f"save_for_recompute was called twice in layer {call.layer} for one forward pass; "
+            "save everything in a single call"
+        )
+    for leaf in tree_leaves(data):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            raise ValueError(
+                f"save_for_recompute got a tensor that requires grad in layer {call.layer}; "
+                "pass tensor.detach() (recompute rebuilds the graph)"
+            )
+    call.saved = True
+    call.store[(call.layer, call.microbatch)] = data
+
+
+def doing_recompute() -> bool:
+    """True while RoundPipe recomputes a layer's forward pass for the backward pass."""
+    return _state.call is not None and _state.call.recompute
+
+
+def get_recompute_data() -> tuple[Any, ...]:
+    """What this layer passed to :func:`save_for_recompute` in its forward pass (a tuple).
+
+    Raises:
+        RuntimeError: outside a recompute, or when the forward pass saved nothing.
+    """
+    call = _state.call
+    if call is None or not call.recompute:
+        raise RuntimeError(
+            "get_recompute_data() is only available during recompute; check doing_recompute() first"
+        )
+    try:
+        return call.store[(call.layer, call.microbatch)]
+    except KeyError:
+        raise RuntimeError(
+            f"layer {call.layer} saved nothing with save_for_recompute in its forward pass"
+        ) from None
+
+
+class OptimizerCtx:
+    """Inside this context, ``RoundPipe.parameters()`` / ``named_parameters()`` return the
+    optimizer copies (in ``optim_dtype``) instead of the model's parameters. Nests."""
+
+    def __enter__(self) -> OptimizerCtx:
+        _state.optimizer_depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _state.optimizer_depth -= 1
+
+
+def optimizer_context_active() -> bool:
+    """Whether an :class:`OptimizerCtx` is active on this thread."""
+    return _state.optimizer_depth > 0
+
+
+__all__ = [
+    "OptimizerCtx",
+    "doing_recompute",
+    "get_recompute_data",
+    "optimizer_context_active",
+    "save_for_recompute",
+]

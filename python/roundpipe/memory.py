@@ -1,0 +1,154 @@
+"""Model state in host memory: flat parameter and gradient arenas and per-layer bindings.
+
+Every parameter of the model lives in one flat host arena (pinned per ``pin_model``) with the
+layers back to back, and each ``nn.Parameter`` becomes a view into it, so user code that reads or
+loads parameters keeps working. A stage, being a contiguous range of layers, uploads in a single
+copy; its gradients come back in one accumulation per dtype run. Gradients of parameters that
+require grad live in a second flat arena with the same layer order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from roundpipe._native import _C
+
+_ALIGN = 64  # bytes; keeps every dtype view aligned and SIMD-friendly
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass
+class ParamSlot:
+    """One parameter: where it is bound in the model and where it lives in the arenas."""
+
+    param: nn.Parameter
+    owners: list[tuple[nn.Module, str]]
+    offset: int  # bytes into the parameter arena
+    grad_offset: int | None  # bytes into the gradient arena; None when frozen
+
+    @property
+    def nbytes(self) -> int:
+        return self.param.numel() * self.param.element_size()
+
+
+@dataclass
+class LayerMemory:
+    """The parameters and buffers of one layer and its byte ranges in the arenas."""
+
+    index: int
+    module: nn.Module
+    slots: list[ParamSlot] = field(default_factory=list)
+    buffers: list[tuple[nn.Module, str]] = field(default_factory=list)
+    begin: int = 0
+    end: int = 0
+    grad_begin: int = 0
+    grad_end: int = 0
+
+    @property
+    def param_bytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.grad_end - self.grad_begin
+
+
+def _typed_view(arena: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    nbytes = like.numel() * like.element_size()
+    return arena[offset : offset + nbytes].view(like.dtype).view(like.shape)
+
+
+class ModelMemory:
+    """Flat host arenas for a list of layers; the parameters are moved into them in place."""
+
+    def __init__(self, layers: list[nn.Module], pin_model: str) -> None:
+        self.layers: list[LayerMemory] = []
+        seen: dict[int, int] = {}
+        param_cursor = grad_cursor = 0
+        for index, module in enumerate(layers):
+            layer = LayerMemory(index, module, begin=param_cursor, grad_begin=grad_cursor)
+            by_param: dict[int, ParamSlot] = {}
+            for owner_name, owner in module.named_modules(remove_duplicate=False):
+                for name, param in owner._parameters.items():
+                    if param is None:
+                        continue
+                    key = id(param)
+                    if key in seen and seen[key] != index:
+                        raise ValueError(
+                            f"parameter '{owner_name or '<layer>'}.{name}' of layer {index} is "
+                            f"shared with layer {seen[key]}; RoundPipe layers must not share "
+                            "parameters (tie them inside one layer instead)"
+                        )
+                    seen[key] = index
+                    if key in by_param:
+                        by_param[key].owners.append((owner, name))
+                        continue
+                    slot = ParamSlot(param, [(owner, name)], 0, None)
+                    by_param[key] = slot
+                    layer.slots.append(slot)
+                for name, buffer in owner._buffers.items():
+                    if buffer is not None:
+                        layer.buffers.append((owner, name))
+            # Same-dtype parameters side by side: their gradients accumulate in one run.
+            layer.slots.sort(key=lambda s: str(s.param.dtype))
+            for slot in layer.slots:
+                slot.offset = param_cursor
+                param_cursor += _aligned(slot.nbytes)
+                if slot.param.requires_grad:
+                    slot.grad_offset = grad_cursor
+                    grad_cursor += _aligned(slot.nbytes)
+            layer.end, layer.grad_end = param_cursor, grad_cursor
+            self.layers.append(layer)
+
+        self.params = _C.allocate_host_arena(param_cursor, pin_model)
+        self.grads = _C.allocate_host_arena(grad_cursor, "off" if pin_model == "off" else pin_model)
+        with torch.no_grad():
+            for slot in self.slots():
+                view = _typed_view(self.params, slot.offset, slot.param)
+                view.copy_(slot.param.data)
+                slot.param.data = view
+
+    def slots(self) -> Iterator[ParamSlot]:
+        for layer in self.layers:
+            yield from layer.slots
+
+    def grad_view(self, slot: ParamSlot) -> torch.Tensor:
+        """The host gradient of ``slot`` (a view into the gradient arena)."""
+        assert slot.grad_offset is not None
+        return _typed_view(self.grads, slot.grad_offset, slot.param)
+
+    def param_range(self, layers: range) -> tuple[int, int]:
+        return self.layers[layers.start].begin, self.layers[layers.stop - 1].end
+
+    def grad_range(self, layers: range) -> tuple[int, int]:
+        return self.layers[layers.start].grad_begin, self.layers[layers.stop - 1].grad_end
+
+    def grad_runs(self, layers: range) -> list[tuple[int, int, torch.dtype]]:
+        """Maximal byte runs ``(begin, end, dtype)`` of same-dtype gradients over ``layers``."""
+        runs: list[tuple[int, int, torch.dtype]] = []
+        for index in layers:
+            for slot in self.layers[index].slots:
+                if slot.grad_offset is None:
+                    continue
+                begin, end = slot.grad_offset, slot.grad_offset + _aligned(slot.nbytes)
+                dtype = slot.param.dtype
+                if runs and runs[-1][2] == dtype and runs[-1][1] == begin:
+                    runs[-1] = (runs[-1][0], end, dtype)
+                else:
+                    runs.append((begin, end, dtype))
+        return runs
+
+
+def typed_view(arena: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """A view of ``arena`` (uint8) at byte ``offset`` with ``like``'s dtype and shape."""
+    return _typed_view(arena, offset, like)
+
+
+__all__ = ["LayerMemory", "ModelMemory", "ParamSlot", "typed_view"]

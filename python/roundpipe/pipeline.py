@@ -1,0 +1,509 @@
+"""The pipelined execution of one call of one model.
+
+A call is a sequence of *steps*: forward stages, then (for ``forward_backward``) the fused last
+stage that runs forward + loss + backward without recompute, then backward stages that recompute
+their layers from saved inputs and backpropagate. Every step runs all microbatches on one device
+taken round-robin from the pool (the cursor continues across calls and models); while a step
+computes, the next step's parameters are already being uploaded to its device by that device's
+copy engine. Stage ``s`` of microbatch ``m`` starts once stage ``s - 1`` of microbatch ``m`` is
+ready (CUDA: a device-side event wait; CPU devices: compute runs in issue order on one thread,
+which also keeps the shared CPU generator's draws in forward order, so recompute replays them).
+
+Activations that a backward stage recomputes from are kept in host memory; gradients of a
+backward stage accumulate in a flat device buffer and go back to the host arena in one
+accumulation per dtype run, asynchronously.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from roundpipe import context
+from roundpipe._native import _C
+from roundpipe.device import device_count, devices
+from roundpipe.memory import ModelMemory, typed_view
+
+if TYPE_CHECKING:
+    from roundpipe.timer import ModelTimer
+
+Phase = Literal["forward", "recompute", "backward", "loss"]
+StepKind = Literal["forward", "fused", "backward"]
+
+_round_robin = itertools.count()
+
+
+def _next_device() -> int:
+    """The device of the next stage: round-robin over the pool, across calls and models."""
+    return next(_round_robin) % device_count()
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+def annotate(error: BaseException, where: str) -> BaseException:
+    """``error`` with ``where`` (model, layer, phase) prefixed to its message, same type when the
+    type allows it (so ``except ValueError`` in user code still works), else a RuntimeError."""
+    if isinstance(error, (KeyboardInterrupt, SystemExit)):
+        return error
+    message = f"{where}: {error}"
+    try:
+        annotated = copy.copy(error)
+        annotated.args = (message,)
+        if str(annotated) != message:
+            raise TypeError("message not taken from args")
+    except Exception:
+        annotated = RuntimeError(message)
+    annotated.__cause__ = error
+    annotated.__traceback__ = error.__traceback__
+    return annotated
+
+
+# --------------------------------------------------------------------------------------------
+# Transfers
+# --------------------------------------------------------------------------------------------
+
+
+def _on_cuda() -> bool:
+    return devices()[0].type == "cuda"
+
+
+def to_device(tree: Any, device_index: int) -> Any:
+    """``tree`` with its tensors on device ``device_index`` (identity on virtual CPU devices).
+
+    On CUDA the copies run on the activation lane, ordered after everything issued so far, and
+    the device's current stream is made to wait for them.
+    """
+    if not _on_cuda():
+        return tree
+    device = devices()[device_index]
+    last: list[Any] = [None]
+
+    def move(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor) or leaf.device == device:
+            return leaf
+        moved = torch.empty_like(leaf, device=device)
+        after = _C.record_event(leaf.device.index) if leaf.is_cuda else None
+        last[0] = _C.copy_async(device_index, moved, leaf, "activation", after)
+        return moved
+
+    moved_tree = tree_map(move, tree)
+    if last[0] is not None:
+        last[0].block_current_stream(device_index)
+    return moved_tree
+
+
+def to_host(tree: Any, device_index: int) -> tuple[Any, Any]:
+    """``tree`` with its tensors copied to (pinned) host memory, and the event of the copies.
+
+    Identity with no event on virtual CPU devices (detached, since host copies never carry a
+    graph)."""
+    if not _on_cuda():
+        return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree), None
+    after = _C.record_event(device_index)
+    last: list[Any] = [None]
+
+    def move(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor) or not leaf.is_cuda:
+            return leaf
+        host = torch.empty(leaf.shape, dtype=leaf.dtype, pin_memory=True)
+        last[0] = _C.copy_async(device_index, host, leaf.detach(), "activation", after)
+        return host
+
+    return tree_map(move, tree), last[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Stage residency
+# --------------------------------------------------------------------------------------------
+
+
+class ResidentStage:
+    """A stage's parameters (and gradient buffer, for backward) resident on one device."""
+
+    def __init__(
+        self, memory: ModelMemory, layers: range, device_index: int, with_grads: bool
+    ) -> None:
+        self.memory, self.layers, self.device_index = memory, layers, device_index
+        device = devices()[device_index]
+        begin, end = memory.param_range(layers)
+        self.buffer = torch.empty(end - begin, dtype=torch.uint8, device=device)
+        self.uploaded = _C.copy_async(
+            device_index, self.buffer, memory.params[begin:end], "parameter"
+        )
+        self.grad_buffer: torch.Tensor | None = None
+        grad_begin = 0
+        if with_grads:
+            grad_begin, grad_end = memory.grad_range(layers)
+            self.grad_buffer = torch.zeros(grad_end - grad_begin, dtype=torch.uint8, device=device)
+        self.views: dict[int, list[torch.Tensor]] = {}
+        for index in layers:
+            views = []
+            for slot in memory.layers[index].slots:
+                view = typed_view(self.buffer, slot.offset - begin, slot.param)
+                if self.grad_buffer is not None and slot.grad_offset is not None:
+                    view.requires_grad_(True)
+                    view.grad = typed_view(
+                        self.grad_buffer, slot.grad_offset - grad_begin, slot.param
+                    )
+                views.append(view)
+            self.views[index] = views
+
+    @contextmanager
+    def bound(self, keep_buffer_updates: bool) -> Iterator[None]:
+        """Bind the layers' modules to the device copies while the stage computes.
+
+        Buffers (BatchNorm statistics) are bound to device copies too; with
+        ``keep_buffer_updates`` (forward passes) their new values are written back to the host
+        afterwards, otherwise (recompute) they are dropped.
+        """
+        self.uploaded.block_current_stream(self.device_index)
+        device = devices()[self.device_index]
+        bound_buffers: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        try:
+            for index in self.layers:
+                layer = self.memory.layers[index]
+                for slot, view in zip(layer.slots, self.views[index], strict=True):
+                    for owner, name in slot.owners:
+                        owner._parameters[name] = view
+                for owner, name in layer.buffers:
+                    host = owner._buffers[name]
+                    assert host is not None
+                    working = host.to(device, copy=True)
+                    owner._buffers[name] = working
+                    bound_buffers.append((owner, name, host, working))
+            yield
+            if keep_buffer_updates:
+                with torch.no_grad():
+                    for _, _, host, working in bound_buffers:
+                        host.copy_(working)
+        finally:
+            for index in self.layers:
+                for slot in self.memory.layers[index].slots:
+                    for owner, name in slot.owners:
+                        owner._parameters[name] = slot.param
+            for owner, name, host, _ in bound_buffers:
+                owner._buffers[name] = host
+
+    def download_grads(self) -> list[Any]:
+        """Accumulate this stage's device gradients into the host arena; returns the events."""
+        assert self.grad_buffer is not None
+        grad_begin, _ = self.memory.grad_range(self.layers)
+        after = _C.record_event(self.device_index)
+        events = []
+        for begin, end, dtype in self.memory.grad_runs(self.layers):
+            host = self.memory.grads[begin:end].view(dtype)
+            local = self.grad_buffer[begin - grad_begin : end - grad_begin].view(dtype)
+            events.append(_C.accumulate_async(self.device_index, host, local, after))
+        return events
+
+
+# --------------------------------------------------------------------------------------------
+# One call
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: StepKind
+    layers: range
+
+
+def _grads_of(tree: Any) -> Any:
+    return tree_map(
+        lambda t: t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None, tree
+    )
+
+
+def _backward(outputs: Any, grads: Any) -> None:
+    """Backpropagate ``grads`` (same structure as ``outputs``, None where absent)."""
+    out_leaves, _ = tree_flatten(outputs)
+    grad_leaves, _ = tree_flatten(grads, is_leaf=lambda x: x is None)
+    pairs = [
+        (o, g)
+        for o, g in zip(out_leaves, grad_leaves, strict=True)
+        if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+    ]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+@dataclass
+class LayerRunner:
+    """What a call needs from its model: the layers, their memory, name and timer."""
+
+    name: str
+    layers: Sequence[torch.nn.Module]
+    memory: ModelMemory
+    timer: ModelTimer | None
+
+
+@dataclass
+class Call:
+    """The state of one pipelined call: saved inputs, RNG states and per-microbatch values."""
+
+    runner: LayerRunner
+    num_microbatch: int
+    recompute_grain: str
+    preserve_rng_state: bool
+    saving: bool  # keep what backward stages need (grads on)
+    backward_starts: set[int] = field(default_factory=set)
+    rng_points: set[int] = field(default_factory=set)
+    saved_inputs: dict[tuple[int, int], Any] = field(default_factory=dict)
+    rng_states: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    recompute_store: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
+    pending: list[Any] = field(default_factory=list)
+
+    def plan_saving(self, forward_stages: Sequence[range], backward_stages: Sequence[range]) -> None:
+        """Decide which layer inputs and RNG states the backward stages will need."""
+        recomputed = {i for stage in backward_stages for i in stage}
+        if self.recompute_grain == "layer":
+            self.backward_starts = recomputed
+        else:
+            self.backward_starts = {stage.start for stage in backward_stages}
+        forward_starts = {stage.start for stage in forward_stages}
+        self.rng_points = (self.backward_starts | forward_starts) & recomputed
+
+    # -- layer calls -------------------------------------------------------------------------
+
+    def _where(self, layer: int, phase: Phase, microbatch: int) -> str:
+        module = self.runner.layers[layer]
+        return (
+            f"RoundPipe model '{self.runner.name}': layer {layer} ({type(module).__name__}) "
+            f"failed in {phase} of microbatch {microbatch}"
+        )
+
+    def call_layer(
+        self, layer: int, microbatch: int, value: Any, device_index: int, recompute: bool
+    ) -> Any:
+        """Run one layer on one microbatch (layer 0 takes ``(args, kwargs)``)."""
+        phase: Phase = "recompute" if recompute else "forward"
+        key = (layer, microbatch)
+        if self.preserve_rng_state and layer in self.rng_points:
+            if recompute:
+                _set_rng_state(self.rng_states[key], device_index)
+            elif self.saving:
+                self.rng_states[key] = _get_rng_state(device_index)
+        call = context._LayerCall(
+            self.recompute_store, layer, microbatch, recompute, saving_enabled=self.saving
+        )
+        module = self.runner.layers[layer]
+        start = time.perf_counter()
+        try:
+            with context.layer_call(call):
+                if layer == 0:
+                    args, kwargs = value
+                    result = module(*args, **kwargs)
+                else:
+                    result = module(value)
+        except Exception as error:
+            raise annotate(error, self._where(layer, phase, microbatch)) from error
+        if self.runner.timer is not None and not _on_cuda():
+            self.runner.timer.record(
+                layer, "re" if recompute else "fwd", time.perf_counter() - start
+            )
+        return result
+
+    def _saved_input(self, layer: int, microbatch: int, device_index: int) -> Any:
+        return to_device(self.saved_inputs[(layer, microbatch)], device_index)
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def forward_step(self, stage: ResidentStage, activations: list[Any]) -> list[Any]:
+        outputs = []
+        with stage.bound(keep_buffer_updates=True), torch.no_grad():
+            for m, value in enumerate(activations):
+                if self.saving and stage.layers.start == 0 and 0 in self.backward_starts:
+                    # The user's own inputs, requires_grad flags included (chained models).
+                    self.saved_inputs[(0, m)] = value
+                value = to_device(value, stage.device_index)
+                for layer in stage.layers:
+                    if self.saving and layer > 0 and layer in self.backward_starts:
+                        host, event = to_host(value, stage.device_index)
+                        self.saved_inputs[(layer, m)] = host
+                        if event is not None:
+                            self.pending.append(event)
+                    value = self.call_layer(layer, m, value, stage.device_index, recompute=False)
+                outputs.append(value)
+        return outputs
+
+    def fused_step(
+        self,
+        stage: ResidentStage,
+        activations: list[Any],
+        labels: list[Any],
+        loss_fn: Callable[[Any, Any], Any],
+        keep_outputs: bool,
+    ) -> tuple[list[Any], list[Any], list[Any]]:
+        """Forward + loss + backward of the last stage; returns (losses, outputs, input grads)."""
+        losses, outputs, grads = [], [], []
+        with stage.bound(keep_buffer_updates=True), torch.enable_grad():
+            for m, value in enumerate(activations):
+                inputs = self._differentiable_input(stage.layers.start, value, stage.device_index)
+                result = inputs
+                for layer in stage.layers:
+                    result = self.call_layer(layer, m, result, stage.device_index, recompute=False)
+                label = to_device(labels[m], stage.device_index)
+                try:
+                    loss = loss_fn(result, label)
+                except Exception as error:
+                    where = (
+                        f"RoundPipe model '{self.runner.name}': loss_fn failed on the output "
+                        f"of layer {stage.layers.stop - 1} for microbatch {m}"
+                    )
+                    raise annotate(error, where) from error
+                start = time.perf_counter()
+                try:
+                    if isinstance(loss, torch.Tensor):
+                        torch.autograd.backward(loss)
+                    else:
+                        torch.autograd.backward(list(loss))
+                except Exception as error:
+                    raise annotate(
+                        error, self._where(stage.layers.stop - 1, "backward", m)
+                    ) from error
+                self._record_backward(stage.layers, time.perf_counter() - start)
+                losses.append(tree_map(lambda t: t.detach(), loss))
+                if keep_outputs:
+                    outputs.append(tree_map(_detach_leaf, result))
+                grads.append(_grads_of(inputs))
+        return losses, outputs, grads
+
+    def backward_step(self, stage: ResidentStage, grads: list[Any]) -> list[Any]:
+        """Recompute + backward of one backward stage for every microbatch; returns input grads."""
+        with stage.bound(keep_buffer_updates=False):
+            new_grads = []
+            for m, grad in enumerate(grads):
+                if self.recompute_grain == "layer":
+                    for layer in reversed(stage.layers):
+                        grad = self._recompute_backward(range(layer, layer + 1), m, grad, stage)
+                else:
+                    grad = self._recompute_backward(stage.layers, m, grad, stage)
+                new_grads.append(grad)
+        self.pending.extend(stage.download_grads())
+        return new_grads
+
+    def _recompute_backward(
+        self, layers: range, microbatch: int, grad: Any, stage: ResidentStage
+    ) -> Any:
+        saved = self._saved_input(layers.start, microbatch, stage.device_index)
+        inputs = self._differentiable_input(layers.start, saved, stage.device_index)
+        with torch.enable_grad(), _rng_fork(self.preserve_rng_state, stage.device_index):
+            result = inputs
+            for layer in layers:
+                result = self.call_layer(
+                    layer, microbatch, result, stage.device_index, recompute=True
+                )
+        start = time.perf_counter()
+        try:
+            _backward(result, grad)
+        except Exception as error:
+            raise annotate(error, self._where(layers.stop - 1, "backward", microbatch)) from error
+        self._record_backward(layers, time.perf_counter() - start)
+        return _grads_of(inputs)
+
+    def _differentiable_input(self, layer: int, value: Any, device_index: int) -> Any:
+        """The stage input on the device as fresh leaves: activations require grad (when
+        floating point); for layer 0, exactly the user's tensors that required grad do."""
+        leaves, spec = tree_flatten(value)
+        wanted = [
+            isinstance(leaf, torch.Tensor) and (layer > 0 or leaf.requires_grad) for leaf in leaves
+        ]
+        moved, _ = tree_flatten(to_device(value, device_index))
+        fresh = []
+        for leaf, wants_grad in zip(moved, wanted, strict=True):
+            if isinstance(leaf, torch.Tensor):
+                leaf = leaf.detach()
+                if wants_grad and leaf.is_floating_point():
+                    leaf.requires_grad_(True)
+            fresh.append(leaf)
+        return tree_unflatten(fresh, spec)
+
+    def _record_backward(self, layers: range, seconds: float) -> None:
+        if self.runner.timer is None or _on_cuda():
+            return
+        share = seconds / len(layers)
+        for layer in layers:
+            self.runner.timer.record(layer, "bwd", share)
+
+
+def _detach_leaf(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+# --------------------------------------------------------------------------------------------
+# RNG
+# --------------------------------------------------------------------------------------------
+
+
+def _get_rng_state(device_index: int) -> torch.Tensor:
+    if _on_cuda():
+        return torch.cuda.get_rng_state(device_index)
+    return torch.get_rng_state()
+
+
+def _set_rng_state(state: torch.Tensor, device_index: int) -> None:
+    if _on_cuda():
+        torch.cuda.set_rng_state(state, device_index)
+    else:
+        torch.set_rng_state(state)
+
+
+@contextmanager
+def _rng_fork(enabled: bool, device_index: int) -> Iterator[None]:
+    """Recompute replays saved RNG states; the caller's generator state is restored after."""
+    if not enabled:
+        yield
+        return
+    state = _get_rng_state(device_index)
+    try:
+        yield
+    finally:
+        _set_rng_state(state, device_index)
+
+
+# --------------------------------------------------------------------------------------------
+# Driving a sequence of steps
+# --------------------------------------------------------------------------------------------
+
+
+def run_steps(
+    call: Call, steps: Sequence[Step], body: Callable[[Step, ResidentStage], None]
+) -> None:
+    """Run ``body`` for every step with its stage resident, prefetching the next step's upload.
+
+    Every upload issued is waited for before returning (also on errors), so no copy into or out
+    of a freed buffer is left in flight.
+    """
+    memory = call.runner.memory
+    resident: list[ResidentStage] = []
+
+    def upload(step: Step) -> ResidentStage:
+        stage = ResidentStage(memory, step.layers, _next_device(), step.kind != "forward")
+        resident.append(stage)
+        return stage
+
+    try:
+        upcoming = upload(steps[0]) if steps else None
+        for index, step in enumerate(steps):
+            current = upcoming
+            assert current is not None
+            upcoming = upload(steps[index + 1]) if index + 1 < len(steps) else None
+            body(step, current)
+            resident.remove(current)
+    finally:
+        for stage in resident:
+            stage.uploaded.synchronize()
+
+
+__all__ = ["Call", "LayerRunner", "ResidentStage", "Step", "annotate", "run_steps"]

@@ -1,0 +1,565 @@
+"""``RoundPipe``: wrap an ``nn.Sequential`` (or any module) for pipelined training from host memory."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from roundpipe.batch import (
+    RoundPipePackedData,
+    merge_output,
+    pack_output,
+    packed_events,
+    split_input,
+    split_label,
+)
+from roundpipe.context import optimizer_context_active
+from roundpipe.memory import ModelMemory
+from roundpipe.pipeline import Call, LayerRunner, ResidentStage, Step, run_steps, to_host
+from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, resolve_run_config
+from roundpipe.scheduler import ModelExecutePlan
+
+_PIN_MODES = ("alloc", "register", "off")
+
+
+def _default_name() -> str:
+    frame = sys._getframe(2)
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _sum_losses(losses: list[Any]) -> Any:
+    """Element-wise sum over microbatches, as detached CPU tensors (a list for sequences)."""
+    if isinstance(losses[0], torch.Tensor):
+        total = losses[0]
+        for loss in losses[1:]:
+            total = total + loss.to(total.device)
+        return total.detach().cpu()
+    return [_sum_losses([loss[i] for loss in losses]) for i in range(len(losses[0]))]
+
+
+class RoundPipe(nn.Module):
+    """Pipelined execution of ``model`` with its state in host memory.
+
+    Args:
+        model: an ``nn.Sequential`` (one layer per child) or any module (a single layer). Layer 0
+            receives the call's ``(*args, **kwargs)``; every later layer receives exactly one
+            positional argument, the previous layer's output (any pytree).
+        optim_dtype: dtype of the optimizer copies of the parameters (default: each parameter's
+            own dtype), e.g. ``torch.float32`` for a bf16 model.
+        name: shown in errors, logs and traces; default ``"<caller file>:<line>"``.
+        model_run_config: model-level defaults for every call (see ``RoundPipeRunConfig``).
+        pin_model: host memory for the parameters: ``"alloc"`` (exact-size pinned allocation),
+            ``"register"`` (page-locked in place, CUDA) or ``"off"`` (pageable). On virtual CPU
+            devices there is nothing to pin and all three give pageable memory.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optim_dtype: torch.dtype | None = None,
+        name: str | None = None,
+        model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),  # noqa: B008
+        pin_model: str = "alloc",
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if optim_dtype is not None and not (
+            isinstance(optim_dtype, torch.dtype) and optim_dtype.is_floating_point
+        ):
+            raise TypeError(f"optim_dtype must be a floating-point torch.dtype, got {optim_dtype!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+        if not isinstance(model_run_config, RoundPipeRunConfig):
+            raise TypeError(
+                "model_run_config must be a RoundPipeRunConfig, got "
+                f"{type(model_run_config).__name__}"
+            )
+        if pin_model not in _PIN_MODES:
+            raise ValueError(f"pin_model must be one of {_PIN_MODES}, got {pin_model!r}")
+        super().__init__()
+        # `training` is read from and written to the wrapped model like any other attribute.
+        del self.__dict__["training"]
+        layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
+        if not layers:
+            raise ValueError("model is an empty nn.Sequential; give it at least one layer")
+        state = self.__dict__
+        state["model"] = model
+        self._modules["model"] = model
+        state["name"] = name if name is not None else _default_name()
+        state["optim_dtype"] = optim_dtype
+        state["model_run_config"] = model_run_config
+        state["pin_model"] = pin_model
+        state["layers"] = layers
+        state["original_model"] = None
+        state["_memory"] = ModelMemory(layers, pin_model)
+        state["_runner"] = LayerRunner(state["name"], layers, state["_memory"], None)
+        state["_pending"] = []
+        state["_grads_dirty"] = False
+        state["_grads_published"] = False
+        state["_optim_params"] = None
+        state["_anchor"] = torch.empty(0, requires_grad=True)
+        state["_constructed"] = True
+
+    # -- attribute forwarding ----------------------------------------------------------------
+
+    def set_original_model(self, original_model: nn.Module) -> None:
+        """Forward attribute reads and writes to ``original_model`` (e.g. the Hugging Face model
+        that a preset turned into a Sequential)."""
+        self.__dict__["original_model"] = original_model
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        state = self.__dict__
+        target = state.get("original_model") or state.get("model")
+        if target is None:
+            raise AttributeError(name)
+        return getattr(target, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not self.__dict__.get("_constructed"):
+            super().__setattr__(name, value)
+            return
+        for target in self._forwarding_targets():
+            setattr(target, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if not self.__dict__.get("_constructed"):
+            super().__delattr__(name)
+            return
+        for target in self._forwarding_targets():
+            if hasattr(target, name):
+                delattr(target, name)
+
+    def _forwarding_targets(self) -> list[nn.Module]:
+        original = self.__dict__["original_model"]
+        model = self.__dict__["model"]
+        return [model] if original is None or original is model else [original, model]
+
+    # -- parameters --------------------------------------------------------------------------
+
+    def optim_parameters(self) -> Iterator[nn.Parameter]:
+        """The optimizer copies (in ``optim_dtype``) of every parameter that requires grad."""
+        for _, param in self.optim_named_parameters():
+            yield param
+
+    def optim_named_parameters(
+        self, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Named optimizer copies; names are the model's parameter names prefixed ``model.``."""
+        copies = self._optimizer_copies()
+        seen: set[int] = set()
+        for name, param in self.__dict__["model"].named_parameters(
+            prefix=f"{prefix}{'.' if prefix else ''}model", remove_duplicate=remove_duplicate
+        ):
+            if not param.requires_grad:
+                continue
+            if remove_duplicate and id(param) in seen:
+                continue
+            seen.add(id(param))
+            yield name, copies[id(param)]
+
+    def _optimizer_copies(self) -> dict[int, nn.Parameter]:
+        copies = self.__dict__["_optim_params"]
+        if copies is None:
+            dtype = self.__dict__["optim_dtype"]
+            copies = {}
+            for slot in self.__dict__["_memory"].slots():
+                if slot.param.requires_grad:
+                    data = slot.param.detach().to(dtype or slot.param.dtype, copy=True)
+                    copies[id(slot.param)] = nn.Parameter(data)
+            self.__dict__["_optim_params"] = copies
+        return copies
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """Optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
+        for _, param in self.named_parameters(recurse=recurse):
+            yield param
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Named optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
+        if optimizer_context_active():
+            yield from self.optim_named_parameters(prefix, remove_duplicate)
+        else:
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        *args: Any,
+        roundpipe_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),  # noqa: B008
+        **kwargs: Any,
+    ) -> Any:
+        """Pipelined forward of the batch; the merged output lands on ``output_device``.
+
+        With gradients enabled the output is connected to autograd: a later ``.backward()`` runs
+        the pipelined recompute + backward, accumulating parameter gradients in host memory.
+        """
+        config = self._resolve(roundpipe_run_config)
+        n = config.num_microbatch
+        args_list, kwargs_list = split_input(args, kwargs, n, config.split_input)
+        inputs = list(zip(args_list, kwargs_list, strict=True))
+        self._wait_for_producers(inputs, n)
+        run_type = "train" if config.requires_grad else "infer"
+        plan = self._plan(config, run_type)
+        call = self._new_call(config, saving=config.requires_grad)
+        if config.requires_grad:
+            call.plan_saving(plan.fwd_plan, plan.bwd_plan)
+            self._begin_gradient_call()
+        steps = [Step("forward", stage) for stage in plan.fwd_plan]
+        if not config.requires_grad:
+            with torch.no_grad():
+                outputs = self._run_forward(call, steps, inputs)
+            return self._finish_outputs(outputs, config)
+        # Inputs that require grad become inputs of the autograd node, so their gradients flow.
+        input_leaves = [
+            leaf
+            for leaf in tree_flatten(inputs)[0]
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        ]
+        node = _PipelineNode(self, call, plan, steps, inputs, config)
+        flat_outputs = _PipelineFunction.apply(node, self.__dict__["_anchor"], *input_leaves)
+        per_microbatch = node.rebuild_outputs(flat_outputs)
+        return self._merge(per_microbatch, config)
+
+    def forward_backward(
+        self,
+        input_args: tuple[Any, ...] = (),
+        input_kwargs: dict[str, Any] | None = None,
+        label: Any = None,
+        loss_fn: Callable[[Any, Any], Any] = lambda outputs, labels: outputs,
+        return_outputs: bool = False,
+        run_config: RoundPipeRunConfig = RoundPipeRunConfig(),  # noqa: B008
+    ) -> Any:
+        """Forward, loss and backward of every microbatch, fused into one pipeline.
+
+        Equivalent to ``for each microbatch: loss = loss_fn(model(input), label);
+        torch.autograd.backward(loss)``. Returns the element-wise sum of the microbatch losses as
+        a detached CPU tensor (a list if ``loss_fn`` returns a sequence), and with
+        ``return_outputs=True`` also the merged outputs. Gradients reach the host arena (visible
+        after ``synchronize()``); gradients of inputs that require grad reach the caller's graph
+        before this returns.
+        """
+        if not isinstance(input_args, tuple):
+            raise TypeError(f"input_args must be a tuple, got {type(input_args).__name__}")
+        if input_kwargs is None:
+            input_kwargs = {}
+        if not isinstance(input_kwargs, dict):
+            raise TypeError(f"input_kwargs must be a dict, got {type(input_kwargs).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        config = self._resolve(run_config)
+        if not config.requires_grad:
+            raise RuntimeError(
+                "forward_backward computes gradients but requires_grad resolved to False; call it "
+                "with gradients enabled, or use forward() for inference"
+            )
+        n = config.num_microbatch
+        args_list, kwargs_list = split_input(input_args, input_kwargs, n, config.split_input)
+        labels = split_label(label, n, config.split_label)
+        inputs = list(zip(args_list, kwargs_list, strict=True))
+        self._wait_for_producers(inputs, n)
+        plan = self._plan(config, "fused")
+        call = self._new_call(config, saving=True)
+        call.plan_saving(plan.fwd_plan, plan.bwd_plan[1:])
+        steps = (
+            [Step("forward", stage) for stage in plan.fwd_plan]
+            + [Step("fused", plan.bwd_plan[0])]
+            + [Step("backward", stage) for stage in plan.bwd_plan[1:]]
+        )
+        results: dict[str, Any] = {"values": inputs}
+
+        def body(step: Step, stage: ResidentStage) -> None:
+            if step.kind == "forward":
+                results["values"] = call.forward_step(stage, results["values"])
+            elif step.kind == "fused":
+                losses, outputs, grads = call.fused_step(
+                    stage, results["values"], labels, loss_fn, return_outputs
+                )
+                results.update(losses=losses, outputs=outputs, values=grads)
+            else:
+                results["values"] = call.backward_step(stage, results["values"])
+
+        self._begin_gradient_call()
+        with self._gradient_transaction(call):
+            run_steps(call, steps, body)
+            _backward_into_inputs(inputs, results["values"])
+        loss = _sum_losses(results["losses"])
+        if not return_outputs:
+            return loss
+        return loss, self._finish_outputs(results["outputs"], config)
+
+    def synchronize(self) -> None:
+        """Wait for pending work and publish the accumulated gradients into ``param.grad``.
+
+        The gradients stay in the host arena too, so a following ``step()`` still sees them.
+        """
+        self._wait_pending()
+        memory = self.__dict__["_memory"]
+        for slot in memory.slots():
+            if slot.grad_offset is not None:
+                slot.param.grad = memory.grad_view(slot)
+        self.__dict__["_grads_published"] = True
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _resolve(self, call_config: RoundPipeRunConfig) -> ResolvedRunConfig:
+        if not isinstance(call_config, RoundPipeRunConfig):
+            raise TypeError(
+                f"run config must be a RoundPipeRunConfig, got {type(call_config).__name__}"
+            )
+        return resolve_run_config(call_config, self.__dict__["model_run_config"])
+
+    def _plan(self, config: ResolvedRunConfig, run_type: str) -> ModelExecutePlan:
+        num_layers = len(self.__dict__["layers"])
+        plan = config.execute_plan
+        if plan is None:
+            plan = ModelExecutePlan.auto(run_type, self)
+        plan.validate(num_layers, run_type)  # type: ignore[arg-type]
+        return plan
+
+    def _new_call(self, config: ResolvedRunConfig, saving: bool) -> Call:
+        return Call(
+            self.__dict__["_runner"],
+            config.num_microbatch,
+            config.recompute_grain,
+            config.preserve_rng_state,
+            saving,
+        )
+
+    def _wait_for_producers(self, inputs: list[Any], n: int) -> None:
+        """Inputs packed by an upstream RoundPipe: wait for their transfers."""
+        for events in packed_events(inputs, n):
+            for event in events:
+                event.synchronize()
+
+    def _run_forward(self, call: Call, steps: list[Step], inputs: list[Any]) -> list[Any]:
+        values: dict[str, list[Any]] = {"values": inputs}
+
+        def body(step: Step, stage: ResidentStage) -> None:
+            values["values"] = call.forward_step(stage, values["values"])
+
+        run_steps(call, steps, body)
+        return values["values"]
+
+    def _finish_outputs(self, outputs: list[Any], config: ResolvedRunConfig) -> Any:
+        """Move per-microbatch outputs to ``output_device``, then merge or pack them."""
+        moved, events = [], []
+        for value in outputs:
+            value, event = self._to_output_device(value, config.output_device)
+            moved.append(value)
+            events.append(event)
+        if config.merge_output is False:
+            return pack_output(moved, events)
+        for event in events:
+            if event is not None:
+                event.synchronize()
+        return merge_output(moved, config.merge_output)
+
+    def _merge(self, outputs: list[Any], config: ResolvedRunConfig) -> Any:
+        if config.merge_output is False:
+            return pack_output(outputs, [None] * len(outputs))
+        return merge_output(outputs, config.merge_output)
+
+    @staticmethod
+    def _to_output_device(value: Any, device: torch.device) -> tuple[Any, Any]:
+        if device.type == "cpu":
+            return to_host(value, _device_of(value))
+        return tree_map(
+            lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, value
+        ), None
+
+    def _begin_gradient_call(self) -> None:
+        """Before a call that accumulates gradients: finish the previous call's accumulation and
+        take over gradients the user changed after ``synchronize()`` (cleared, or replaced)."""
+        self._wait_pending()
+        state = self.__dict__
+        if not state["_grads_published"]:
+            return
+        memory = state["_memory"]
+        dirty = False
+        with torch.no_grad():
+            for slot in memory.slots():
+                if slot.grad_offset is None:
+                    continue
+                view = memory.grad_view(slot)
+                grad = slot.param.grad
+                if grad is None:
+                    view.zero_()
+                elif grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                    dirty = True
+                else:
+                    dirty = True
+                slot.param.grad = None
+        state["_grads_published"] = False
+        state["_grads_dirty"] = dirty
+
+    def _gradient_transaction(self, call: Call) -> _GradientTransaction:
+        return _GradientTransaction(self, call)
+
+    def _wait_pending(self) -> None:
+        pending = self.__dict__["_pending"]
+        try:
+            while pending:
+                pending[0].synchronize()
+                pending.pop(0)
+        finally:
+            pending.clear()
+
+
+def _device_of(value: Any) -> int:
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+            return leaf.device.index
+    return 0
+
+
+def _backward_into_inputs(inputs: list[Any], grads: list[Any]) -> None:
+    """Send the gradients of the user's inputs (those that require grad) into their graph."""
+    outputs, grad_values = [], []
+    for value, grad in zip(inputs, grads, strict=True):
+        leaves = tree_flatten(value)[0]
+        grad_leaves = tree_flatten(grad, is_leaf=lambda x: x is None)[0]
+        for leaf, leaf_grad in zip(leaves, grad_leaves, strict=True):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf_grad is not None:
+                outputs.append(leaf)
+                grad_values.append(leaf_grad.to(leaf.device))
+    if outputs:
+        torch.autograd.backward(outputs, grad_values)
+
+
+class _GradientTransaction:
+    """Keeps the host gradients consistent when a call fails half-way: the gradients it already
+    accumulated are rolled back, so the next call trains as if the failed one never ran."""
+
+    def __init__(self, model: RoundPipe, call: Call) -> None:
+        self.model, self.call = model, call
+        state = model.__dict__
+        self.backup = state["_memory"].grads.clone() if state["_grads_dirty"] else None
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, error_type: type[BaseException] | None, *exc: object) -> None:
+        state = self.model.__dict__
+        pending = self.call.pending
+        if error_type is None:
+            state["_pending"].extend(pending)
+            state["_grads_dirty"] = True
+            return
+        for event in pending:
+            try:
+                event.synchronize()
+            except Exception:  # the call's own error is what the caller needs
+                pass
+        grads = state["_memory"].grads
+        if self.backup is None:
+            grads.zero_()
+        else:
+            grads.copy_(self.backup)
+
+
+class _PipelineNode:
+    """What the autograd node of one ``forward()`` call keeps for its backward."""
+
+    def __init__(
+        self,
+        model: RoundPipe,
+        call: Call,
+        plan: ModelExecutePlan,
+        steps: list[Step],
+        inputs: list[Any],
+        config: ResolvedRunConfig,
+    ) -> None:
+        self.model, self.call, self.plan, self.steps = model, call, plan, steps
+        self.inputs, self.config = inputs, config
+        self.output_specs: list[Any] = []
+        self.output_leaves: list[list[Any]] = []
+
+    def run_forward(self) -> list[torch.Tensor]:
+        outputs = self.model._run_forward(self.call, self.steps, self.inputs)
+        flat: list[torch.Tensor] = []
+        for value in outputs:
+            moved, event = self.model._to_output_device(value, self.config.output_device)
+            if event is not None:
+                event.synchronize()
+            leaves, spec = tree_flatten(moved)
+            self.output_specs.append(spec)
+            self.output_leaves.append(leaves)
+            flat.extend(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+        return flat
+
+    def rebuild_outputs(self, flat: Sequence[torch.Tensor]) -> list[Any]:
+        """Per-microbatch outputs whose tensors are the autograd node's outputs."""
+        iterator = iter(flat)
+        return [
+            tree_unflatten(
+                [next(iterator) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves],
+                spec,
+            )
+            for leaves, spec in zip(self.output_leaves, self.output_specs, strict=True)
+        ]
+
+    def run_backward(self, grad_outputs: Sequence[torch.Tensor | None]) -> list[Any]:
+        """The pipelined recompute + backward; returns per-microbatch input gradients."""
+        iterator = iter(grad_outputs)
+        grads = [
+            tree_unflatten(
+                [next(iterator) if isinstance(leaf, torch.Tensor) else None for leaf in leaves],
+                spec,
+            )
+            for leaves, spec in zip(self.output_leaves, self.output_specs, strict=True)
+        ]
+        self.output_leaves = []  # the forward's outputs are no longer needed
+        steps = [Step("backward", stage) for stage in self.plan.bwd_plan]
+        values = {"grads": grads}
+
+        def body(step: Step, stage: ResidentStage) -> None:
+            values["grads"] = self.call.backward_step(stage, values["grads"])
+
+        self.model._begin_gradient_call()
+        with self.model._gradient_transaction(self.call):
+            run_steps(self.call, steps, body)
+        return values["grads"]
+
+
+class _PipelineFunction(torch.autograd.Function):
+    """The autograd node of a ``forward()`` call: backward runs the pipelined backward stages."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, node: _PipelineNode, anchor: torch.Tensor, *input_leaves: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.node = node
+        ctx.set_materialize_grads(False)
+        outputs = tuple(node.run_forward())
+        ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
+        node: _PipelineNode = ctx.node
+        input_grads = node.run_backward(grad_outputs)
+        leaf_grads: list[Any] = []
+        for value, grad in zip(node.inputs, input_grads, strict=True):
+            leaves = tree_flatten(value)[0]
+            grad_leaves = tree_flatten(grad, is_leaf=lambda x: x is None)[0]
+            for leaf, leaf_grad in zip(leaves, grad_leaves, strict=True):
+                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                    leaf_grads.append(None if leaf_grad is None else leaf_grad.to(leaf.device))
+        return (None, None, *leaf_grads)
+
+
+__all__ = ["RoundPipe", "RoundPipePackedData"]
