@@ -1,0 +1,556 @@
+"""Splitting a batch into microbatches and merging the microbatch outputs back (seed 000).
+
+Values are walked as ``torch.utils._pytree`` trees: tuples, lists, dicts, namedtuples and nodes the
+user registered with ``register_pytree_node`` are recursed into; everything else is a leaf, kept
+whole even when it holds tensors. A :class:`RoundPipePackedData` is always a leaf: it is already
+split, so microbatch ``m`` takes its element ``m``.
+
+Automatic split (spec ``None``):
+
+* args and labels: every tensor with ``ndim > 0`` is chunked along dim 0 with
+  ``torch.tensor_split`` semantics (uneven sizes give the first chunks one extra row); 0-d tensors
+  and non-tensors are replicated.
+* kwargs: only tensors whose dim-0 size equals the *batch size* are chunked, into the same row
+  counts as the batch; every other kwarg is replicated. The batch is the first leaf of ``args``
+  that is chunked along dim 0 (or a packed leaf of such tensors). When ``args`` has none, it is
+  the first leaf of ``kwargs`` that is a tensor with ``ndim > 0`` (or a packed leaf of such
+  tensors), so keyword-only calls such as ``model(input_ids=..., attention_mask=...)`` split as
+  expected. When neither has one there is nothing to split and every microbatch receives the
+  whole input.
+
+Specs are trees shaped like the value (or a prefix of it) whose leaves are
+``torch.distributed.pipelining.microbatch`` markers: ``TensorChunkSpec(dim)`` (chunk / concatenate
+along ``dim``), ``_Replicate`` (replicate / require equal values) and, for merging only,
+``_CustomReducer(init, fn)`` (fold ``fn(acc, x)`` from ``init``). A marker placed on a container
+applies to every leaf below it; ``None`` anywhere in a spec means "automatic" for that subtree.
+
+Automatic merge: tensors with ``ndim > 0`` are concatenated along dim 0, 0-d tensors are averaged,
+non-tensors (including unregistered custom types) must be equal in every microbatch.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+# Importing torch.distributed.pipelining costs over a second, so it is never imported here: a spec
+# can only hold its markers if the user imported this module already, and otherwise none is one.
+_MICROBATCH_MODULE = "torch.distributed.pipelining.microbatch"
+
+MarkerKind = Literal["chunk", "replicate", "reduce"]
+SplitInputFn = Callable[[tuple, dict[str, Any], int], tuple[list[tuple], list[dict[str, Any]]]]
+SplitLabelFn = Callable[[Any, int], list[Any]]
+MergeOutputFn = Callable[[list[Any]], Any]
+
+
+class Event(Protocol):
+    """Anything a consumer can wait on: a ``torch.cuda.Event`` or a runtime transfer event."""
+
+    def synchronize(self) -> None: ...
+
+
+class RoundPipePackedData(list):
+    """Per-microbatch values of one output leaf, returned when ``merge_output=False``.
+
+    A plain ``list`` of the microbatch values (element ``m`` belongs to microbatch ``m``) plus
+    ``events``: for each element, the event that completes its transfer, or ``None`` when it is
+    ready. Passing packed data to another RoundPipe with the same ``num_microbatch`` hands element
+    ``m`` to microbatch ``m`` without waiting on the host; call :meth:`synchronize` before reading
+    the values yourself.
+    """
+
+    def __init__(self, values: Iterable[Any] = (), events: Sequence[Event | None] | None = None):
+        super().__init__(values)
+        self.events: list[Event | None] = [None] * len(self) if events is None else list(events)
+        if len(self.events) != len(self):
+            raise ValueError(
+                f"RoundPipePackedData got {len(self)} values but {len(self.events)} events; "
+                "pass one event (or None) per value"
+            )
+
+    def synchronize(self) -> RoundPipePackedData:
+        """Wait until every value has arrived, then return ``self``."""
+        for event in self.events:
+            if event is not None:
+                event.synchronize()
+        self.events = [None] * len(self)
+        return self
+
+    def __repr__(self) -> str:
+        pending = sum(event is not None for event in self.events)
+        return f"RoundPipePackedData({list.__repr__(self)}, pending_events={pending})"
+
+
+def marker_kind(obj: Any) -> MarkerKind | None:
+    """Which ``torch.distributed.pipelining.microbatch`` marker ``obj`` is, or ``None``."""
+    module = sys.modules.get(_MICROBATCH_MODULE)
+    if module is None:
+        return None
+    if isinstance(obj, module.TensorChunkSpec):
+        return "chunk"
+    replicate = module._Replicate
+    if isinstance(obj, replicate) or (isinstance(obj, type) and issubclass(obj, replicate)):
+        return "replicate"
+    if isinstance(obj, module._CustomReducer):
+        return "reduce"
+    return None
+
+
+def is_user_function(obj: Any) -> bool:
+    """True for a user's split/merge function (``_Replicate`` is a class, hence callable)."""
+    return callable(obj) and marker_kind(obj) is None
+
+
+@dataclass(frozen=True)
+class _Node:
+    """One expanded pytree container: its children, their path suffixes and how to rebuild it."""
+
+    children: list[Any]
+    keys: list[Any]  # dict keys for mappings, positions otherwise: children are matched on these
+    labels: list[str]  # path suffix of each child, for messages
+    kind: Literal["sequence", "mapping", "other"]
+    treespec: TreeSpec
+    type_name: str
+
+    def rebuild(self, children: list[Any]) -> Any:
+        return tree_unflatten(children, self.treespec)
+
+
+def _expand(value: Any) -> _Node | None:
+    """The container ``value`` as a node, or ``None`` when ``value`` is a leaf."""
+    if isinstance(value, RoundPipePackedData):
+        return None
+    children, treespec = tree_flatten(value, is_leaf=lambda child: child is not value)
+    if treespec.is_leaf():
+        return None
+    if isinstance(value, dict):
+        keys = list(value.keys())
+        labels = [f"[{key!r}]" for key in keys]
+        return _Node(children, keys, labels, "mapping", treespec, type(value).__name__)
+    positions = list(range(len(children)))
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        labels = [f".{field}" for field in value._fields]
+    else:
+        labels = [f"[{i}]" for i in positions]
+    kind = "sequence" if isinstance(value, (list, tuple)) else "other"
+    return _Node(children, positions, labels, kind, treespec, type(value).__name__)
+
+
+def _describe(value: Any) -> str:
+    return f"a {type(value).__name__}"
+
+
+def _align(node: _Node, other: Any, path: str, what: str, reference: str) -> list[Any]:
+    """The children of ``other`` in the order of ``node``'s, or a ValueError naming ``path``.
+
+    Tuples, lists and namedtuples match each other by position, dicts by key, other registered
+    nodes only their own type. ``what`` and ``reference`` name ``other`` and ``node`` in messages.
+    """
+    other_node = _expand(other)
+    mismatch = (
+        other_node is None
+        or other_node.kind != node.kind
+        or (
+            node.kind == "other"
+            and (
+                other_node.treespec.type is not node.treespec.type
+                or other_node.treespec.context != node.treespec.context
+            )
+        )
+    )
+    if mismatch:
+        raise ValueError(
+            f"{path}: {what} is {_describe(other)} but {reference} is a {node.type_name}; "
+            "make the structures match"
+        )
+    if node.kind == "mapping":
+        if set(other_node.keys) != set(node.keys):
+            theirs, ours = (", ".join(sorted(map(repr, n.keys))) for n in (other_node, node))
+            raise ValueError(
+                f"{path}: {what} has keys {{{theirs}}} but {reference} has keys {{{ours}}}; "
+                "give both the same keys"
+            )
+        by_key = dict(zip(other_node.keys, other_node.children, strict=True))
+        return [by_key[key] for key in node.keys]
+    if len(other_node.children) != len(node.children):
+        raise ValueError(
+            f"{path}: {what} has {len(other_node.children)} elements but {reference} has "
+            f"{len(node.children)}; give both the same length"
+        )
+    return other_node.children
+
+
+def _iter_leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
+    node = _expand(value)
+    if node is None:
+        yield path, value
+        return
+    for child, label in zip(node.children, node.labels, strict=True):
+        yield from _iter_leaves(child, path + label)
+
+
+def check_spec(spec: Any, field: str, allow_reduce: bool) -> None:
+    """Raise TypeError/ValueError unless every leaf of ``spec`` is ``None`` or a valid marker.
+
+    ``field`` names the spec in messages (for example ``"split_label"``).
+    """
+    allowed = "TensorChunkSpec(dim), _Replicate" + (", _CustomReducer" if allow_reduce else "")
+    for path, leaf in _iter_leaves(spec, field):
+        kind = marker_kind(leaf)
+        if leaf is None or kind == "replicate":
+            continue
+        if kind == "chunk":
+            dim = leaf.split_dim
+            if isinstance(dim, bool) or not isinstance(dim, int):
+                raise TypeError(f"{path}: TensorChunkSpec dim must be an int, got {dim!r}")
+        elif kind == "reduce":
+            if not allow_reduce:
+                raise ValueError(
+                    f"{path}: _CustomReducer only applies to merge_output; use {allowed} here"
+                )
+            if not callable(leaf.reduce_fn):
+                raise TypeError(f"{path}: _CustomReducer reduce_fn must be callable")
+        else:
+            raise TypeError(f"{path}: {leaf!r} is not a spec; use {allowed} or None (automatic)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Splitting
+
+
+class _Batch:
+    """Row counts of the batch the automatic rules follow, set by the first dim-0 split."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] | None = None
+
+    def matches(self, tensor: torch.Tensor) -> bool:
+        return self.rows is not None and tensor.size(0) == sum(self.rows)
+
+
+def _split_dim_chunks(tensor: torch.Tensor, dim: int, n: int, path: str) -> list[torch.Tensor]:
+    if tensor.size(dim) < n:
+        raise ValueError(
+            f"{path}: cannot split a tensor of size {tensor.size(dim)} along dim {dim} into "
+            f"{n} microbatches; lower num_microbatch to at most {tensor.size(dim)}, or mark it "
+            "_Replicate in the split spec"
+        )
+    return list(torch.tensor_split(tensor, n, dim))
+
+
+def _packed_rows(packed: RoundPipePackedData) -> list[int] | None:
+    if all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in packed):
+        return [v.size(0) for v in packed]
+    return None
+
+
+def _unpack(packed: RoundPipePackedData, n: int, path: str, batch: _Batch) -> list[Any]:
+    if len(packed) != n:
+        raise ValueError(
+            f"{path}: RoundPipePackedData holds {len(packed)} microbatches but num_microbatch is "
+            f"{n}; run the producing and the consuming RoundPipe with the same num_microbatch"
+        )
+    if batch.rows is None:
+        batch.rows = _packed_rows(packed)
+    return list(packed)
+
+
+def _split_leaf(
+    value: Any, spec: Any, n: int, path: str, batch: _Batch, batch_only: bool
+) -> list[Any]:
+    kind = marker_kind(spec)
+    is_tensor = isinstance(value, torch.Tensor)
+    if kind == "chunk":
+        if not is_tensor or value.dim() == 0:
+            raise ValueError(
+                f"{path}: TensorChunkSpec needs a tensor with at least one dim, got "
+                f"{_describe(value)}; use _Replicate for it"
+            )
+        dim = spec.split_dim
+        if not -value.dim() <= dim < value.dim():
+            raise ValueError(
+                f"{path}: TensorChunkSpec({dim}) is out of range for a {value.dim()}-d tensor"
+            )
+        if n == 1:
+            return [value]
+        chunks = _split_dim_chunks(value, dim, n, path)
+        if batch.rows is None and dim % value.dim() == 0:
+            batch.rows = [c.size(0) for c in chunks]
+        return chunks
+    if kind == "reduce":
+        raise ValueError(f"{path}: _CustomReducer only applies to merge_output")
+    if kind == "replicate" or n == 1 or not is_tensor or value.dim() == 0:
+        return [value] * n
+    if batch.matches(value):
+        return list(torch.split(value, batch.rows, 0))
+    if batch_only:
+        return [value] * n
+    chunks = _split_dim_chunks(value, 0, n, path)
+    if batch.rows is None:
+        batch.rows = [c.size(0) for c in chunks]
+    return chunks
+
+
+def _split_tree(
+    value: Any, spec: Any, n: int, path: str, batch: _Batch, batch_only: bool
+) -> list[Any]:
+    """Split ``value`` into ``n`` values following ``spec`` (``None``, a marker or a tree).
+
+    ``batch_only`` selects the kwargs rule: automatic leaves are chunked only when they match the
+    batch.
+    """
+    if isinstance(value, RoundPipePackedData):
+        return _unpack(value, n, path, batch)
+    node = _expand(value)
+    if spec is not None and marker_kind(spec) is None:
+        if node is None:
+            raise ValueError(
+                f"{path}: the spec is {_describe(spec)} but the value is a leaf "
+                f"({_describe(value)}); put a TensorChunkSpec, _Replicate or None there"
+            )
+        child_specs = _align(node, spec, path, "the spec", "the input")
+    elif node is None:
+        return _split_leaf(value, spec, n, path, batch, batch_only)
+    else:
+        child_specs = [spec] * len(node.children)
+    parts = [
+        _split_tree(child, child_spec, n, path + label, batch, batch_only)
+        for child, child_spec, label in zip(node.children, child_specs, node.labels, strict=True)
+    ]
+    return [node.rebuild([part[m] for part in parts]) for m in range(n)]
+
+
+def _first_kwargs_rows(kwargs: dict[str, Any], n: int) -> list[int] | None:
+    for path, leaf in _iter_leaves(kwargs, "kwargs"):
+        if isinstance(leaf, RoundPipePackedData):
+            rows = _packed_rows(leaf)
+            if rows is not None:
+                return rows
+        elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            if n == 1:
+                return [leaf.size(0)]
+            return [c.size(0) for c in _split_dim_chunks(leaf, 0, n, path)]
+    return None
+
+
+def _check_count(n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_microbatch must be an int >= 1, got {n!r}")
+
+
+def _check_list(result: Any, n: int, what: str) -> list[Any]:
+    if not isinstance(result, (list, tuple)) or len(result) != n:
+        got = f"{len(result)} items" if isinstance(result, (list, tuple)) else _describe(result)
+        raise ValueError(f"{what} must be a list of num_microbatch={n} items, got {got}")
+    return list(result)
+
+
+def split_input(
+    args: tuple,
+    kwargs: dict[str, Any],
+    num_microbatch: int,
+    spec: tuple[Any, Any] | SplitInputFn | None,
+) -> tuple[list[tuple], list[dict[str, Any]]]:
+    """Split a call's ``(args, kwargs)`` into per-microbatch ``(args_list, kwargs_list)``.
+
+    ``spec`` is ``None`` (automatic), ``(args_spec, kwargs_spec)`` (either part ``None`` for
+    automatic) or a function ``fn(args, kwargs, n) -> (args_list, kwargs_list)``. With one
+    microbatch nothing is split (packed leaves still yield their element 0).
+    """
+    _check_count(num_microbatch)
+    args, kwargs = tuple(args), dict(kwargs)
+    if is_user_function(spec):
+        result = spec(args, kwargs, num_microbatch)
+        if not isinstance(result, (list, tuple)) or len(result) != 2:
+            raise ValueError(
+                "split_input function must return (args_list, kwargs_list), got "
+                f"{_describe(result)}"
+            )
+        args_list = _check_list(result[0], num_microbatch, "split_input's args_list")
+        kwargs_list = _check_list(result[1], num_microbatch, "split_input's kwargs_list")
+        for m, (mb_args, mb_kwargs) in enumerate(zip(args_list, kwargs_list, strict=True)):
+            if not isinstance(mb_args, (tuple, list)) or not isinstance(mb_kwargs, dict):
+                raise ValueError(
+                    f"split_input function: microbatch {m} must be (tuple, dict), got "
+                    f"({_describe(mb_args)}, {_describe(mb_kwargs)})"
+                )
+        return [tuple(a) for a in args_list], [dict(k) for k in kwargs_list]
+    args_spec, kwargs_spec = (None, None) if spec is None else spec
+    batch = _Batch()
+    args_list = _split_tree(args, args_spec, num_microbatch, "args", batch, batch_only=False)
+    if batch.rows is None:
+        batch.rows = _first_kwargs_rows(kwargs, num_microbatch)
+    kwargs_list = _split_tree(kwargs, kwargs_spec, num_microbatch, "kwargs", batch, batch_only=True)
+    return args_list, kwargs_list
+
+
+def split_label(label: Any, num_microbatch: int, spec: Any | SplitLabelFn | None) -> list[Any]:
+    """Split a label into ``num_microbatch`` labels (automatic, a spec, or ``fn(label, n)``)."""
+    _check_count(num_microbatch)
+    if is_user_function(spec):
+        return _check_list(spec(label, num_microbatch), num_microbatch, "split_label's result")
+    return _split_tree(label, spec, num_microbatch, "label", _Batch(), batch_only=False)
+
+
+def packed_events(value: Any, num_microbatch: int) -> list[list[Event]]:
+    """For each microbatch, the pending events of the packed leaves of ``value`` it consumes."""
+    events: list[list[Event]] = [[] for _ in range(num_microbatch)]
+    for _, leaf in _iter_leaves(value, ""):
+        if isinstance(leaf, RoundPipePackedData):
+            for m, event in enumerate(leaf.events[:num_microbatch]):
+                if event is not None:
+                    events[m].append(event)
+    return events
+
+
+# ----------------------------------------------------------------------------------------------
+# Merging
+
+
+def _values_equal(a: Any, b: Any, path: str) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.device == b.device
+            and a.dtype == b.dtype
+            and torch.equal(a, b)
+        )
+    try:
+        return bool(a == b)
+    except Exception as error:
+        raise ValueError(
+            f"{path}: cannot compare {_describe(a)} values across microbatches ({error}); "
+            "give merge_output a spec or a function for it"
+        ) from error
+
+
+def _require_equal(values: list[Any], path: str) -> Any:
+    for m, value in enumerate(values[1:], start=1):
+        if not _values_equal(values[0], value, path):
+            raise ValueError(
+                f"{path}: microbatch {m} returned {value!r} but microbatch 0 returned "
+                f"{values[0]!r}; values that are not tensors must be equal in every microbatch, "
+                "otherwise give merge_output a spec (e.g. _CustomReducer) or a function"
+            )
+    return values[0]
+
+
+def _require_tensors(values: list[Any], path: str, rule: str) -> list[torch.Tensor]:
+    for m, value in enumerate(values):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"{path}: {rule} needs tensors but microbatch {m} returned {_describe(value)}"
+            )
+    return values
+
+
+def _merge_leaf(values: list[Any], spec: Any, path: str) -> Any:
+    kind = marker_kind(spec)
+    if kind == "reduce":
+        accumulator = spec.init_value
+        for value in values:
+            accumulator = spec.reduce_fn(accumulator, value)
+        return accumulator
+    if kind == "replicate" or len(values) == 1:
+        return _require_equal(values, path)
+    if kind == "chunk":
+        tensors = _require_tensors(values, path, "TensorChunkSpec")
+        return torch.cat(tensors, dim=spec.split_dim)
+    if not any(isinstance(value, torch.Tensor) for value in values):
+        return _require_equal(values, path)
+    tensors = _require_tensors(values, path, "automatic merge")
+    if all(t.dim() == 0 for t in tensors):
+        stacked = torch.stack(tensors)
+        if not (stacked.is_floating_point() or stacked.is_complex()):
+            stacked = stacked.to(torch.get_default_dtype())
+        return stacked.mean()
+    if any(t.dim() == 0 for t in tensors):
+        raise ValueError(
+            f"{path}: some microbatches returned 0-d tensors and others did not; cannot merge"
+        )
+    return torch.cat(tensors, dim=0)
+
+
+def _combine(
+    values: list[Any], spec: Any, path: str, leaf_fn: Callable[[list[Any], Any, str], Any]
+) -> Any:
+    """Combine the microbatch values of one subtree; ``leaf_fn(values, spec, path)`` per leaf."""
+    node = _expand(values[0])
+    if spec is not None and marker_kind(spec) is None:
+        if node is None:
+            raise ValueError(
+                f"{path}: the spec is {_describe(spec)} but the output is a leaf "
+                f"({_describe(values[0])}); put a TensorChunkSpec, _Replicate, _CustomReducer "
+                "or None there"
+            )
+        child_specs = _align(node, spec, path, "the spec", "the output")
+    elif node is None:
+        return leaf_fn(values, spec, path)
+    else:
+        child_specs = [spec] * len(node.children)
+    columns = [node.children] + [
+        _align(node, value, path, f"microbatch {m}'s output", "microbatch 0's")
+        for m, value in enumerate(values[1:], start=1)
+    ]
+    return node.rebuild(
+        [
+            _combine([column[i] for column in columns], child_spec, path + label, leaf_fn)
+            for i, (child_spec, label) in enumerate(zip(child_specs, node.labels, strict=True))
+        ]
+    )
+
+
+def merge_output(outputs: list[Any], spec: Any | MergeOutputFn | bool | None) -> Any:
+    """Merge the per-microbatch outputs into one output.
+
+    ``spec`` is ``None``/``True`` (automatic), a spec shaped like an output, or a function
+    ``fn(outputs)``. With one microbatch the output is returned unchanged, except that a function
+    or a ``_CustomReducer`` is still applied (they define the merged value's form). Merged tensors
+    stay connected to the microbatch autograd graphs.
+    """
+    if not outputs:
+        raise ValueError("merge_output needs at least one microbatch output")
+    if spec is False:
+        raise ValueError("merge_output=False does not merge; use pack_output instead")
+    if is_user_function(spec):
+        return spec(list(outputs))
+    if spec is None or spec is True:
+        return outputs[0] if len(outputs) == 1 else _combine(outputs, None, "output", _merge_leaf)
+    return _combine(outputs, spec, "output", _merge_leaf)
+
+
+def pack_output(outputs: list[Any], events: Sequence[Event | None]) -> Any:
+    """The structure of ``outputs[0]`` with each leaf replaced by its RoundPipePackedData.
+
+    ``events[m]`` (or ``None`` when ready) completes microbatch ``m``'s values.
+    """
+    if not outputs or len(events) != len(outputs):
+        raise ValueError(
+            f"pack_output needs one event per microbatch output, got {len(outputs)} outputs and "
+            f"{len(events)} events"
+        )
+    return _combine(
+        outputs, None, "output", lambda values, _spec, _path: RoundPipePackedData(values, events)
+    )
+
+
+__all__ = [
+    "Event",
+    "RoundPipePackedData",
+    "check_spec",
+    "is_user_function",
+    "marker_kind",
+    "merge_output",
+    "pack_output",
+    "packed_events",
+    "split_input",
+    "split_label",
+]
