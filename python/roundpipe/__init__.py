@@ -8,14 +8,32 @@ runs asynchronously on the host. Importing this package touches no device and st
 from __future__ import annotations
 
 from roundpipe._native import BUILD_INFO
+from roundpipe.batch import RoundPipePackedData
+from roundpipe.context import (
+    OptimizerCtx,
+    doing_recompute,
+    get_recompute_data,
+    save_for_recompute,
+)
 from roundpipe.device import configure_devices, device_count, device_kind, devices
+from roundpipe.roundpipe import RoundPipe
+from roundpipe.run_config import RoundPipeRunConfig
+from roundpipe.scheduler import ModelExecutePlan
 
 __version__: str = str(BUILD_INFO["version"])
 
 __all__ = [
+    "ModelExecutePlan",
+    "OptimizerCtx",
+    "RoundPipe",
+    "RoundPipePackedData",
+    "RoundPipeRunConfig",
     "__version__",
     "configure_devices",
     "device_count",
     "device_kind",
     "devices",
+    "doing_recompute",
+    "get_recompute_data",
+    "save_for_recompute",
 ]

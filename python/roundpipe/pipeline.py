@@ -377,6 +377,7 @@ class Call:
                 if keep_outputs:
                     outputs.append(tree_map(_detach_leaf, result))
                 grads.append(_grads_of(inputs))
+        self.pending.extend(stage.download_grads())
         return losses, outputs, grads
 
     def backward_step(self, stage: ResidentStage, grads: list[Any]) -> list[Any]:

@@ -1,0 +1,483 @@
+"""RoundPipe against plain PyTorch: gradients, outputs, buffers, RNG replay, chaining, failures.
+
+Every test builds the model twice (one copy for RoundPipe, one plain) and runs the plain one as the
+per-microbatch loop that RoundPipe's semantics are defined by. Most tests run on 1 and on 3 virtual
+CPU devices (the ``num_devices`` fixture).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import roundpipe
+from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+
+torch.set_default_dtype(torch.float64)
+
+
+def make_plan(fwd: list[range], bwd: list[range]) -> ModelExecutePlan:
+    plan = ModelExecutePlan()
+    plan.fwd_plan, plan.bwd_plan = fwd, bwd
+    return plan
+
+
+def mlp(layers: int = 4, width: int = 6, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
+
+
+def mse(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return ((output - label) ** 2).sum()
+
+
+def plain_forward_backward(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, loss_fn: Callable = mse
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-microbatch loop that defines forward_backward; returns (loss sum, outputs)."""
+    total, outputs = 0.0, []
+    for xm, ym in zip(x.tensor_split(n), y.tensor_split(n), strict=True):
+        out = model(xm)
+        loss = loss_fn(out, ym)
+        torch.autograd.backward(loss)
+        total = total + loss.detach()
+        outputs.append(out.detach())
+    return total, torch.cat(outputs)
+
+
+def assert_same_grads(model: nn.Module, reference: nn.Module, exact: bool = False) -> None:
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        assert p.grad is not None, name
+        if exact:
+            assert torch.equal(p.grad, q.grad), name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+SEED_FUSED = make_plan([range(0, 3)], [range(3, 4), range(2, 3), range(1, 2), range(0, 1)])
+SEED_TRAIN = make_plan([range(0, 2), range(2, 4)], [range(3, 4), range(2, 3), range(1, 2), range(0, 1)])
+SPLIT_FUSED = make_plan([range(0, 1), range(1, 3)], [range(3, 4), range(1, 3), range(0, 1)])
+
+
+@pytest.mark.parametrize("num_microbatch", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("plan", [SEED_FUSED, SPLIT_FUSED, None], ids=["seed", "split", "auto"])
+def test_forward_backward_matches_pytorch(
+    num_devices: int, num_microbatch: int, grain: str, plan: ModelExecutePlan | None
+) -> None:
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference), name="fb")
+    x, y = torch.randn(7, 6), torch.randn(7, 6)  # 7 rows: uneven microbatches
+    config = RoundPipeRunConfig(
+        num_microbatch=num_microbatch, recompute_grain=grain, execute_plan=plan
+    )
+    loss, outputs = model.forward_backward(
+        input_args=(x,), label=y, loss_fn=mse, return_outputs=True, run_config=config
+    )
+    model.synchronize()
+    expected_loss, expected_outputs = plain_forward_backward(reference, x, y, num_microbatch)
+    assert loss.device.type == "cpu" and not loss.requires_grad
+    assert torch.equal(loss, expected_loss)
+    assert torch.equal(outputs, expected_outputs)
+    assert_same_grads(model.model, reference, exact=True)
+
+
+@pytest.mark.parametrize("num_microbatch", [1, 3, 4])
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("plan", [SEED_TRAIN, None], ids=["seed", "auto"])
+def test_forward_then_backward_matches_pytorch(
+    num_devices: int, num_microbatch: int, grain: str, plan: ModelExecutePlan | None
+) -> None:
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    x, y = torch.randn(7, 6), torch.randn(7, 6)
+    config = RoundPipeRunConfig(num_microbatch=num_microbatch, recompute_grain=grain, execute_plan=plan)
+    out = model(x, roundpipe_run_config=config)
+    assert out.requires_grad
+    mse(out, y).backward()
+    model.synchronize()
+    expected = reference(x)
+    mse(expected, y).backward()
+    torch.testing.assert_close(out.detach(), expected.detach(), rtol=0, atol=0)
+    assert_same_grads(model.model, reference)
+
+
+def test_inference_matches_pytorch_and_keeps_no_graph(num_devices: int) -> None:
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    x = torch.randn(5, 6)
+    with torch.no_grad():
+        out = model(x)
+        assert torch.equal(out, reference(x))
+    assert not out.requires_grad
+    assert all(p.grad is None for p in model.model.parameters())
+
+
+def test_gradients_accumulate_over_calls_until_cleared(num_devices: int) -> None:
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    batches = [(torch.randn(6, 6), torch.randn(6, 6)) for _ in range(2)]
+    config = RoundPipeRunConfig(num_microbatch=3)
+    for x, y in batches:
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+        plain_forward_backward(reference, x, y, 3)
+    out = model(batches[0][0], roundpipe_run_config=config)
+    mse(out, batches[0][1]).backward()
+    mse(reference(batches[0][0]), batches[0][1]).backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+    # Cleared the usual way: the next gradients start from zero, as in plain PyTorch.
+    for module in (model.model, reference):
+        for p in module.parameters():
+            p.grad = None
+    x, y = batches[1]
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    plain_forward_backward(reference, x, y, 3)
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
+def test_gradients_stay_hidden_until_synchronize(num_devices: int) -> None:
+    model = RoundPipe(mlp())
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    assert all(p.grad is None for p in model.model.parameters())
+    model.synchronize()
+    assert all(p.grad is not None for p in model.model.parameters())
+
+
+def test_batchnorm_statistics_advance_once_per_forward(num_devices: int) -> None:
+    torch.manual_seed(1)
+    reference = nn.Sequential(
+        nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+    )
+    model = RoundPipe(copy.deepcopy(reference))
+    plan = make_plan([range(0, 2), range(2, 4)], [range(4, 6), range(2, 4), range(0, 2)])
+    x, y = torch.randn(12, 4), torch.randn(12, 3)
+    config = RoundPipeRunConfig(num_microbatch=3, execute_plan=plan)
+    for _ in range(2):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+        plain_forward_backward(reference, x, y, 3)
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        for index in (1, 4):
+            assert torch.equal(getattr(model.model[index], name), getattr(reference[index], name))
+
+
+class RecordingDropout(nn.Module):
+    """Dropout that records the masks it draws in forward passes (not in recompute), so a plain
+    reference can replay exactly the masks the forward pass used."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+        self.masks: list[torch.Tensor] = []
+        self.replay: list[torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.replay is not None:
+            mask = self.replay.pop(0)
+        else:
+            mask = (torch.rand_like(x) >= self.p).to(x.dtype)
+            if not roundpipe.doing_recompute():
+                self.masks.append(mask)
+        return x * mask / (1 - self.p)
+
+
+def dropout_model(seed: int = 2) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(6, 6), RecordingDropout(0.5), nn.Tanh()) for _ in range(5)]
+    )
+
+
+def run_dropout_check(preserve: bool, grain: str, iterations: int) -> list[bool]:
+    """Per iteration: do RoundPipe's gradients equal plain PyTorch replaying the forward masks?"""
+    plan = make_plan([range(0, 2), range(2, 4)], [range(4, 5), range(3, 4), range(1, 3), range(0, 1)])
+    config = RoundPipeRunConfig(
+        num_microbatch=3, preserve_rng_state=preserve, recompute_grain=grain, execute_plan=plan
+    )
+    results = []
+    for iteration in range(iterations):
+        reference = dropout_model(iteration)
+        model = RoundPipe(copy.deepcopy(reference))
+        x, y = torch.randn(6, 6), torch.randn(6, 6)
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+        model.synchronize()
+        dropouts = [m for m in model.model.modules() if isinstance(m, RecordingDropout)]
+        replays = [m for m in reference.modules() if isinstance(m, RecordingDropout)]
+        for recorded, replay in zip(dropouts, replays, strict=True):
+            assert len(recorded.masks) == 3  # one forward per microbatch, none from recompute
+            replay.replay = list(recorded.masks)
+        plain_forward_backward(reference, x, y, 3)
+        results.append(
+            all(
+                torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+                for p, q in zip(model.model.parameters(), reference.parameters(), strict=True)
+            )
+        )
+    return results
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_recompute_replays_dropout_masks(num_devices: int, grain: str) -> None:
+    assert all(run_dropout_check(preserve=True, grain=grain, iterations=6))
+
+
+def test_dropout_check_detects_a_mask_mismatch() -> None:
+    roundpipe.configure_devices(kind="cpu", num_cpu_devices=3)
+    assert not any(run_dropout_check(preserve=False, grain="stage", iterations=2))
+
+
+def test_chained_models_pass_gradients_through_packed_outputs(num_devices: int) -> None:
+    first_ref, second_ref = mlp(3, seed=3), mlp(2, seed=4)
+    first, second = RoundPipe(copy.deepcopy(first_ref)), RoundPipe(copy.deepcopy(second_ref))
+    x, y = torch.randn(6, 6), torch.randn(6, 6)
+    packed = first(x, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=3, merge_output=False))
+    assert isinstance(packed, roundpipe.RoundPipePackedData) and len(packed) == 3
+    loss = second.forward_backward(
+        input_args=(packed,), label=y, loss_fn=mse, run_config=RoundPipeRunConfig(num_microbatch=3)
+    )
+    first.synchronize()
+    second.synchronize()
+    expected, _ = plain_forward_backward(nn.Sequential(first_ref, second_ref), x, y, 3)
+    torch.testing.assert_close(loss, expected)
+    assert_same_grads(first.model, first_ref)
+    assert_same_grads(second.model, second_ref)
+
+
+def test_input_gradients_reach_the_caller(num_devices: int) -> None:
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    x = torch.randn(6, 6, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y = torch.randn(6, 6)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=RoundPipeRunConfig(num_microbatch=2))
+    plain_forward_backward(reference, x_ref, y, 2)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+class Boom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise ValueError("boom")
+        return self.linear(x)
+
+
+def os_threads() -> int:
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+@pytest.mark.parametrize("where", ["forward", "fused", "loss"])
+def test_failures_name_model_layer_phase_and_leave_the_model_usable(
+    num_devices: int, where: str
+) -> None:
+    torch.manual_seed(5)
+    reference = nn.Sequential(nn.Linear(6, 6), Boom(), nn.Tanh(), Boom())
+    model = RoundPipe(copy.deepcopy(reference), name="boomer")
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    config = RoundPipeRunConfig(num_microbatch=2)
+    # A successful call first, so the failed call's partial gradients must be rolled back.
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    plain_forward_backward(reference, x, y, 2)
+    threads = os_threads()
+
+    def failing_loss(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        raise KeyError("bad label")
+
+    if where == "loss":
+        with pytest.raises(KeyError, match=r"'boomer'.*loss_fn failed.*layer 3.*microbatch 0"):
+            model.forward_backward(input_args=(x,), label=y, loss_fn=failing_loss, run_config=config)
+    else:
+        layer = 1 if where == "forward" else 3
+        model.model[layer].armed = True
+        with pytest.raises(ValueError, match=rf"'boomer': layer {layer} \(Boom\) failed in forward"):
+            model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+        model.model[layer].armed = False
+    assert os_threads() == threads
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    plain_forward_backward(reference, x, y, 2)
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
+def test_failure_in_recompute_names_the_phase(num_devices: int) -> None:
+    class FailOnRecompute(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if roundpipe.doing_recompute():
+                raise RuntimeError("cannot recompute")
+            return super().forward(x)
+
+    model = RoundPipe(nn.Sequential(FailOnRecompute(6, 6), nn.Linear(6, 6)), name="rc")
+    with pytest.raises(RuntimeError, match=r"'rc': layer 0 \(FailOnRecompute\) failed in recompute"):
+        model.forward_backward(input_args=(torch.randn(4, 6),), label=torch.randn(4, 6), loss_fn=mse)
+
+
+def test_save_for_recompute_hands_forward_data_to_recompute(num_devices: int) -> None:
+    seen: list[tuple[bool, object]] = []
+
+    class Saver(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if roundpipe.doing_recompute():
+                (token,) = roundpipe.get_recompute_data()
+                seen.append((True, token))
+            else:
+                token = x.sum().item()
+                roundpipe.save_for_recompute(token)
+                seen.append((False, token))
+            return super().forward(x)
+
+    model = RoundPipe(nn.Sequential(Saver(6, 6), nn.Linear(6, 6)))
+    model.forward_backward(
+        input_args=(torch.randn(4, 6),), label=torch.randn(4, 6), loss_fn=mse,
+        run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
+    forward = [token for recompute, token in seen if not recompute]
+    recompute = [token for recompute, token in seen if recompute]
+    assert len(forward) == 2 and recompute == forward
+    with pytest.raises(RuntimeError, match="only available during recompute"):
+        roundpipe.get_recompute_data()
+    roundpipe.save_for_recompute(1)  # outside a layer: a no-op
+
+
+def test_save_for_recompute_rejects_misuse(num_devices: int) -> None:
+    class Twice(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            roundpipe.save_for_recompute(1)
+            roundpipe.save_for_recompute(2)
+            return super().forward(x)
+
+    class Grad(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            roundpipe.save_for_recompute(self.weight * 2)
+            return super().forward(x)
+
+    for layer, error, match in ((Twice, RuntimeError, "twice"), (Grad, ValueError, "requires grad")):
+        model = RoundPipe(nn.Sequential(layer(6, 6), nn.Linear(6, 6)))
+        with pytest.raises(error, match=match):
+            model.forward_backward(input_args=(torch.randn(4, 6),), label=torch.randn(4, 6), loss_fn=mse)
+
+
+def test_parameters_live_in_the_arena_and_user_loads_take_effect() -> None:
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    replacement = mlp(seed=9)
+    model.model.load_state_dict(replacement.state_dict())
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        assert torch.equal(model(x), replacement(x))
+    arena = model._memory.params
+    begin, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
+    assert all(begin <= p.data_ptr() < end for p in model.model.parameters())
+
+
+def test_attribute_forwarding_and_original_model() -> None:
+    inner = mlp()
+    inner.custom = "inner"
+    model = RoundPipe(inner)
+    assert model.custom == "inner"
+    model.custom = "changed"
+    assert inner.custom == "changed"
+    original = nn.Module()
+    original.config = {"hidden": 6}
+    model.set_original_model(original)
+    assert model.config == {"hidden": 6}
+    model.flag = True
+    assert original.flag is True and inner.flag is True
+    del model.flag
+    assert not hasattr(original, "flag") and not hasattr(inner, "flag")
+    model.eval()
+    assert not inner.training and not model.training
+    model.train()
+    assert inner.training
+
+
+def test_default_name_is_the_caller_location() -> None:
+    model = RoundPipe(mlp())
+    assert model.name.startswith("test_roundpipe.py:")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"pin_model": "pinned"}, ValueError, "pin_model must be one of"),
+        ({"optim_dtype": torch.int32}, TypeError, "optim_dtype"),
+        ({"name": 3}, TypeError, "name must be a str"),
+        ({"model_run_config": {}}, TypeError, "model_run_config must be a RoundPipeRunConfig"),
+    ],
+)
+def test_constructor_rejects_bad_arguments(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        RoundPipe(mlp(), **kwargs)
+
+
+def test_constructor_rejects_non_modules_and_shared_parameters() -> None:
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        RoundPipe(lambda x: x)  # type: ignore[arg-type]
+    shared = nn.Linear(6, 6)
+    with pytest.raises(ValueError, match="shared with layer 0"):
+        RoundPipe(nn.Sequential(shared, nn.Tanh(), shared))
+
+
+def test_requires_grad_without_grad_mode_is_an_error() -> None:
+    model = RoundPipe(mlp())
+    with torch.no_grad(), pytest.raises(RuntimeError, match="requires_grad"):
+        model(torch.randn(2, 6), roundpipe_run_config=RoundPipeRunConfig(requires_grad=True))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="forward_backward"):
+        model.forward_backward(input_args=(torch.randn(2, 6),), label=torch.randn(2, 6), loss_fn=mse)
+
+
+def test_bad_plan_is_rejected_before_work(num_devices: int) -> None:
+    model = RoundPipe(mlp())
+    bad = make_plan([range(0, 4)], [range(3, 4), range(2, 3), range(1, 2), range(0, 1)])
+    with pytest.raises(ValueError):
+        model.forward_backward(
+            input_args=(torch.randn(2, 6),), label=torch.randn(2, 6), loss_fn=mse,
+            run_config=RoundPipeRunConfig(execute_plan=bad),
+        )
+    assert all(p.grad is None for p in model.model.parameters())
+
+
+def rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_soak_memory_and_threads_stay_flat() -> None:
+    roundpipe.configure_devices(kind="cpu", num_cpu_devices=3)
+    model = RoundPipe(mlp(6, width=32))
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    config = RoundPipeRunConfig(num_microbatch=4)
+
+    def iteration() -> None:
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+        out = model(x, roundpipe_run_config=config)
+        mse(out, y).backward()
+        model.synchronize()
+        for p in model.model.parameters():
+            p.grad = None
+
+    for _ in range(20):
+        iteration()
+    gc.collect()
+    threads, rss = os_threads(), rss_bytes()
+    for _ in range(200):
+        iteration()
+    gc.collect()
+    assert os_threads() == threads
+    assert rss_bytes() - rss < 8 * 2**20, "resident memory grew by more than 8 MiB"
+    assert threading.active_count() >= 1
