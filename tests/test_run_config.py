@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 from typing import Any
 
 import pytest
@@ -212,3 +214,10 @@ def test_resolution_rejects_other_config_types() -> None:
         resolve_run_config({"num_microbatch": 2}, RoundPipeRunConfig())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="model run config"):
         resolve_run_config(RoundPipeRunConfig(), None)  # type: ignore[arg-type]
+
+
+def test_config_survives_copy_and_pickle() -> None:
+    config = RoundPipeRunConfig(num_microbatch=3, output_device="cpu", recompute_grain="layer")
+    for clone in (copy.deepcopy(config), pickle.loads(pickle.dumps(config))):
+        assert all(getattr(clone, name) == getattr(config, name) for name in FIELDS)
+        assert clone is not config
