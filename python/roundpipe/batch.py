@@ -13,10 +13,10 @@ Automatic split (spec ``None``):
 * kwargs: only tensors whose dim-0 size equals the *batch size* are chunked, into the same row
   counts as the batch; every other kwarg is replicated. The batch is the first leaf of ``args``
   that is chunked along dim 0 (or a packed leaf of such tensors). When ``args`` has none, it is
-  the first leaf of ``kwargs`` that is a tensor with ``ndim > 0`` (or a packed leaf of such
-  tensors), so keyword-only calls such as ``model(input_ids=..., attention_mask=...)`` split as
-  expected. When neither has one there is nothing to split and every microbatch receives the
-  whole input.
+  the first such leaf of ``kwargs`` (an automatic tensor with ``ndim > 0``, a tensor chunked
+  along dim 0 by the spec, or a packed leaf), so keyword-only calls such as
+  ``model(input_ids=..., attention_mask=...)`` split as expected. When neither has one there is
+  nothing to split and every microbatch receives the whole input.
 
 Specs are trees shaped like the value (or a prefix of it) whose leaves are
 ``torch.distributed.pipelining.microbatch`` markers: ``TensorChunkSpec(dim)`` (chunk / concatenate
@@ -288,7 +288,7 @@ def _split_leaf(
         return [value] * n
     if batch.matches(value):
         return list(torch.split(value, batch.rows, 0))
-    if batch_only:
+    if batch_only and batch.rows is not None:
         return [value] * n
     chunks = _split_dim_chunks(value, 0, n, path)
     if batch.rows is None:
@@ -301,8 +301,8 @@ def _split_tree(
 ) -> list[Any]:
     """Split ``value`` into ``n`` values following ``spec`` (``None``, a marker or a tree).
 
-    ``batch_only`` selects the kwargs rule: automatic leaves are chunked only when they match the
-    batch.
+    ``batch_only`` selects the kwargs rule: once the batch is known, automatic leaves are chunked
+    only when they match it; before that, the first one becomes the batch.
     """
     if isinstance(value, RoundPipePackedData):
         return _unpack(value, n, path, batch)
@@ -323,19 +323,6 @@ def _split_tree(
         for child, child_spec, label in zip(node.children, child_specs, node.labels, strict=True)
     ]
     return [node.rebuild([part[m] for part in parts]) for m in range(n)]
-
-
-def _first_kwargs_rows(kwargs: dict[str, Any], n: int) -> list[int] | None:
-    for path, leaf in _iter_leaves(kwargs, "kwargs"):
-        if isinstance(leaf, RoundPipePackedData):
-            rows = _packed_rows(leaf)
-            if rows is not None:
-                return rows
-        elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            if n == 1:
-                return [leaf.size(0)]
-            return [c.size(0) for c in _split_dim_chunks(leaf, 0, n, path)]
-    return None
 
 
 def _check_count(n: int) -> None:
@@ -383,8 +370,6 @@ def split_input(
     args_spec, kwargs_spec = (None, None) if spec is None else spec
     batch = _Batch()
     args_list = _split_tree(args, args_spec, num_microbatch, "args", batch, batch_only=False)
-    if batch.rows is None:
-        batch.rows = _first_kwargs_rows(kwargs, num_microbatch)
     kwargs_list = _split_tree(kwargs, kwargs_spec, num_microbatch, "kwargs", batch, batch_only=True)
     return args_list, kwargs_list
 
