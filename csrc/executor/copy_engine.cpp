@@ -113,8 +113,9 @@ CopyEngine& copy_engine(int index) {
   std::lock_guard<std::mutex> lock(mutex);
   auto& engine = (*engines)[{cuda, index}];
   if (!engine) {
-    c10::Device device = cuda ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index))
-                              : c10::Device(c10::DeviceType::CPU);
+    c10::Device device =
+        cuda ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index))
+             : c10::Device(c10::DeviceType::CPU);
     engine = std::make_unique<CopyEngine>(device);
   }
   return *engine;

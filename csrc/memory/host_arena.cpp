@@ -21,7 +21,9 @@ namespace {
 
 constexpr std::int64_t kAlignment = 64;
 
-std::int64_t round_up(std::int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+std::int64_t round_up(std::int64_t bytes) {
+  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+}
 
 void* allocate_pageable(std::int64_t bytes) {
   void* data = std::aligned_alloc(kAlignment, static_cast<std::size_t>(round_up(bytes)));
@@ -65,7 +67,8 @@ at::Tensor allocate_host_arena(std::int64_t bytes, PinMode mode) {
   if (mode == PinMode::kRegister && cuda_in_use()) {
     void* data = allocate_pageable(bytes);
     std::memset(data, 0, static_cast<std::size_t>(bytes));
-    cudaError_t status = cudaHostRegister(data, static_cast<std::size_t>(bytes), cudaHostRegisterDefault);
+    cudaError_t status =
+        cudaHostRegister(data, static_cast<std::size_t>(bytes), cudaHostRegisterDefault);
     if (status != cudaSuccess) {
       std::free(data);
       C10_CUDA_CHECK(status);

@@ -60,7 +60,7 @@ def annotate(error: BaseException, where: str) -> BaseException:
     try:
         annotated = copy.copy(error)
         annotated.args = (message,)
-        if str(annotated) != message:
+        if message not in str(annotated):
             raise TypeError("message not taken from args")
     except Exception:
         annotated = RuntimeError(message)
@@ -264,7 +264,9 @@ class Call:
     recompute_store: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
     pending: list[Any] = field(default_factory=list)
 
-    def plan_saving(self, forward_stages: Sequence[range], backward_stages: Sequence[range]) -> None:
+    def plan_saving(
+        self, forward_stages: Sequence[range], backward_stages: Sequence[range]
+    ) -> None:
         """Decide which layer inputs and RNG states the backward stages will need."""
         recomputed = {i for stage in backward_stages for i in stage}
         if self.recompute_grain == "layer":

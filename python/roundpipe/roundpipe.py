@@ -1,4 +1,4 @@
-"""``RoundPipe``: wrap an ``nn.Sequential`` (or any module) for pipelined training from host memory."""
+"""``RoundPipe``: pipelined training of an ``nn.Sequential`` (or any module) from host memory."""
 
 from __future__ import annotations
 
@@ -72,7 +72,9 @@ class RoundPipe(nn.Module):
         if optim_dtype is not None and not (
             isinstance(optim_dtype, torch.dtype) and optim_dtype.is_floating_point
         ):
-            raise TypeError(f"optim_dtype must be a floating-point torch.dtype, got {optim_dtype!r}")
+            raise TypeError(
+                f"optim_dtype must be a floating-point torch.dtype, got {optim_dtype!r}"
+            )
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         if not isinstance(model_run_config, RoundPipeRunConfig):
@@ -85,7 +87,8 @@ class RoundPipe(nn.Module):
         super().__init__()
         # `training` is read from and written to the wrapped model like any other attribute.
         del self.__dict__["training"]
-        layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
+        # list(Sequential) keeps a module that appears twice (children() would drop the repeat).
+        layers = list(model) if isinstance(model, nn.Sequential) else [model]
         if not layers:
             raise ValueError("model is an empty nn.Sequential; give it at least one layer")
         state = self.__dict__
