@@ -4,6 +4,7 @@
 #include "bindings/bindings.h"
 #include "executor/copy_engine.h"
 #include "executor/event.h"
+#include "executor/optimizer_thread.h"
 #include "memory/host_arena.h"
 
 namespace py = pybind11;
@@ -63,6 +64,26 @@ void bind_runtime(py::module_& m) {
       py::arg("device_index"), py::arg("dst"), py::arg("src"), py::arg("after") = nullptr,
       py::call_guard<py::gil_scoped_release>(),
       "dst += src (dst on the host) on the device's copy engine once `after` completed.");
+  m.def(
+      "submit_optimizer_job",
+      [](py::function job) {
+        auto done = std::make_shared<Event>();
+        // The callable is released on the worker with the GIL held, never without it.
+        auto holder = std::make_shared<py::object>(std::move(job));
+        executor::optimizer_thread().submit(0, [done, holder] {
+          py::gil_scoped_acquire gil;
+          try {
+            (*holder)();
+            done->complete();
+          } catch (...) {
+            done->complete(std::current_exception());
+          }
+          *holder = py::object();
+        });
+        return done;
+      },
+      py::arg("job"),
+      "Run job() on the optimizer thread (FIFO); the event re-raises its exception.");
   m.def(
       "allocate_host_arena",
       [](std::int64_t bytes, const std::string& pin_model) {

@@ -60,7 +60,8 @@ class LayerMemory:
         return self.grad_end - self.grad_begin
 
 
-def _typed_view(arena: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+def typed_view(arena: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """A view of ``arena`` (uint8) at byte ``offset`` with ``like``'s dtype and shape."""
     nbytes = like.numel() * like.element_size()
     return arena[offset : offset + nbytes].view(like.dtype).view(like.shape)
 
@@ -108,10 +109,10 @@ class ModelMemory:
             self.layers.append(layer)
 
         self.params = _C.allocate_host_arena(param_cursor, pin_model)
-        self.grads = _C.allocate_host_arena(grad_cursor, "off" if pin_model == "off" else pin_model)
+        self.grads = _C.allocate_host_arena(grad_cursor, pin_model)
         with torch.no_grad():
             for slot in self.slots():
-                view = _typed_view(self.params, slot.offset, slot.param)
+                view = typed_view(self.params, slot.offset, slot.param)
                 view.copy_(slot.param.data)
                 slot.param.data = view
 
@@ -119,10 +120,10 @@ class ModelMemory:
         for layer in self.layers:
             yield from layer.slots
 
-    def grad_view(self, slot: ParamSlot) -> torch.Tensor:
-        """The host gradient of ``slot`` (a view into the gradient arena)."""
+    def grad_view(self, slot: ParamSlot, arena: torch.Tensor | None = None) -> torch.Tensor:
+        """The host gradient of ``slot``: a view into ``arena`` (default: the current one)."""
         assert slot.grad_offset is not None
-        return _typed_view(self.grads, slot.grad_offset, slot.param)
+        return typed_view(self.grads if arena is None else arena, slot.grad_offset, slot.param)
 
     def param_range(self, layers: range) -> tuple[int, int]:
         return self.layers[layers.start].begin, self.layers[layers.stop - 1].end
@@ -144,11 +145,6 @@ class ModelMemory:
                 else:
                     runs.append((begin, end, dtype))
         return runs
-
-
-def typed_view(arena: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    """A view of ``arena`` (uint8) at byte ``offset`` with ``like``'s dtype and shape."""
-    return _typed_view(arena, offset, like)
 
 
 __all__ = ["LayerMemory", "ModelMemory", "ParamSlot", "typed_view"]

@@ -24,6 +24,7 @@ from roundpipe.memory import ModelMemory
 from roundpipe.pipeline import Call, LayerRunner, ResidentStage, Step, run_steps, to_host
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, resolve_run_config
 from roundpipe.scheduler import ModelExecutePlan
+from roundpipe.step import StepPipeline
 
 _PIN_MODES = ("alloc", "register", "off")
 
@@ -105,7 +106,7 @@ class RoundPipe(nn.Module):
         state["_pending"] = []
         state["_grads_dirty"] = False
         state["_grads_published"] = False
-        state["_optim_params"] = None
+        state["_steps"] = StepPipeline(state["_memory"], optim_dtype)
         state["_anchor"] = torch.empty(0, requires_grad=True)
         state["_constructed"] = True
 
@@ -158,7 +159,7 @@ class RoundPipe(nn.Module):
         self, prefix: str = "", remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """Named optimizer copies; names are the model's parameter names prefixed ``model.``."""
-        copies = self._optimizer_copies()
+        copies = self.__dict__["_steps"].copies()
         seen: set[int] = set()
         for name, param in self.__dict__["model"].named_parameters(
             prefix=f"{prefix}{'.' if prefix else ''}model", remove_duplicate=remove_duplicate
@@ -169,18 +170,6 @@ class RoundPipe(nn.Module):
                 continue
             seen.add(id(param))
             yield name, copies[id(param)]
-
-    def _optimizer_copies(self) -> dict[int, nn.Parameter]:
-        copies = self.__dict__["_optim_params"]
-        if copies is None:
-            dtype = self.__dict__["optim_dtype"]
-            copies = {}
-            for slot in self.__dict__["_memory"].slots():
-                if slot.param.requires_grad:
-                    data = slot.param.detach().to(dtype or slot.param.dtype, copy=True)
-                    copies[id(slot.param)] = nn.Parameter(data)
-            self.__dict__["_optim_params"] = copies
-        return copies
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """Optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
@@ -210,6 +199,7 @@ class RoundPipe(nn.Module):
         the pipelined recompute + backward, accumulating parameter gradients in host memory.
         """
         config = self._resolve(roundpipe_run_config)
+        self.__dict__["_steps"].raise_if_failed()
         n = config.num_microbatch
         args_list, kwargs_list = split_input(args, kwargs, n, config.split_input)
         inputs = list(zip(args_list, kwargs_list, strict=True))
@@ -263,6 +253,7 @@ class RoundPipe(nn.Module):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         config = self._resolve(run_config)
+        self.__dict__["_steps"].raise_if_failed()
         if not config.requires_grad:
             raise RuntimeError(
                 "forward_backward computes gradients but requires_grad resolved to False; call it "
@@ -303,12 +294,34 @@ class RoundPipe(nn.Module):
             return loss
         return loss, self._finish_outputs(results["outputs"], config)
 
+    def step(
+        self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any
+    ) -> None:
+        """Run ``step_fn(*args, **kwargs)`` on the optimizer thread over this iteration's
+        gradients, moved into the optimizer copies' ``.grad`` (cast to ``optim_dtype``).
+
+        ``step_fn`` runs with ``OptimizerCtx`` active, so ``model.parameters()`` inside it are
+        the optimizer copies. Asynchronous by default: returns at once and the next iteration
+        trains on weights one step stale. ``is_async=False`` waits and publishes fresh weights.
+        An exception in ``step_fn`` is raised by the next ``step``, ``synchronize`` or forward.
+        """
+        if not callable(step_fn):
+            raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+        if not isinstance(is_async, bool):
+            raise TypeError(f"is_async must be a bool, got {type(is_async).__name__}")
+        self._wait_pending()
+        self._absorb_user_grads()
+        self.__dict__["_steps"].step(step_fn, is_async, args, kwargs)
+        self.__dict__["_grads_dirty"] = False
+
     def synchronize(self) -> None:
         """Wait for pending work and publish the accumulated gradients into ``param.grad``.
 
-        The gradients stay in the host arena too, so a following ``step()`` still sees them.
+        Also waits for the optimizer thread and writes the newest weights into the model. The
+        gradients stay in the host arena too, so a following ``step()`` still sees them.
         """
         self._wait_pending()
+        self.__dict__["_steps"].finish()
         memory = self.__dict__["_memory"]
         for slot in memory.slots():
             if slot.grad_offset is not None:
@@ -385,8 +398,13 @@ class RoundPipe(nn.Module):
 
     def _begin_gradient_call(self) -> None:
         """Before a call that accumulates gradients: finish the previous call's accumulation and
-        take over gradients the user changed after ``synchronize()`` (cleared, or replaced)."""
+        take over gradients the user changed after ``synchronize()``."""
         self._wait_pending()
+        self._absorb_user_grads()
+
+    def _absorb_user_grads(self) -> None:
+        """Gradients published by ``synchronize()`` go back into the arena as the user left them:
+        cleared (``None``) means zero, a replaced tensor is copied in, views are kept."""
         state = self.__dict__
         if not state["_grads_published"]:
             return

@@ -1,0 +1,115 @@
+"""Runtime overhead on virtual CPU devices: a deep, narrow model where the pipeline's own cost shows.
+
+RoundPipe's ``forward_backward`` against the plain PyTorch loop it is defined by, made comparable:
+per microbatch forward, loss and backward with every layer checkpointed (the same recompute work
+RoundPipe does). Both run in this process, alternating, and the median of the iterations is kept.
+
+    overhead per layer x microbatch = (ours - baseline) / (layers * microbatches)
+
+Target (issue 3): under 30 us and a ratio under 1.5 for 256 layers of width 256, 4 microbatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import roundpipe
+from roundpipe import RoundPipe, RoundPipeRunConfig
+
+
+def deep_narrow(layers: int, width: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)])
+
+
+def loss_fn(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return ((output - label) ** 2).mean()
+
+
+def baseline_step(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, n: int) -> None:
+    for xm, ym in zip(x.tensor_split(n), y.tensor_split(n), strict=True):
+        h = xm
+        for layer in model:
+            h = checkpoint(layer, h, use_reentrant=False)
+        loss_fn(h, ym).backward()
+    for p in model.parameters():
+        p.grad = None
+
+
+def roundpipe_step(model: RoundPipe, x: torch.Tensor, y: torch.Tensor, n: int) -> None:
+    config = RoundPipeRunConfig(num_microbatch=n)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=config)
+    model.synchronize()
+    for p in model.model.parameters():
+        p.grad = None
+
+
+def timed(fn: object, *args: object) -> float:
+    start = time.perf_counter()
+    fn(*args)  # type: ignore[operator]
+    return time.perf_counter() - start
+
+
+def measure(layers: int, width: int, n: int, rows: int, devices: int, iters: int) -> dict:
+    roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
+    plain = deep_narrow(layers, width)
+    ours = RoundPipe(copy.deepcopy(plain), name=f"overhead-{layers}")
+    x, y = torch.randn(rows * n, width), torch.randn(rows * n, width)
+    for _ in range(2):  # warm-up: allocator, timings, plan
+        baseline_step(plain, x, y, n)
+        roundpipe_step(ours, x, y, n)
+    base_times, our_times = [], []
+    for _ in range(iters):
+        base_times.append(timed(baseline_step, plain, x, y, n))
+        our_times.append(timed(roundpipe_step, ours, x, y, n))
+    base, mine = statistics.median(base_times), statistics.median(our_times)
+    return {
+        "layers": layers,
+        "devices": devices,
+        "baseline_ms": base * 1e3,
+        "roundpipe_ms": mine * 1e3,
+        "overhead_us": (mine - base) / (layers * n) * 1e6,
+        "ratio": mine / base,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[64, 256, 512])
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=16, help="rows per microbatch")
+    parser.add_argument("--devices", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--iters", type=int, default=7)
+    args = parser.parse_args()
+
+    print(
+        f"# torch {torch.__version__}, roundpipe {roundpipe.__version__}, "
+        f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
+    )
+    print(
+        f"# width {args.width}, {args.microbatches} microbatches x {args.rows} rows, "
+        f"median of {args.iters}"
+    )
+    header = "| layers | CPU devices | plain + checkpoint (ms) | RoundPipe (ms) | overhead / layer x mb (us) | ratio |"
+    print(header)
+    print("|---:|---:|---:|---:|---:|---:|")
+    for layers in args.layers:
+        for devices in args.devices:
+            r = measure(layers, args.width, args.microbatches, args.rows, devices, args.iters)
+            print(
+                f"| {r['layers']} | {r['devices']} | {r['baseline_ms']:.1f} | "
+                f"{r['roundpipe_ms']:.1f} | {r['overhead_us']:.1f} | {r['ratio']:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The step pipeline: optimizer copies, gradient hand-over and asynchronous optimizer steps.
+
+``RoundPipe.step(step_fn)`` hands the iteration's gradients to the process's optimizer thread and
+swaps in a second gradient arena, so the next iteration accumulates while the optimizer works.
+On that thread the gradients are cast into the optimizer copies' ``.grad`` and ``step_fn`` runs
+with ``OptimizerCtx`` active. The new weights are written back into the model's parameter arena
+when the next ``step()`` (or ``synchronize()``) begins, after the iteration in between has used
+the previous weights: bounded staleness 1. ``is_async=False`` waits and writes back at once.
+
+An exception in ``step_fn`` is re-raised at the next ``step``, ``synchronize`` or forward call;
+the weights then stay as they were before the failed step.
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from roundpipe._native import _C
+from roundpipe.context import OptimizerCtx
+from roundpipe.memory import ModelMemory
+
+_live_jobs: list[Any] = []
+
+
+@atexit.register
+def _drain_optimizer_thread() -> None:
+    """Finish queued optimizer jobs before the interpreter goes away under them."""
+    for job in _live_jobs:
+        try:
+            job.synchronize()
+        except Exception:  # reported (or not) by its model; exiting anyway
+            pass
+
+
+class StepPipeline:
+    """Optimizer copies and in-flight optimizer work of one model."""
+
+    def __init__(self, memory: ModelMemory, optim_dtype: torch.dtype | None) -> None:
+        self.memory = memory
+        self.optim_dtype = optim_dtype
+        self._copies: dict[int, nn.Parameter] | None = None
+        self._spare_grads: torch.Tensor | None = None
+        self._job: Any = None  # the optimizer thread's event of the last step
+        self._write_back_due = False
+
+    def copies(self) -> dict[int, nn.Parameter]:
+        """Optimizer copies keyed by ``id`` of the model parameter, created on first use."""
+        if self._copies is None:
+            self._copies = {
+                id(slot.param): nn.Parameter(
+                    slot.param.detach().to(self.optim_dtype or slot.param.dtype, copy=True)
+                )
+                for slot in self.memory.slots()
+                if slot.param.requires_grad
+            }
+        return self._copies
+
+    def step(self, step_fn: Callable[..., Any], is_async: bool, args: Any, kwargs: Any) -> None:
+        """Queue one optimizer step over the gradients accumulated so far (already complete)."""
+        self.finish()
+        copies = self.copies()
+        handed_over = self.memory.grads
+        if self._spare_grads is None:
+            self._spare_grads = torch.zeros_like(handed_over)
+        self.memory.grads, self._spare_grads = self._spare_grads, handed_over
+        slots = [slot for slot in self.memory.slots() if slot.grad_offset is not None]
+
+        def job() -> None:
+            with torch.no_grad():
+                for slot in slots:
+                    grad = self.memory.grad_view(slot, handed_over)
+                    master = copies[id(slot.param)]
+                    if master.grad is None:
+                        master.grad = grad.to(master.dtype, copy=True)
+                    else:
+                        master.grad.add_(grad)
+                handed_over.zero_()
+            with OptimizerCtx():
+                step_fn(*args, **kwargs)
+
+        self._job = _C.submit_optimizer_job(job)
+        _live_jobs.append(self._job)
+        self._write_back_due = True
+        if not is_async:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for the last step, re-raise its error, and write its weights back."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        _live_jobs.remove(job)
+        try:
+            job.synchronize()
+        except BaseException:
+            self._write_back_due = False
+            raise
+        if self._write_back_due:
+            self._write_back_due = False
+            copies = self.copies()
+            with torch.no_grad():
+                for slot in self.memory.slots():
+                    master = copies.get(id(slot.param))
+                    if master is not None:
+                        slot.param.copy_(master)
+
+    def raise_if_failed(self) -> None:
+        """Re-raise a finished step's error without waiting for a running one."""
+        if self._job is not None and self._job.query():
+            self.finish()
+
+
+__all__ = ["StepPipeline"]

@@ -1,0 +1,205 @@
+"""The step pipeline against plain PyTorch training: synchronous steps, staleness-1 asynchronous
+steps, low-precision models with fp32 optimizer copies, and failures in ``step_fn``."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import roundpipe
+from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+
+CONFIG = RoundPipeRunConfig(num_microbatch=2)
+
+
+def mlp(dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)).to(
+        dtype
+    )
+
+
+def batches(count: int, dtype: torch.dtype = torch.float64) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    return [
+        (torch.randn(6, 5, generator=generator).to(dtype), torch.randn(6, 3, generator=generator).to(dtype))
+        for _ in range(count)
+    ]
+
+
+def mse(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return ((output.float() - label.float()) ** 2).sum()
+
+
+def plain_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    for xm, ym in zip(x.tensor_split(2), y.tensor_split(2), strict=True):
+        mse(model(xm), ym).backward()
+
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_synchronous_steps_equal_plain_training(num_devices: int, optimizer: str) -> None:
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    ours = OPTIMIZERS[optimizer](model.optim_parameters())
+    theirs = OPTIMIZERS[optimizer](reference.parameters())
+
+    def step_fn() -> None:
+        ours.step()
+        ours.zero_grad()
+
+    for x, y in batches(5):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+        model.step(step_fn, is_async=False)
+        plain_grads(reference, x, y)
+        theirs.step()
+        theirs.zero_grad()
+        for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+
+
+def test_asynchronous_steps_are_one_step_stale(num_devices: int) -> None:
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    ours = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    # Plain simulation: `live` is what the iterations train on, `master` what the optimizer holds.
+    live, master = copy.deepcopy(reference), copy.deepcopy(reference)
+    theirs = torch.optim.SGD(master.parameters(), lr=0.1)
+
+    def step_fn() -> None:
+        ours.step()
+        ours.zero_grad()
+
+    for x, y in batches(5):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+        model.step(step_fn)  # async: writes back the previous step, queues this one
+        plain_grads(live, x, y)
+        if theirs.state or any(p.grad is not None for p in master.parameters()):
+            pass
+        live.load_state_dict(master.state_dict())  # the previous step's weights arrive
+        for p, q in zip(master.parameters(), live.parameters(), strict=True):
+            p.grad = q.grad
+            q.grad = None
+        theirs.step()
+        theirs.zero_grad()
+        for p, q in zip(model.model.parameters(), live.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+    model.synchronize()
+    for p, q in zip(model.model.parameters(), master.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+
+
+def test_bf16_model_with_fp32_optimizer_copies(num_devices: int) -> None:
+    reference = mlp(torch.bfloat16)
+    model = RoundPipe(copy.deepcopy(reference), optim_dtype=torch.float32)
+    copies = list(model.optim_parameters())
+    assert all(c.dtype == torch.float32 for c in copies)
+    ours = torch.optim.Adam(copies, lr=0.01)
+    masters = [p.detach().float().requires_grad_(True) for p in reference.parameters()]
+    theirs = torch.optim.Adam(masters, lr=0.01)
+
+    def step_fn() -> None:
+        ours.step()
+        ours.zero_grad()
+
+    for x, y in batches(4, torch.bfloat16):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+        model.step(step_fn, is_async=False)
+        plain_grads(reference, x, y)
+        with torch.no_grad():
+            for master, p in zip(masters, reference.parameters(), strict=True):
+                master.grad = p.grad.float()
+                p.grad = None
+            theirs.step()
+            for master, p in zip(masters, reference.parameters(), strict=True):
+                p.copy_(master)
+        for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+            assert p.dtype == torch.bfloat16
+            assert torch.equal(p, q)
+
+
+def test_step_fn_sees_optimizer_copies_and_names() -> None:
+    model = RoundPipe(mlp())
+    names = [name for name, _ in model.optim_named_parameters()]
+    assert names == [f"model.{name}" for name, _ in model.model.named_parameters()]
+    copies = list(model.optim_parameters())
+    assert all(c is not p for c, p in zip(copies, model.model.parameters(), strict=True))
+    seen: list[list[nn.Parameter]] = []
+    model.forward_backward(input_args=(torch.randn(4, 5),), label=torch.randn(4, 3), loss_fn=mse)
+    model.step(lambda: seen.append(list(model.parameters())), is_async=False)
+    assert [id(p) for p in seen[0]] == [id(c) for c in copies]
+    with OptimizerCtx():
+        with OptimizerCtx():
+            assert list(model.parameters())[0] is copies[0]
+        assert list(model.parameters())[0] is copies[0]
+    assert list(model.parameters())[0] is model.model[0].weight
+
+
+def test_step_fn_failure_surfaces_later_and_training_continues(num_devices: int) -> None:
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    ours = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    x, y = batches(1)[0]
+
+    def failing() -> None:
+        raise ArithmeticError("step exploded")
+
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    model.step(failing)
+    with pytest.raises(ArithmeticError, match="step exploded"):
+        model.synchronize()
+    # Weights unchanged by the failed step; the model keeps training.
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    model.step(failing)
+    with pytest.raises(ArithmeticError):
+        for _ in range(1000):  # raised by the first forward after the step finished
+            model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
+    assert any(not torch.equal(p, q) for p, q in zip(model.model.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda m: m.step(3), TypeError, "step_fn must be callable"),
+        (lambda m: m.step(lambda: None, "yes"), TypeError, "is_async must be a bool"),
+    ],
+)
+def test_step_rejects_bad_arguments(call: Callable, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        call(RoundPipe(mlp()))
+
+
+def test_optimizer_thread_starts_lazily() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, torch, roundpipe\n"
+        "torch.set_num_threads(1)\n"
+        "n = lambda: len(os.listdir(f'/proc/{os.getpid()}/task'))\n"
+        "m = roundpipe.RoundPipe(torch.nn.Linear(2, 2))\n"
+        "before = n()\n"
+        "m.forward_backward(input_args=(torch.randn(2, 2),), loss_fn=lambda o, l: o.sum())\n"
+        "m.step(lambda: None)\n"
+        "m.synchronize()\n"
+        "print(before, n())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "ROUNDPIPE_CPU_DEVICES": "1"})
+    assert result.returncode == 0, result.stderr
+    before, after = map(int, result.stdout.split())
+    assert after > before  # the copy engine and optimizer threads exist only once used
+    assert roundpipe.device_count() >= 1
