@@ -231,9 +231,7 @@ def test_predicted_time_is_the_simulated_schedule(num_devices: int) -> None:
     )  # fmt: skip
     plan = ModelExecutePlan.auto("fused", FakeModel(profile))
     assert isinstance(plan, ModelExecutePlan)
-    back = [
-        r + b for r, b in zip(profile.recompute_seconds, profile.backward_seconds, strict=True)
-    ]
+    back = [r + b for r, b in zip(profile.recompute_seconds, profile.backward_seconds, strict=True)]
     fused = [f + b for f, b in zip(profile.forward_seconds, profile.backward_seconds, strict=True)]
     seconds = [sum(profile.forward_seconds[i] for i in s) for s in plan.fwd_plan] + [
         sum((fused if n == 0 else back)[i] for i in s) for n, s in enumerate(plan.bwd_plan)

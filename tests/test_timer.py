@@ -105,8 +105,12 @@ def test_records_from_many_threads_are_all_counted() -> None:
 
 @pytest.mark.parametrize(
     ("args", "fragment"),
-    [((5, "fwd", 1.0), "layer must be an int in [0, 2)"), ((0, "up", 1.0), "action must be"),
-     ((0, "fwd", -1.0), "finite non-negative"), ((0, "fwd", float("nan")), "finite")],
+    [
+        ((5, "fwd", 1.0), "layer must be an int in [0, 2)"),
+        ((0, "up", 1.0), "action must be"),
+        ((0, "fwd", -1.0), "finite non-negative"),
+        ((0, "fwd", float("nan")), "finite"),
+    ],
 )
 def test_record_rejects_bad_arguments(args: tuple[object, ...], fragment: str) -> None:
     timer = ModelTimer(2, [1, 1])

@@ -100,9 +100,7 @@ class ModelExecutePlan:
                 raise TypeError(f"{field} must be a list of range, got {type(stages).__name__}")
             for index, stage in enumerate(stages):
                 if not isinstance(stage, range):
-                    raise TypeError(
-                        f"{field}[{index}] must be a range, got {type(stage).__name__}"
-                    )
+                    raise TypeError(f"{field}[{index}] must be a range, got {type(stage).__name__}")
                 if stage.step != 1:
                     raise ValueError(f"{field}[{index}] = {stage} must have step 1")
                 if len(stage) == 0:
@@ -221,9 +219,7 @@ class ModelExecutePlan:
             plan.bwd_plan = [range(begin, end) for begin, end in backward]
             plan.predicted_time = float(result["predicted_seconds"])  # type: ignore[arg-type]
             is_last = index == len(models) - 1
-            model_run_type: RunType = (
-                "train" if run_type == "fused" and not is_last else run_type
-            )
+            model_run_type: RunType = "train" if run_type == "fused" and not is_last else run_type
             plan.validate(len(profiles[index].forward_seconds), model_run_type)
             plans.append(plan)
         return plans[0] if len(plans) == 1 else plans
