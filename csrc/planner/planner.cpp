@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <stdexcept>
@@ -264,19 +265,195 @@ struct PhaseSolution {
   Partition plan;
 };
 
+// Breakpoints found by bisection (planner.h, "walk"); returns them with the best objective.
+struct Breakpoints {
+  std::vector<Probe> probes;
+  double best = kInfinity;
+
+  void add(const Probe& probe, int min_stages) {
+    probes.push_back(probe);
+    best = std::min(best, objective_of(probe, min_stages));
+  }
+  // Later breakpoints have larger bounds; past this one none can tie or win.
+  bool worth_going_past(double bound, long count, int min_stages) const {
+    return count > min_stages && min_stages * bound <= best * (1 + kTieTolerance);
+  }
+};
+
+Breakpoints walk_breakpoints(const Phase& phase, const Probe& first, const Probe& at_threshold,
+                             int min_stages) {
+  Breakpoints found;
+  found.add(first, min_stages);
+  Probe current = first;
+  while (current.count > at_threshold.count &&
+         found.worth_going_past(current.next_change, current.count, min_stages)) {
+    current = next_breakpoint(phase, current, at_threshold);
+    found.add(current, min_stages);
+  }
+  return found;
+}
+
+// The greedy plan of one chain at the current bound, with jump pointers over blocks of starts so
+// that the stage count of any prefix costs O(L / kBlock + kBlock) and moving one stage end
+// O(kBlock).
+class ChainJumps {
+ public:
+  static constexpr int kBlock = 64;
+
+  ChainJumps(const Sums& sums, double bound, double cap)
+      : next_(sums.layers()), hops_(sums.layers()), exit_(sums.layers()) {
+    for (int i = 0; i < sums.layers(); ++i) {
+      next_[i] = reach(i, sums.layers(), [&](int j) {
+        return sums.time_of(i, j) <= bound && sums.memory_of(i, j) <= cap;
+      });
+    }
+    for (int block = 0; block * kBlock < sums.layers(); ++block) {
+      rebuild(std::min((block + 1) * kBlock, sums.layers()) - 1);
+    }
+  }
+
+  int next(int start) const { return next_[start]; }
+
+  void extend(int start) {
+    ++next_[start];
+    rebuild(start);
+  }
+
+  long stages_below(int length) const {
+    long count = 0;
+    for (int start = 0; start < length;) {
+      if ((start / kBlock + 1) * kBlock <= length) {
+        count += hops_[start];
+        start = exit_[start];
+      } else {
+        ++count;
+        start = next_[start];
+      }
+    }
+    return count;
+  }
+
+ private:
+  // Recomputes hops/exit of the starts in `start`'s block up to `start` (later ones do not
+  // depend on it).
+  void rebuild(int start) {
+    const int layers = static_cast<int>(next_.size());
+    const int block_begin = start / kBlock * kBlock;
+    const int block_end = std::min(block_begin + kBlock, layers);
+    for (int i = start; i >= block_begin; --i) {
+      const int j = next_[i];
+      hops_[i] = j >= block_end ? 1 : 1 + hops_[j];
+      exit_[i] = j >= block_end ? j : exit_[j];
+    }
+  }
+
+  std::vector<int> next_;  // greedy stage end from each start
+  std::vector<int> hops_;  // stages from a start to the first start outside its block
+  std::vector<int> exit_;  // that start
+};
+
+// Breakpoints found by sweeping the bound upward through every event at which a greedy stage
+// grows by one layer (planner.h, "sweep"). Gives up (returns nullopt) after `budget` units of
+// work, so that running it first never costs more than twice the walk.
+std::optional<Breakpoints> sweep_breakpoints(const Phase& phase, const Probe& first, double upper,
+                                             int min_stages, double budget) {
+  struct Event {
+    double bound;
+    int chain;  // -1: the fused stage takes one more layer
+    int start;
+    bool operator>(const Event& other) const { return bound > other.bound; }
+  };
+  std::vector<ChainJumps> jumps;
+  jumps.reserve(phase.chains.size());
+  for (const Chain& chain : phase.chains)
+    jumps.emplace_back(chain.sums, first.bottleneck, phase.cap);
+  std::vector<Event> heap;
+  const auto push = [&](int c, int start) {
+    const Sums& sums = phase.chains[c].sums;
+    const int end = jumps[c].next(start);
+    if (end < sums.layers() && sums.memory_of(start, end + 1) <= phase.cap) {
+      heap.push_back({sums.time_of(start, end + 1), c, start});
+      std::push_heap(heap.begin(), heap.end(), std::greater<>());
+    }
+  };
+  int fused_start = first.fused_begin;
+  const auto push_fused = [&] {
+    const Sums& sums = phase.fused->sums;
+    if (fused_start > 0 && sums.memory_of(fused_start - 1, sums.layers()) <= phase.cap) {
+      heap.push_back({sums.time_of(fused_start - 1, sums.layers()), -1, 0});
+      std::push_heap(heap.begin(), heap.end(), std::greater<>());
+    }
+  };
+  for (int c = 0; c < static_cast<int>(phase.chains.size()); ++c) {
+    for (int i = 0; i < phase.chains[c].sums.layers(); ++i) push(c, i);
+  }
+  if (phase.fused) push_fused();
+  std::vector<long> counts(phase.chains.size());
+  const auto recount = [&](std::size_t c) {
+    counts[c] = jumps[c].stages_below(chain_length(phase.chains[c], fused_start));
+  };
+  for (std::size_t c = 0; c < counts.size(); ++c) recount(c);
+
+  Breakpoints found;
+  found.add(first, min_stages);
+  long count = first.count;
+  double work = 0.0;
+  std::vector<char> touched(phase.chains.size(), 0);
+  while (!heap.empty() && heap.front().bound <= upper &&
+         found.worth_going_past(heap.front().bound, count, min_stages)) {
+    const double bound = heap.front().bound;
+    bool fused_moved = false;
+    while (!heap.empty() && heap.front().bound == bound) {
+      const Event event = heap.front();
+      std::pop_heap(heap.begin(), heap.end(), std::greater<>());
+      heap.pop_back();
+      if (event.chain < 0) {
+        --fused_start;
+        fused_moved = true;
+        push_fused();
+      } else {
+        jumps[event.chain].extend(event.start);
+        touched[event.chain] = 1;
+        push(event.chain, event.start);
+      }
+      work += ChainJumps::kBlock + 2 * std::log2(heap.size() + 2.0);
+    }
+    long next_count = phase.fused ? 1 : 0;
+    for (std::size_t c = 0; c < counts.size(); ++c) {
+      if (touched[c] || (fused_moved && phase.chains[c].ends_at_fused)) {
+        recount(c);
+        work += static_cast<double>(phase.chains[c].sums.layers()) / ChainJumps::kBlock +
+                ChainJumps::kBlock;
+      }
+      touched[c] = 0;
+      next_count += counts[c];
+    }
+    if (work > budget) return std::nullopt;
+    if (next_count < count) {
+      found.add({next_count, bound, kInfinity, fused_start}, min_stages);
+      count = next_count;
+    }
+  }
+  return found;
+}
+
 PhaseSolution solve_phase(const Phase& phase, const PlanOptions& options) {
   const double lowest = lowest_bound(phase);
   const Probe first = probe(phase, lowest);
-  const Probe at_threshold = probe(phase, options.upper_threshold * lowest);
-  std::vector<Probe> breakpoints{first};
-  double best = objective_of(first, options.min_stages);
-  Probe current = first;
-  while (current.count > at_threshold.count && current.count > options.min_stages &&
-         options.min_stages * current.next_change <= best * (1 + kTieTolerance)) {
-    current = next_breakpoint(phase, current, at_threshold);
-    breakpoints.push_back(current);
-    best = std::min(best, objective_of(current, options.min_stages));
+  const double upper = options.upper_threshold * lowest;
+  const Probe at_threshold = probe(phase, upper);
+  // The walk costs up to ~64 probes of O(stages) per breakpoint, the sweep O(kBlock) per event.
+  const double walk_cost = static_cast<double>(first.count - at_threshold.count + 1) * 64.0 *
+                           static_cast<double>(first.count + phase.chains.size());
+  std::optional<Breakpoints> swept;
+  if (options.search != BreakpointSearch::kWalk) {
+    const double budget = options.search == BreakpointSearch::kSweep ? kInfinity : walk_cost;
+    swept = sweep_breakpoints(phase, first, upper, options.min_stages, budget);
   }
+  const Breakpoints found =
+      swept ? std::move(*swept) : walk_breakpoints(phase, first, at_threshold, options.min_stages);
+  const std::vector<Probe>& breakpoints = found.probes;
+  const double best = found.best;
 
   PhaseSolution solution;
   std::size_t tied = 0;

@@ -26,25 +26,32 @@
 // memory <= cap. Greedy packing from layer 0 reaches N(T) for a chain of layers; for a fused model
 // the fused stage is made as long as T and the cap allow (the shorter the recomputed prefix, the
 // fewer stages it needs). N is a non-increasing step function, and for a fixed stage count the
-// objective grows with T, so the optimum sits at a breakpoint T_n = min{T : N(T) <= n}. The planner
-// walks the breakpoints upward from T_lo to upper_threshold * T_lo:
-//   * one greedy probe at T returns N(T), the largest stage time actually used (a breakpoint value
-//     <= T with the same plan) and the smallest bound > T at which the greedy plan would change
-//     (the cheapest one-layer extension of any stage), so N is constant on [bottleneck, change);
-//   * the next breakpoint below the current count is found by bisection on T whose ends snap to
-//     those two values, so both ends are always real segment sums and the search stops when they
-//     meet (at most ~64 probes on doubles, typically ~log2 of the candidate count);
-//   * the walk stops early once min_stages * (next possible T) exceeds the best objective, or the
-//     count reaches min_stages (fewer stages cannot lower max(#stages, min_stages)).
+// objective grows with T, so the optimum sits at a breakpoint T_n = min{T : N(T) <= n}, which is
+// a segment sum. The planner enumerates the breakpoints from T_lo up to upper_threshold * T_lo in
+// one of two exact ways:
+//   * walk: one greedy probe at T returns N(T), the largest stage time actually used (a segment
+//     sum <= T with the same plan) and the smallest bound > T at which the greedy plan changes
+//     (the cheapest one-layer extension of any stage), so N is constant between the two. The next
+//     breakpoint is found by bisection on T whose ends snap to those values; both ends are always
+//     segment sums and the search stops when they meet (at most ~64 probes on doubles).
+//   * sweep: every bound at which one greedy stage grows by one layer is an event; events are
+//     taken in increasing order from a heap, each moving one stage end, and per-chain jump
+//     pointers over blocks of 64 starts keep the stage count current in O(64 + L / 64) per event.
+//     Cost grows with the number of segment sums inside the threshold band, not with the
+//     number of breakpoints, so it wins when stages hold few layers and breakpoints are many.
+// The sweep runs first with the walk's worst-case cost as budget and hands over to the walk when
+// it runs out, so a phase costs at most about twice the cheaper of the two. Both stop once
+// min_stages * (next possible T) exceeds the best objective, or the count reaches min_stages
+// (fewer stages cannot lower max(#stages, min_stages)).
 // Ties. Bounds whose objective is within 1e-9 (relative) of the best are kept (at most 16, lowest T
 // first); for each, the greedy plan packed from the bottom and the one packed from the top are
 // simulated (simulator.h) and the plan with the smallest predicted iteration time wins.
 //
-// Complexity. One probe costs O(S log(L / S) + C) for S stages, L layers and C chains (galloping
-// search over prefix sums). With B breakpoints walked (B <= N(T_lo) - N(upper_threshold * T_lo) +
-// 1, small for the default threshold 1.1) and P probes per breakpoint (P <= ~64), planning costs
-// O(L + B * P * S log(L / S)) plus O(16 * 2 * S * M) to simulate tied plans over M microbatches.
-// Memory O(L).
+// Complexity. L layers, C chains, S = N(T_lo) stages, B breakpoints in the band
+// (B <= N(T_lo) - N(upper_threshold * T_lo) + 1), E events in the band (one-layer stage
+// extensions with time <= upper_threshold * T_lo), M microbatches. Setup O(L log L); walk
+// O(B * 64 * S log(L / S)); sweep O(E (64 + log L) + L log L); planning costs
+// O(L log L + min(walk, sweep)) plus O(16 * 2 * S * M) to simulate tied plans. Memory O(L).
 #pragma once
 
 #include <span>
@@ -81,6 +88,10 @@ struct ModelPlan {
   std::vector<StageRange> backward;
 };
 
+// How breakpoints are found (see "Algorithm"): kAuto runs the sweep with the walk's worst case as
+// budget and falls back to the walk; the fixed choices exist so tests and benchmarks can compare.
+enum class BreakpointSearch { kAuto, kWalk, kSweep };
+
 struct PlanOptions {
   int min_stages = 1;
   double upper_threshold = 1.1;
@@ -89,6 +100,7 @@ struct PlanOptions {
   int num_devices = 1;
   int num_microbatches = 2;
   double upload_bytes_per_second = 0.0;  // 0: parameter uploads are not simulated
+  BreakpointSearch search = BreakpointSearch::kAuto;
 };
 
 struct PhaseSummary {

@@ -9,6 +9,7 @@
 #include "harness.h"
 #include "planner/planner.h"
 
+using roundpipe::planner::BreakpointSearch;
 using roundpipe::planner::LayerCosts;
 using roundpipe::planner::ModelPlan;
 using roundpipe::planner::parse_run_type;
@@ -246,15 +247,20 @@ void check_against_brute_force(RunType run_type, int num_models, bool integral, 
       models.push_back(
           random_model(rng, std::uniform_int_distribution<int>(1, max_layers)(rng), integral));
     }
-    const PlanOptions options = random_options(rng, models);
-    const PlanResult result = plan_stages(run_type, models, options);
+    PlanOptions options = random_options(rng, models);
     const double expected = brute_objective(run_type, models, options);
-    if (!close(result.objective, expected)) {
-      throw roundpipe::testing::Failure("trial " + std::to_string(trial) + ": planner objective " +
-                                        std::to_string(result.objective) + " != brute force " +
-                                        std::to_string(expected));
+    for (const BreakpointSearch search :
+         {BreakpointSearch::kAuto, BreakpointSearch::kWalk, BreakpointSearch::kSweep}) {
+      options.search = search;
+      const PlanResult result = plan_stages(run_type, models, options);
+      if (!close(result.objective, expected)) {
+        throw roundpipe::testing::Failure(
+            "trial " + std::to_string(trial) + ", search " +
+            std::to_string(static_cast<int>(search)) + ": planner objective " +
+            std::to_string(result.objective) + " != brute force " + std::to_string(expected));
+      }
+      CHECK(close(checked_objective(run_type, models, options, result), result.objective));
     }
-    CHECK(close(checked_objective(run_type, models, options, result), result.objective));
   }
 }
 
@@ -289,6 +295,21 @@ TEST_CASE("planner_joint_models_match_brute_force") {
   for (RunType type : {RunType::kInfer, RunType::kTrain, RunType::kFused}) {
     check_against_brute_force(type, 2, true, 60);
     check_against_brute_force(type, 3, false, 20);
+  }
+}
+
+TEST_CASE("planner_walk_and_sweep_agree_on_large_uneven_models") {
+  // Too large for brute force: the two exact searches must find the same optimum.
+  std::mt19937 rng(99);
+  for (int trial = 0; trial < 12; ++trial) {
+    const RunType type = static_cast<RunType>(trial % 3);
+    const std::vector<LayerCosts> models{random_model(rng, 300, trial % 2 == 0)};
+    PlanOptions options = random_options(rng, models);
+    options.search = BreakpointSearch::kWalk;
+    const double walked = plan_stages(type, models, options).objective;
+    options.search = BreakpointSearch::kSweep;
+    const double swept = plan_stages(type, models, options).objective;
+    CHECK(close(walked, swept));
   }
 }
 
