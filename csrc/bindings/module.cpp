@@ -43,4 +43,5 @@ PYBIND11_MODULE(_C, m) {
         "Package version, torch version built against, CUDA on/off, compiler and SIMD levels.");
   roundpipe::bindings::bind_devices(m);
   roundpipe::bindings::bind_runtime(m);
+  roundpipe::bindings::bind_planner(m);
 }

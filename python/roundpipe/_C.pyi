@@ -28,3 +28,26 @@ def accumulate_async(
 def submit_optimizer_job(job: Callable[[], object]) -> Event: ...
 def allocate_host_arena(bytes: int, pin_model: str) -> Tensor: ...
 def is_page_locked(tensor: Tensor) -> bool: ...
+
+# Planner (csrc/planner/planner.h). profiles: per model (forward_seconds, recompute_seconds,
+# backward_seconds, forward_bytes, backward_bytes). Returns {"plans": [(forward, backward)] with
+# (begin, end) pairs, "phases": [{"num_stages", "largest_stage_seconds", "objective",
+# "predicted_seconds", "tied_plans"}], "objective": float, "predicted_seconds": float}.
+def plan_stages(
+    run_type: str,
+    profiles: list[tuple[list[float], list[float], list[float], list[float], list[float]]],
+    min_stages: int,
+    upper_threshold: float,
+    stage_memory_cap: float,
+    num_devices: int,
+    num_microbatches: int,
+    upload_bytes_per_second: float = 0.0,
+) -> dict[str, object]: ...
+
+# Simulator (csrc/planner/simulator.h): (makespan, [(stage, microbatch, device, start, end)]).
+def simulate_schedule(
+    stage_seconds: list[float],
+    num_devices: int,
+    num_microbatches: int,
+    upload_seconds: list[float] | None = None,
+) -> tuple[float, list[tuple[int, int, int, float, float]]]: ...

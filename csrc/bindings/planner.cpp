@@ -1,0 +1,110 @@
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "bindings/bindings.h"
+#include "planner/planner.h"
+#include "planner/simulator.h"
+
+namespace py = pybind11;
+
+namespace roundpipe::bindings {
+
+namespace {
+
+using planner::StageRange;
+
+// forward_seconds, recompute_seconds, backward_seconds, forward_bytes, backward_bytes
+using ProfileTuple = std::tuple<std::vector<double>, std::vector<double>, std::vector<double>,
+                                std::vector<double>, std::vector<double>>;
+using RangeList = std::vector<std::pair<int, int>>;
+
+RangeList to_pairs(const std::vector<StageRange>& stages) {
+  RangeList pairs;
+  pairs.reserve(stages.size());
+  for (const StageRange& stage : stages) pairs.emplace_back(stage.begin, stage.end);
+  return pairs;
+}
+
+py::dict plan_stages(const std::string& run_type, std::vector<ProfileTuple> profiles,
+                     int min_stages, double upper_threshold, double stage_memory_cap,
+                     int num_devices, int num_microbatches, double upload_bytes_per_second) {
+  std::vector<planner::LayerCosts> models;
+  models.reserve(profiles.size());
+  for (auto& [forward, recompute, backward, forward_bytes, backward_bytes] : profiles) {
+    models.push_back({std::move(forward), std::move(recompute), std::move(backward),
+                      std::move(forward_bytes), std::move(backward_bytes)});
+  }
+  const planner::PlanOptions options{min_stages,  upper_threshold,  stage_memory_cap,
+                                     num_devices, num_microbatches, upload_bytes_per_second};
+  planner::PlanResult result;
+  {
+    py::gil_scoped_release release;
+    result = planner::plan_stages(planner::parse_run_type(run_type), models, options);
+  }
+  py::list plans;
+  for (const planner::ModelPlan& plan : result.plans) {
+    plans.append(py::make_tuple(to_pairs(plan.forward), to_pairs(plan.backward)));
+  }
+  py::list phases;
+  for (const planner::PhaseSummary& phase : result.phases) {
+    py::dict summary;
+    summary["num_stages"] = phase.num_stages;
+    summary["largest_stage_seconds"] = phase.largest_stage_seconds;
+    summary["objective"] = phase.objective;
+    summary["predicted_seconds"] = phase.predicted_seconds;
+    summary["tied_plans"] = phase.tied_plans;
+    phases.append(summary);
+  }
+  py::dict out;
+  out["plans"] = plans;
+  out["phases"] = phases;
+  out["objective"] = result.objective;
+  out["predicted_seconds"] = result.predicted_seconds;
+  return out;
+}
+
+std::pair<double, std::vector<std::tuple<int, int, int, double, double>>> simulate(
+    const std::vector<double>& stage_seconds, int num_devices, int num_microbatches,
+    const std::optional<std::vector<double>>& upload_seconds) {
+  if (upload_seconds && upload_seconds->size() != stage_seconds.size()) {
+    throw py::value_error("upload_seconds has " + std::to_string(upload_seconds->size()) +
+                          " entries but stage_seconds has " + std::to_string(stage_seconds.size()) +
+                          "; give one per stage");
+  }
+  std::vector<planner::StageWork> stages(stage_seconds.size());
+  for (std::size_t s = 0; s < stages.size(); ++s) {
+    stages[s] = {stage_seconds[s], upload_seconds ? (*upload_seconds)[s] : 0.0};
+  }
+  std::vector<planner::ScheduledRun> trace;
+  double makespan = 0.0;
+  {
+    py::gil_scoped_release release;
+    makespan = planner::simulate_schedule(stages, num_devices, num_microbatches, &trace);
+  }
+  std::vector<std::tuple<int, int, int, double, double>> runs;
+  runs.reserve(trace.size());
+  for (const auto& run : trace) {
+    runs.emplace_back(run.stage, run.microbatch, run.device, run.start, run.end);
+  }
+  return {makespan, std::move(runs)};
+}
+
+}  // namespace
+
+void bind_planner(py::module_& m) {
+  m.def("plan_stages", &plan_stages, py::arg("run_type"), py::arg("profiles"),
+        py::arg("min_stages"), py::arg("upper_threshold"), py::arg("stage_memory_cap"),
+        py::arg("num_devices"), py::arg("num_microbatches"),
+        py::arg("upload_bytes_per_second") = 0.0,
+        "Exact stage partitions for ModelExecutePlan.auto (see csrc/planner/planner.h).");
+  m.def("simulate_schedule", &simulate, py::arg("stage_seconds"), py::arg("num_devices"),
+        py::arg("num_microbatches"), py::arg("upload_seconds") = py::none(),
+        "Predicted makespan and (stage, microbatch, device, start, end) runs of round-robin "
+        "dispatch (see csrc/planner/simulator.h).");
+}
+
+}  // namespace roundpipe::bindings

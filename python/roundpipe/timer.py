@@ -1,0 +1,141 @@
+"""Online per-layer timing: the estimates :meth:`ModelExecutePlan.auto` plans with.
+
+The runtime measures every layer's forward (``"fwd"``), recompute (``"re"``) and backward
+(``"bwd"``) time of each microbatch (CUDA events on GPUs, the host clock on virtual CPU devices) and
+calls :meth:`ModelTimer.record`. Estimates are exponential moving averages with bias correction
+(as in Adam): after ``t`` records ``x_1..x_t`` the estimate is
+``sum(beta**(t-i) * (1-beta) * x_i) / (1 - beta**t)``, so the first record is taken as is and old
+records fade with ``SMOOTHING = beta``.
+
+Before a layer has a timing, its parameter bytes stand in: forward time = bytes x the seconds per
+byte of the layers already timed (or ``STAND_IN_SECONDS_PER_BYTE`` before any), recompute = the
+forward estimate, backward = 2 x the forward estimate. Only relative costs matter to the planner.
+
+``version`` increases when an estimate moves by more than ``CHANGE_THRESHOLD`` (relative) from the
+value it had at the last increase, or a layer gets its first timing; the runtime re-plans only
+when the version changed. Set ``ModelTimer.VERBOSE = True`` to print every record and the new
+estimate to stderr.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from collections.abc import Sequence
+from typing import ClassVar, Literal
+
+from roundpipe.scheduler import LayerProfile
+
+Action = Literal["fwd", "re", "bwd"]
+_ACTIONS: tuple[Action, ...] = ("fwd", "re", "bwd")
+
+
+class ModelTimer:
+    """Smoothed per-layer, per-action timings of one model. Thread-safe."""
+
+    VERBOSE: ClassVar[bool] = False
+    #: Decay of the exponential moving average (weight of the previous estimate).
+    SMOOTHING: ClassVar[float] = 0.9
+    #: Relative change of an estimate that makes re-planning worthwhile.
+    CHANGE_THRESHOLD: ClassVar[float] = 0.05
+    #: Forward seconds per parameter byte assumed before any layer has been timed.
+    STAND_IN_SECONDS_PER_BYTE: ClassVar[float] = 1e-10
+
+    def __init__(self, num_layers: int, layer_bytes: Sequence[int], name: str = "model") -> None:
+        """Args:
+        num_layers: layers of the model.
+        layer_bytes: parameter bytes of each layer (the stand-in before timings).
+        name: shown in VERBOSE lines.
+        """
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        if len(layer_bytes) != num_layers:
+            raise ValueError(
+                f"layer_bytes has {len(layer_bytes)} entries for {num_layers} layers; "
+                "give one per layer"
+            )
+        if any(b < 0 for b in layer_bytes):
+            raise ValueError("layer_bytes must be non-negative")
+        self.name = name
+        self._bytes = [float(b) for b in layer_bytes]
+        self._lock = threading.Lock()
+        self._average = {a: [0.0] * num_layers for a in _ACTIONS}
+        self._records = {a: [0] * num_layers for a in _ACTIONS}
+        # Estimate of each (action, layer) as of the last version bump; None until timed.
+        self._planned: dict[Action, list[float | None]] = {a: [None] * num_layers for a in _ACTIONS}
+        self._version = 0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._bytes)
+
+    @property
+    def version(self) -> int:
+        """Increases only when estimates changed enough to re-plan (see the module docstring)."""
+        with self._lock:
+            return self._version
+
+    def record(self, layer: int, action: Action, seconds: float) -> None:
+        """Fold one measured time of ``layer`` doing ``action`` into its estimate."""
+        in_range = isinstance(layer, int) and 0 <= layer < self.num_layers
+        if isinstance(layer, bool) or not in_range:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        if action not in _ACTIONS:
+            raise ValueError(f"action must be 'fwd', 're' or 'bwd', got {action!r}")
+        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"seconds must be a finite non-negative number, got {seconds!r}")
+        beta = self.SMOOTHING
+        with self._lock:
+            average = self._average[action]
+            records = self._records[action]
+            average[layer] = beta * average[layer] + (1 - beta) * seconds
+            records[layer] += 1
+            estimate = average[layer] / (1 - beta ** records[layer])
+            planned = self._planned[action]
+            before = planned[layer]
+            if before is None or abs(estimate - before) > self.CHANGE_THRESHOLD * before:
+                planned[layer] = estimate
+                self._version += 1
+        if ModelTimer.VERBOSE:
+            print(
+                f"[roundpipe.timer] {self.name} layer {layer} {action}: "
+                f"recorded {seconds * 1e3:.3f} ms, estimate {estimate * 1e3:.3f} ms",
+                file=sys.stderr,
+            )
+
+    def estimate(self, layer: int, action: Action) -> float | None:
+        """The smoothed time of ``layer`` doing ``action``, or None before its first record."""
+        with self._lock:
+            return self._estimate_locked(layer, action)
+
+    def profile(self, forward_bytes: Sequence[int], backward_bytes: Sequence[int]) -> LayerProfile:
+        """Current estimates of every layer, with byte-size stand-ins for untimed ones."""
+        with self._lock:
+            timed = [i for i in range(self.num_layers) if self._records["fwd"][i] > 0]
+            timed_bytes = sum(self._bytes[i] for i in timed)
+            per_byte = (
+                sum(self._estimate_locked(i, "fwd") or 0.0 for i in timed) / timed_bytes
+                if timed_bytes > 0
+                else self.STAND_IN_SECONDS_PER_BYTE
+            )
+            forward = [
+                self._estimate_or(i, "fwd", self._bytes[i] * per_byte)
+                for i in range(self.num_layers)
+            ]
+            recompute = [self._estimate_or(i, "re", forward[i]) for i in range(self.num_layers)]
+            backward = [self._estimate_or(i, "bwd", 2 * forward[i]) for i in range(self.num_layers)]
+        return LayerProfile(forward, recompute, backward, list(forward_bytes), list(backward_bytes))
+
+    def _estimate_locked(self, layer: int, action: Action) -> float | None:
+        records = self._records[action][layer]
+        if records == 0:
+            return None
+        return self._average[action][layer] / (1 - self.SMOOTHING**records)
+
+    def _estimate_or(self, layer: int, action: Action, stand_in: float) -> float:
+        estimate = self._estimate_locked(layer, action)
+        return stand_in if estimate is None else estimate
+
+
+__all__ = ["Action", "ModelTimer"]

@@ -1,0 +1,127 @@
+"""ModelTimer: bias-corrected moving averages, byte stand-ins, versioning and VERBOSE output."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from roundpipe.scheduler import LayerProfile
+from roundpipe.timer import ModelTimer
+
+
+def reference_estimate(records: list[float], beta: float) -> float:
+    """Bias-corrected EMA written out as the weighted sum it is."""
+    t = len(records)
+    weighted = sum(beta ** (t - 1 - i) * (1 - beta) * x for i, x in enumerate(records))
+    return weighted / (1 - beta**t)
+
+
+def test_estimate_is_bias_corrected_moving_average() -> None:
+    timer = ModelTimer(2, [10, 20])
+    records = [1.0, 3.0, 2.0, 2.5, 0.5]
+    for seconds in records:
+        timer.record(1, "bwd", seconds)
+    assert timer.estimate(1, "bwd") == pytest.approx(reference_estimate(records, 0.9))
+    assert timer.estimate(1, "fwd") is None
+    assert timer.estimate(0, "bwd") is None
+    timer.record(0, "re", 4.0)
+    assert timer.estimate(0, "re") == pytest.approx(4.0)  # first record taken as is
+
+
+def test_profile_stands_in_byte_sizes_before_timing() -> None:
+    timer = ModelTimer(3, [100, 300, 0])
+    profile = timer.profile([100, 300, 0], [200, 600, 0])
+    assert isinstance(profile, LayerProfile)
+    assert profile.forward_seconds[1] == pytest.approx(3 * profile.forward_seconds[0])
+    assert profile.forward_seconds[0] > 0 and profile.forward_seconds[2] == 0
+    assert list(profile.recompute_seconds) == list(profile.forward_seconds)
+    assert list(profile.backward_seconds) == [2 * f for f in profile.forward_seconds]
+    assert list(profile.forward_bytes) == [100, 300, 0]
+    assert list(profile.backward_bytes) == [200, 600, 0]
+
+
+def test_stand_ins_take_the_scale_of_timed_layers() -> None:
+    timer = ModelTimer(3, [100, 300, 50])
+    timer.record(0, "fwd", 2.0)  # 0.02 s per byte
+    timer.record(0, "bwd", 5.0)
+    profile = timer.profile([100, 300, 50], [200, 600, 100])
+    assert profile.forward_seconds == pytest.approx([2.0, 6.0, 1.0])
+    assert profile.recompute_seconds == pytest.approx([2.0, 6.0, 1.0])
+    assert profile.backward_seconds == pytest.approx([5.0, 12.0, 2.0])
+
+
+def test_version_moves_only_on_changes_that_matter() -> None:
+    timer = ModelTimer(2, [1, 1])
+    assert timer.version == 0
+    timer.record(0, "fwd", 1.0)
+    assert timer.version == 1  # first timing replaces a stand-in
+    timer.record(0, "fwd", 1.02)  # estimate moves ~1%: below the 5% threshold
+    timer.record(0, "fwd", 0.98)
+    assert timer.version == 1
+    timer.record(0, "fwd", 10.0)  # one record moving the estimate by far more than 5%
+    assert timer.version == 2
+    for _ in range(200):
+        timer.record(0, "fwd", 10.0)
+    converged = timer.version
+    assert converged > 2
+    for _ in range(20):
+        timer.record(0, "fwd", 10.0)
+    assert timer.version == converged  # a settled estimate no longer asks for a new plan
+
+
+def test_verbose_prints_record_and_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    timer = ModelTimer(2, [1, 1], name="encoder")
+    ModelTimer.VERBOSE = True
+    try:
+        timer.record(1, "re", 0.004)
+        timer.record(1, "re", 0.002)
+    finally:
+        ModelTimer.VERBOSE = False
+    timer.record(1, "re", 0.002)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2
+    assert "encoder layer 1 re: recorded 4.000 ms, estimate 4.000 ms" in lines[0]
+    expected = reference_estimate([0.004, 0.002], 0.9) * 1e3
+    assert f"recorded 2.000 ms, estimate {expected:.3f} ms" in lines[1]
+
+
+def test_records_from_many_threads_are_all_counted() -> None:
+    timer = ModelTimer(4, [1, 1, 1, 1])
+
+    def work(layer: int) -> None:
+        for _ in range(500):
+            timer.record(layer, "fwd", 1.0 + layer)
+            timer.profile([1] * 4, [2] * 4)
+
+    threads = [threading.Thread(target=work, args=(i % 4,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert timer._records["fwd"] == [1000] * 4
+    for layer in range(4):
+        assert timer.estimate(layer, "fwd") == pytest.approx(1.0 + layer)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ((5, "fwd", 1.0), "layer must be an int in [0, 2)"),
+        ((0, "up", 1.0), "action must be"),
+        ((0, "fwd", -1.0), "finite non-negative"),
+        ((0, "fwd", float("nan")), "finite"),
+    ],
+)
+def test_record_rejects_bad_arguments(args: tuple[object, ...], fragment: str) -> None:
+    timer = ModelTimer(2, [1, 1])
+    with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace(")", r"\)")):
+        timer.record(*args)  # type: ignore[arg-type]
+
+
+def test_constructor_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="num_layers"):
+        ModelTimer(0, [])
+    with pytest.raises(ValueError, match="one per layer"):
+        ModelTimer(2, [1])
+    with pytest.raises(ValueError, match="non-negative"):
+        ModelTimer(1, [-1])
