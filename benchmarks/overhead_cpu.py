@@ -1,4 +1,4 @@
-"""Runtime overhead on virtual CPU devices: a deep, narrow model where the pipeline's own cost shows.
+"""Runtime overhead on virtual CPU devices: a deep, narrow model shows the pipeline's own cost.
 
 RoundPipe's ``forward_backward`` against the plain PyTorch loop it is defined by, made comparable:
 per microbatch forward, loss and backward with every layer checkpointed (the same recompute work
@@ -17,17 +17,18 @@ import platform
 import statistics
 import time
 
+import roundpipe
 import torch
+from roundpipe import RoundPipe, RoundPipeRunConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-import roundpipe
-from roundpipe import RoundPipe, RoundPipeRunConfig
 
 
 def deep_narrow(layers: int, width: int) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)])
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)]
+    )
 
 
 def loss_fn(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
@@ -99,8 +100,10 @@ def main() -> None:
         f"# width {args.width}, {args.microbatches} microbatches x {args.rows} rows, "
         f"median of {args.iters}"
     )
-    header = "| layers | CPU devices | plain + checkpoint (ms) | RoundPipe (ms) | overhead / layer x mb (us) | ratio |"
-    print(header)
+    print(
+        "| layers | CPU devices | plain + checkpoint (ms) | RoundPipe (ms) "
+        "| overhead / layer x mb (us) | ratio |"
+    )
     print("|---:|---:|---:|---:|---:|---:|")
     for layers in args.layers:
         for devices in args.devices:

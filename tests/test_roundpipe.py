@@ -11,7 +11,7 @@ import copy
 import gc
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import roundpipe
@@ -19,7 +19,14 @@ import torch
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from torch import nn
 
-torch.set_default_dtype(torch.float64)
+
+@pytest.fixture(autouse=True)
+def float64_by_default() -> Iterator[None]:
+    """Tight comparisons: every tensor and module of these tests is float64."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def make_plan(fwd: list[range], bwd: list[range]) -> ModelExecutePlan:

@@ -7,26 +7,30 @@ import copy
 from collections.abc import Callable
 
 import pytest
-import torch
-from torch import nn
-
 import roundpipe
+import torch
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from torch import nn
 
 CONFIG = RoundPipeRunConfig(num_microbatch=2)
 
 
 def mlp(dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)).to(
-        dtype
-    )
+    return nn.Sequential(
+        nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)
+    ).to(dtype)
 
 
-def batches(count: int, dtype: torch.dtype = torch.float64) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    count: int, dtype: torch.dtype = torch.float64
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(7)
     return [
-        (torch.randn(6, 5, generator=generator).to(dtype), torch.randn(6, 3, generator=generator).to(dtype))
+        (
+            torch.randn(6, 5, generator=generator).to(dtype),
+            torch.randn(6, 3, generator=generator).to(dtype),
+        )
         for _ in range(count)
     ]
 
@@ -83,8 +87,6 @@ def test_asynchronous_steps_are_one_step_stale(num_devices: int) -> None:
         model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
         model.step(step_fn)  # async: writes back the previous step, queues this one
         plain_grads(live, x, y)
-        if theirs.state or any(p.grad is not None for p in master.parameters()):
-            pass
         live.load_state_dict(master.state_dict())  # the previous step's weights arrive
         for p, q in zip(master.parameters(), live.parameters(), strict=True):
             p.grad = q.grad
@@ -134,14 +136,15 @@ def test_step_fn_sees_optimizer_copies_and_names() -> None:
     copies = list(model.optim_parameters())
     assert all(c is not p for c, p in zip(copies, model.model.parameters(), strict=True))
     seen: list[list[nn.Parameter]] = []
-    model.forward_backward(input_args=(torch.randn(4, 5),), label=torch.randn(4, 3), loss_fn=mse)
+    x, y = batches(1)[0]
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
     model.step(lambda: seen.append(list(model.parameters())), is_async=False)
     assert [id(p) for p in seen[0]] == [id(c) for c in copies]
     with OptimizerCtx():
         with OptimizerCtx():
-            assert list(model.parameters())[0] is copies[0]
-        assert list(model.parameters())[0] is copies[0]
-    assert list(model.parameters())[0] is model.model[0].weight
+            assert next(iter(model.parameters())) is copies[0]
+        assert next(iter(model.parameters())) is copies[0]
+    assert next(iter(model.parameters())) is model.model[0].weight
 
 
 def test_step_fn_failure_surfaces_later_and_training_continues(num_devices: int) -> None:
@@ -166,7 +169,9 @@ def test_step_fn_failure_surfaces_later_and_training_continues(num_devices: int)
         for _ in range(1000):  # raised by the first forward after the step finished
             model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
     model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
-    assert any(not torch.equal(p, q) for p, q in zip(model.model.parameters(), reference.parameters()))
+    assert any(
+        not torch.equal(p, q) for p, q in zip(model.model.parameters(), reference.parameters())
+    )
 
 
 @pytest.mark.parametrize(
@@ -197,8 +202,13 @@ def test_optimizer_thread_starts_lazily() -> None:
         "m.synchronize()\n"
         "print(before, n())\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "ROUNDPIPE_CPU_DEVICES": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "ROUNDPIPE_CPU_DEVICES": "1"},
+    )
     assert result.returncode == 0, result.stderr
     before, after = map(int, result.stdout.split())
     assert after > before  # the copy engine and optimizer threads exist only once used

@@ -12,6 +12,23 @@ namespace py = pybind11;
 namespace roundpipe::bindings {
 namespace {
 
+// A Python exception raised inside a job on a native thread. Events re-raise their error on every
+// wait, and pybind11 may restore an error_already_set only once, so the exception object itself is
+// kept (released under the GIL) and raised afresh by the translator registered below.
+struct PythonJobError : std::exception {
+  explicit PythonJobError(std::shared_ptr<py::object> value) : exception(std::move(value)) {}
+  std::shared_ptr<py::object> exception;
+  const char* what() const noexcept override { return "Python exception in a RoundPipe job"; }
+};
+
+std::exception_ptr capture_python_error(const py::error_already_set& error) {
+  std::shared_ptr<py::object> exception(new py::object(error.value()), [](py::object* object) {
+    py::gil_scoped_acquire gil;
+    delete object;
+  });
+  return std::make_exception_ptr(PythonJobError(std::move(exception)));
+}
+
 executor::Lane parse_lane(const std::string& lane) {
   if (lane == "activation") return executor::Lane::kActivation;
   if (lane == "gradient") return executor::Lane::kGradient;
@@ -24,6 +41,15 @@ executor::Lane parse_lane(const std::string& lane) {
 void bind_runtime(py::module_& m) {
   using executor::Event;
   using executor::EventPtr;
+
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const PythonJobError& job_error) {
+      PyObject* exception = job_error.exception->ptr();
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exception)), exception);
+    }
+  });
 
   py::class_<Event, EventPtr>(m, "Event",
                               "Completion of an asynchronous copy, accumulation or compute step.")
@@ -75,6 +101,8 @@ void bind_runtime(py::module_& m) {
           try {
             (*holder)();
             done->complete();
+          } catch (const py::error_already_set& error) {
+            done->complete(capture_python_error(error));
           } catch (...) {
             done->complete(std::current_exception());
           }

@@ -20,11 +20,13 @@ from roundpipe.batch import (
     split_label,
 )
 from roundpipe.context import optimizer_context_active
+from roundpipe.device import device_count
 from roundpipe.memory import ModelMemory
 from roundpipe.pipeline import Call, LayerRunner, ResidentStage, Step, run_steps, to_host
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, resolve_run_config
-from roundpipe.scheduler import ModelExecutePlan
+from roundpipe.scheduler import LayerProfile, ModelExecutePlan
 from roundpipe.step import StepPipeline
+from roundpipe.timer import ModelTimer
 
 _PIN_MODES = ("alloc", "register", "off")
 
@@ -101,8 +103,14 @@ class RoundPipe(nn.Module):
         state["pin_model"] = pin_model
         state["layers"] = layers
         state["original_model"] = None
-        state["_memory"] = ModelMemory(layers, pin_model)
-        state["_runner"] = LayerRunner(state["name"], layers, state["_memory"], None)
+        state["_param_names"] = list(model.named_parameters(remove_duplicate=False))
+        memory = ModelMemory(layers, pin_model)
+        state["_memory"] = memory
+        state["_timer"] = ModelTimer(
+            len(layers), [layer.param_bytes for layer in memory.layers], state["name"]
+        )
+        state["_runner"] = LayerRunner(state["name"], layers, memory, state["_timer"])
+        state["_plans"] = {}
         state["_pending"] = []
         state["_grads_dirty"] = False
         state["_grads_published"] = False
@@ -158,18 +166,16 @@ class RoundPipe(nn.Module):
     def optim_named_parameters(
         self, prefix: str = "", remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Named optimizer copies; names are the model's parameter names prefixed ``model.``."""
+        """Named optimizer copies; names are the model's parameter names prefixed ``model.``.
+
+        Safe on the optimizer thread while a call runs (the names were recorded at
+        construction; the module tree is bound to device copies during a stage)."""
         copies = self.__dict__["_steps"].copies()
         seen: set[int] = set()
-        for name, param in self.__dict__["model"].named_parameters(
-            prefix=f"{prefix}{'.' if prefix else ''}model", remove_duplicate=remove_duplicate
-        ):
-            if not param.requires_grad:
-                continue
-            if remove_duplicate and id(param) in seen:
-                continue
-            seen.add(id(param))
-            yield name, copies[id(param)]
+        for name, param in self.__dict__["_param_names"]:
+            if param.requires_grad and not (remove_duplicate and id(param) in seen):
+                seen.add(id(param))
+                yield f"{prefix}{'.' if prefix else ''}model.{name}", copies[id(param)]
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """Optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
@@ -338,12 +344,28 @@ class RoundPipe(nn.Module):
         return resolve_run_config(call_config, self.__dict__["model_run_config"])
 
     def _plan(self, config: ResolvedRunConfig, run_type: str) -> ModelExecutePlan:
-        num_layers = len(self.__dict__["layers"])
+        """The call's plan: the explicit one (validated), or an automatic one that is re-planned
+        only when the layer timings or the device pool changed."""
+        state = self.__dict__
         plan = config.execute_plan
-        if plan is None:
-            plan = ModelExecutePlan.auto(run_type, self)
-        plan.validate(num_layers, run_type)  # type: ignore[arg-type]
-        return plan
+        if plan is not None:
+            plan.validate(len(state["layers"]), run_type)  # type: ignore[arg-type]
+            return plan
+        key = (run_type, device_count())
+        version = state["_timer"].version
+        cached = state["_plans"].get(key)
+        if cached is None or cached[0] != version:
+            cached = (version, ModelExecutePlan.auto(run_type, self))
+            state["_plans"][key] = cached
+        return cached[1]
+
+    def _layer_profile(self) -> LayerProfile:
+        """Per-layer time estimates and device memory, for ``ModelExecutePlan.auto``."""
+        layers = self.__dict__["_memory"].layers
+        return self.__dict__["_timer"].profile(
+            [layer.param_bytes for layer in layers],
+            [layer.param_bytes + layer.grad_bytes for layer in layers],
+        )
 
     def _new_call(self, config: ResolvedRunConfig, saving: bool) -> Call:
         return Call(

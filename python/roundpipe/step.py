@@ -110,8 +110,14 @@ class StepPipeline:
                         slot.param.copy_(master)
 
     def raise_if_failed(self) -> None:
-        """Re-raise a finished step's error without waiting for a running one."""
-        if self._job is not None and self._job.query():
+        """Re-raise a finished step's error without waiting for a running one. A step that
+        succeeded keeps its write-back for the next ``step()`` (staleness 1)."""
+        job = self._job
+        if job is None or not job.query():
+            return
+        try:
+            job.synchronize()
+        except BaseException:
             self.finish()
 
 
