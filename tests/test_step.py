@@ -170,7 +170,8 @@ def test_step_fn_failure_surfaces_later_and_training_continues(num_devices: int)
             model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
     model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
     assert any(
-        not torch.equal(p, q) for p, q in zip(model.model.parameters(), reference.parameters())
+        not torch.equal(p, q)
+        for p, q in zip(model.model.parameters(), reference.parameters(), strict=True)
     )
 
 
