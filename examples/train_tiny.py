@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-from torch import nn
-
 import roundpipe
+import torch
 from roundpipe import RoundPipe, RoundPipeRunConfig
+from torch import nn
 
 
 class Block(nn.Module):
