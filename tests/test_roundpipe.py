@@ -526,3 +526,54 @@ def test_soak_memory_and_threads_stay_flat() -> None:
     assert os_threads() == threads
     assert rss_bytes() - rss < 8 * 2**20, "resident memory grew by more than 8 MiB"
     assert threading.active_count() >= 1
+
+
+class Recorder(nn.Module):
+    """Records (layer, forward call count) in execution order; recompute is not recorded."""
+
+    def __init__(self, index: int, log: list[tuple[int, int]]) -> None:
+        super().__init__()
+        self.index, self.log, self.calls = index, log, 0
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not roundpipe.doing_recompute():
+            self.log.append((self.index, self.calls))
+            self.calls += 1
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_runtime_runs_stages_in_the_simulators_order(
+    devices: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from roundpipe import _C, pipeline
+
+    roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
+    log: list[tuple[int, int]] = []
+    layers, microbatches = 5, 3
+    model = RoundPipe(nn.Sequential(*[Recorder(i, log) for i in range(layers)]))
+    assigned: list[int] = []
+    next_device = pipeline._next_device
+    monkeypatch.setattr(
+        pipeline, "_next_device", lambda: assigned.append(next_device()) or assigned[-1]
+    )
+    plan = make_plan([range(i, i + 1) for i in range(layers)], [])
+    with torch.no_grad():
+        model(
+            torch.randn(6, 3),
+            roundpipe_run_config=RoundPipeRunConfig(num_microbatch=microbatches, execute_plan=plan),
+        )
+    _, schedule = _C.simulate_schedule([1.0] * layers, devices, microbatches)
+    # Stage s went to device (first + s) mod D in the runtime and to s mod D in the simulator.
+    assert assigned == [(assigned[0] + s) % devices for s in range(layers)]
+    for device in range(devices):
+        simulated = [
+            (stage, mb)
+            for stage, mb, d, _, _ in sorted(schedule, key=lambda e: e[3])
+            if d == device
+        ]
+        ran = [
+            (stage, mb) for stage, mb in log if assigned[stage] == (assigned[0] + device) % devices
+        ]
+        assert ran == simulated
