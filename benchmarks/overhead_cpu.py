@@ -90,7 +90,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="rows per microbatch")
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     print(
         f"# torch {torch.__version__}, roundpipe {roundpipe.__version__}, "

@@ -29,6 +29,7 @@ from roundpipe.step import StepPipeline
 from roundpipe.timer import ModelTimer
 
 _PIN_MODES = ("alloc", "register", "off")
+_OWN_KEYS = "_roundpipe."  # state_dict prefix of RoundPipe's own entries
 
 
 def _default_name() -> str:
@@ -171,11 +172,9 @@ class RoundPipe(nn.Module):
         Safe on the optimizer thread while a call runs (the names were recorded at
         construction; the module tree is bound to device copies during a stage)."""
         copies = self.__dict__["_steps"].copies()
-        seen: set[int] = set()
-        for name, param in self.__dict__["_param_names"]:
-            if param.requires_grad and not (remove_duplicate and id(param) in seen):
-                seen.add(id(param))
-                yield f"{prefix}{'.' if prefix else ''}model.{name}", copies[id(param)]
+        dotted = f"{prefix}." if prefix else ""
+        for name, param in self._trainable_named_parameters():
+            yield f"{dotted}model.{name}", copies[id(param)]
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """Optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
@@ -334,7 +333,102 @@ class RoundPipe(nn.Module):
                 slot.param.grad = memory.grad_view(slot)
         self.__dict__["_grads_published"] = True
 
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The model's state after draining pending work (the optimizer thread included), plus
+        RoundPipe's own: the optimizer copies (``_roundpipe.optim.<name>``) and gradients
+        accumulated but not yet stepped (``_roundpipe.grads``).
+
+        Checkpoint recipe (consistent with the asynchronous optimizer)::
+
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            torch.save(state, path)
+            ...
+            model.load_state_dict(state["model"])  # before creating or loading the optimizer
+            optimizer.load_state_dict(state["optimizer"])
+        """
+        self._drain()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a ``state_dict()`` of this (or a plain) model; pending work is drained first.
+
+        Without ``_roundpipe.optim.*`` entries (a plain model's checkpoint), existing optimizer
+        copies are refreshed from the loaded parameters."""
+        if assign:
+            raise ValueError(
+                "assign=True would replace the parameters that RoundPipe keeps in its host arena; "
+                "load with assign=False"
+            )
+        self._drain()
+        result = super().load_state_dict(state_dict, strict=strict)
+        state = self.__dict__
+        saved_copies = state.pop("_loaded_copies", {})
+        steps = state["_steps"]
+        if saved_copies or steps.has_copies():
+            with torch.no_grad():
+                for (name, copy), (_, param) in zip(
+                    self.optim_named_parameters(), self._trainable_named_parameters(), strict=True
+                ):
+                    copy.copy_(saved_copies.get(name, param))
+        return result
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        state = self.__dict__
+        if state["_steps"].has_copies():
+            for name, copy in self.optim_named_parameters():
+                destination[f"{prefix}{_OWN_KEYS}optim.{name}"] = copy.detach().clone()
+        if state["_grads_dirty"]:
+            destination[f"{prefix}{_OWN_KEYS}grads"] = state["_memory"].grads.clone()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict,
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        own = f"{prefix}{_OWN_KEYS}"
+        unexpected_keys[:] = [key for key in unexpected_keys if not key.startswith(own)]
+        state = self.__dict__
+        grads = state_dict.get(f"{own}grads")
+        arena = state["_memory"].grads
+        if grads is not None:
+            if grads.shape != arena.shape:
+                error_msgs.append(
+                    f"{own}grads holds {grads.numel()} bytes but this model's gradient arena "
+                    f"{arena.numel()}: the checkpoint is of another model"
+                )
+            else:
+                with torch.no_grad():
+                    arena.copy_(grads)
+                state["_grads_dirty"] = True
+        optim = f"{own}optim."
+        state["_loaded_copies"] = {
+            key[len(optim) :]: value for key, value in state_dict.items() if key.startswith(optim)
+        }
+
+    def _trainable_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()
+        for name, param in self.__dict__["_param_names"]:
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                yield name, param
+
     # -- internals ---------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Finish every pending transfer and optimizer step (weights written back)."""
+        self._wait_pending()
+        self.__dict__["_steps"].finish()
 
     def _resolve(self, call_config: RoundPipeRunConfig) -> ResolvedRunConfig:
         if not isinstance(call_config, RoundPipeRunConfig):

@@ -60,6 +60,9 @@ class StepPipeline:
             }
         return self._copies
 
+    def has_copies(self) -> bool:
+        return self._copies is not None
+
     def step(self, step_fn: Callable[..., Any], is_async: bool, args: Any, kwargs: Any) -> None:
         """Queue one optimizer step over the gradients accumulated so far (already complete)."""
         self.finish()
