@@ -7,5 +7,6 @@
 namespace roundpipe::bindings {
 
 void bind_devices(pybind11::module_& m);
+void bind_optim(pybind11::module_& m);
 
 }  // namespace roundpipe::bindings

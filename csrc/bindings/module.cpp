@@ -42,4 +42,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", &build_info,
         "Package version, torch version built against, CUDA on/off, compiler and SIMD levels.");
   roundpipe::bindings::bind_devices(m);
+  roundpipe::bindings::bind_optim(m);
 }
