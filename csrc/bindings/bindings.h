@@ -9,5 +9,6 @@ namespace roundpipe::bindings {
 void bind_devices(pybind11::module_& m);
 void bind_runtime(pybind11::module_& m);
 void bind_planner(pybind11::module_& m);
+void bind_optim(pybind11::module_& m);
 
 }  // namespace roundpipe::bindings

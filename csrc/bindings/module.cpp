@@ -44,4 +44,5 @@ PYBIND11_MODULE(_C, m) {
   roundpipe::bindings::bind_devices(m);
   roundpipe::bindings::bind_runtime(m);
   roundpipe::bindings::bind_planner(m);
+  roundpipe::bindings::bind_optim(m);
 }

@@ -1,0 +1,77 @@
+// AVX2 kernels (8 floats per vector; F16C for fp16). Compiled with -mavx2 -mfma -mf16c and run only
+// when the CPU reports AVX2 and FMA. FMA is deliberately not used (see kernel_impl.h).
+#include <immintrin.h>
+
+#include "optim/kernel_impl.h"
+#include "optim/kernels.h"
+
+namespace roundpipe::optim::kernels {
+namespace {
+
+struct Avx2Isa {
+  using F = __m256;
+  static constexpr std::int64_t kWidth = 8;
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  template <DType G>
+  static F load_as(const void* base, std::int64_t i) {
+    if constexpr (G == DType::kFloat32) {
+      return load(static_cast<const float*>(base) + i);
+    } else {
+      const __m128i half = _mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(static_cast<const std::uint16_t*>(base) + i));
+      if constexpr (G == DType::kBFloat16) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+      } else {
+        return _mm256_cvtph_ps(half);
+      }
+    }
+  }
+  template <DType O>
+  static void store_as(void* base, std::int64_t i, F x) {
+    auto* out = reinterpret_cast<__m128i*>(static_cast<std::uint16_t*>(base) + i);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    if constexpr (O == DType::kBFloat16) {
+      const __m256i bits = _mm256_castps_si256(x);
+      const __m256i lowest_kept =
+          _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+      __m256i rounded = _mm256_srli_epi32(
+          _mm256_add_epi32(bits, _mm256_add_epi32(lowest_kept, _mm256_set1_epi32(0x7FFF))), 16);
+      rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
+      // packus interleaves the two 128-bit lanes; the permute puts the 8 results in order.
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0xD8);
+      _mm_storeu_si128(out, _mm256_castsi256_si128(packed));
+    } else {
+      // A quiet NaN with no payload converts to the canonical sign|0x7E00 of the scalar path.
+      const __m256 canonical_nan = _mm256_or_ps(_mm256_and_ps(x, _mm256_set1_ps(-0.0f)),
+                                                _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)));
+      x = _mm256_blendv_ps(x, canonical_nan, nan);
+      _mm_storeu_si128(out, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+  }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static F neg(F a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static bool any_nan(F a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
+};
+
+}  // namespace
+
+void adam_avx2(const AdamCoefficients& c, const AdamBuffers& b, std::int64_t begin,
+               std::int64_t end) {
+  adam_scalar(c, b, adam_dispatch<Avx2Isa>(c, b, begin, end), end);
+}
+
+bool grad_pass_avx2(GradMode mode, const GradBuffers& b, std::int64_t begin, std::int64_t end) {
+  bool finite = true;
+  const std::int64_t tail = grad_dispatch<Avx2Isa>(mode, b, begin, end, finite);
+  const bool tail_finite = grad_pass_scalar(mode, b, tail, end);
+  return finite && tail_finite;
+}
+
+}  // namespace roundpipe::optim::kernels

@@ -1,0 +1,104 @@
+// The portable kernels (baseline x86-64 / any CPU), the exact dtype conversions, and the tails of
+// the SIMD kernels.
+#include <bit>
+#include <cmath>
+
+#include "optim/kernel_impl.h"
+#include "optim/kernels.h"
+
+namespace roundpipe::optim {
+
+float bf16_to_float(std::uint16_t bits) {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
+}
+
+std::uint16_t float_to_bf16(float value) {
+  if (std::isnan(value)) return 0x7FC0;
+  const auto bits = std::bit_cast<std::uint32_t>(value);
+  // Adding 0x7FFF plus the kept part's lowest bit rounds the dropped half to nearest, ties to even.
+  return static_cast<std::uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+float fp16_to_float(std::uint16_t bits) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(bits & 0x8000u) << 16;
+  const std::uint32_t exponent = (bits >> 10) & 0x1Fu;
+  const std::uint32_t mantissa = bits & 0x3FFu;
+  if (exponent == 0x1F) {
+    // inf, or NaN made quiet (as the F16C instruction does).
+    const std::uint32_t quiet = mantissa != 0 ? 0x00400000u : 0u;
+    return std::bit_cast<float>(sign | 0x7F800000u | quiet | (mantissa << 13));
+  }
+  if (exponent == 0) {
+    // Zero or subnormal: mantissa * 2^-24 is exact in float.
+    const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
+    return std::bit_cast<float>(sign | std::bit_cast<std::uint32_t>(magnitude));
+  }
+  return std::bit_cast<float>(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+std::uint16_t float_to_fp16(float value) {
+  const auto bits = std::bit_cast<std::uint32_t>(value);
+  const auto sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000u);
+  const std::uint32_t magnitude = bits & 0x7FFFFFFFu;
+  if (magnitude > 0x7F800000u) return sign | 0x7E00u;
+  // 65520 (halfway between the largest half, 65504, and 2^16) and above round to infinity.
+  if (magnitude >= 0x477FF000u) return sign | 0x7C00u;
+  if (magnitude < 0x38800000u) {
+    // Below the smallest normal half (2^-14): the float sum with 0.5 (whose ulp is 2^-24, the
+    // subnormal half's step) rounds to nearest even, leaving the half's mantissa in its low bits.
+    const float sum = std::bit_cast<float>(magnitude) + 0.5f;
+    return sign | static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(sum) - 0x3F000000u);
+  }
+  const std::uint32_t rounded = magnitude + 0xFFFu + ((magnitude >> 13) & 1u);
+  return sign | static_cast<std::uint16_t>((rounded >> 13) - (112u << 10));
+}
+
+namespace kernels {
+namespace {
+
+struct ScalarIsa {
+  using F = float;
+  static constexpr std::int64_t kWidth = 1;
+  static F set1(float x) { return x; }
+  static F load(const float* p) { return *p; }
+  static void store(float* p, F x) { *p = x; }
+  template <DType G>
+  static F load_as(const void* base, std::int64_t i) {
+    if constexpr (G == DType::kFloat32) {
+      return static_cast<const float*>(base)[i];
+    } else if constexpr (G == DType::kBFloat16) {
+      return bf16_to_float(static_cast<const std::uint16_t*>(base)[i]);
+    } else {
+      return fp16_to_float(static_cast<const std::uint16_t*>(base)[i]);
+    }
+  }
+  template <DType O>
+  static void store_as(void* base, std::int64_t i, F x) {
+    auto* out = static_cast<std::uint16_t*>(base) + i;
+    *out = O == DType::kBFloat16 ? float_to_bf16(x) : float_to_fp16(x);
+  }
+  static F add(F a, F b) { return a + b; }
+  static F sub(F a, F b) { return a - b; }
+  static F mul(F a, F b) { return a * b; }
+  static F div(F a, F b) { return a / b; }
+  static F sqrt(F a) { return std::sqrt(a); }
+  static F neg(F a) { return -a; }
+  static F max(F a, F b) { return a > b ? a : b; }
+  static bool any_nan(F a) { return std::isnan(a); }
+};
+
+}  // namespace
+
+void adam_scalar(const AdamCoefficients& c, const AdamBuffers& b, std::int64_t begin,
+                 std::int64_t end) {
+  adam_dispatch<ScalarIsa>(c, b, begin, end);
+}
+
+bool grad_pass_scalar(GradMode mode, const GradBuffers& b, std::int64_t begin, std::int64_t end) {
+  bool finite = true;
+  grad_dispatch<ScalarIsa>(mode, b, begin, end, finite);
+  return finite;
+}
+
+}  // namespace kernels
+}  // namespace roundpipe::optim

@@ -1,0 +1,334 @@
+"""Host optimizers compiled ahead of time in ``roundpipe._C``.
+
+:class:`Adam` is a drop-in replacement for :class:`torch.optim.Adam` (and for
+:class:`torch.optim.AdamW` with ``decoupled_weight_decay=True``) on fp32 CPU parameters: same
+arguments, same ``state`` keys and ``state_dict`` layout (interchangeable with torch's), results
+within float rounding of torch. The update is one native pass per parameter group with SIMD
+(scalar, AVX2 or AVX-512, picked for the CPU in use; ``ROUNDPIPE_SIMD`` lowers it) on a native
+thread pool, with the GIL released.
+
+For the RoundPipe runtime, :meth:`Adam.step_fused` additionally reads low-precision gradients,
+unscales them (GradScaler), and writes the new weights as bf16/fp16 into the model's parameter
+buffers in the same pass; :func:`fused_writeback` gives a plain :meth:`Adam.step` (called from a
+user's ``step_fn``) that same write-back.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from roundpipe._native import _C
+
+__all__ = ["Adam", "fused_writeback"]
+
+# One native call per param group: (group, params, grads, low-precision targets).
+_GroupCall = tuple[dict[str, Any], list[Tensor], list[Tensor], list["Tensor | None"]]
+
+_warned: set[str] = set()
+_writeback = threading.local()
+
+
+def _warn_once(option: str) -> None:
+    if option in _warned:
+        return
+    _warned.add(option)
+    warnings.warn(
+        f"roundpipe.optim.Adam ignores {option}=: it always runs its own fused multi-threaded "
+        "SIMD kernel on the host",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _as_float(value: Any, name: str) -> float:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {name} must be 1-element")
+        return float(value.item())
+    return float(value)
+
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOWP_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_companion(
+    tensor: Tensor, param: Tensor, name: str, dtypes: tuple[torch.dtype, ...]
+) -> None:
+    """Checks a tensor read or written beside ``param``, so no group is updated before an error."""
+    if tensor.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must be {allowed}, got {tensor.dtype}")
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous CPU tensor, got {tensor.device} "
+            f"(contiguous={tensor.is_contiguous()})"
+        )
+    if tensor.numel() != param.numel():
+        raise ValueError(
+            f"{name} has {tensor.numel()} elements but its parameter has {param.numel()}"
+        )
+
+
+def _scalar_dtype() -> torch.dtype:
+    # torch.optim keeps `step` in float64 only when that is the default dtype.
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+@contextmanager
+def fused_writeback(targets: Mapping[Tensor, Tensor]) -> Iterator[set[Tensor]]:
+    """Makes :meth:`Adam.step` on this thread also write the new weights into ``targets``.
+
+    ``targets`` maps an fp32 parameter (an optimizer master copy) to a bf16/fp16 tensor with the
+    same number of elements (a view of the model's flat parameter buffer). The context yields a
+    set that receives every parameter whose low-precision copy was written, so the caller needs
+    to cast back only the others. Contexts nest; the innermost one applies.
+    """
+    written: set[Tensor] = set()
+    previous = getattr(_writeback, "active", None)
+    _writeback.active = (targets, written)
+    try:
+        yield written
+    finally:
+        _writeback.active = previous
+
+
+class Adam(torch.optim.Optimizer):
+    """Adam / AdamW on fp32 CPU parameters, with the arguments of :class:`torch.optim.Adam`.
+
+    ``foreach`` and ``fused`` are accepted for compatibility, warned about once and ignored.
+    ``capturable=True`` and ``differentiable=True`` are not supported on the host (ValueError).
+    ``lr`` and ``betas`` may be floats or one-element tensors (read at every step).
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
+    ) -> None:
+        if not 0.0 <= _as_float(lr, "lr"):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        for index, beta in enumerate(betas):
+            if not 0.0 <= _as_float(beta, f"betas[{index}]") < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
+        if isinstance(betas[0], Tensor) != isinstance(betas[1], Tensor):
+            raise ValueError("betas must be either both floats or both Tensors")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        for option, value in (("capturable", capturable), ("differentiable", differentiable)):
+            if value:
+                raise ValueError(
+                    f"roundpipe.optim.Adam does not support {option}=True: it updates fp32 "
+                    f"parameters on the host outside autograd; use torch.optim.Adam for that"
+                )
+        for option, value in (("foreach", foreach), ("fused", fused)):
+            if value is not None:
+                _warn_once(option)
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+            "foreach": foreach,
+            "capturable": capturable,
+            "differentiable": differentiable,
+            "fused": fused,
+            "decoupled_weight_decay": decoupled_weight_decay,
+        }
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a group after checking its parameters are fp32 CPU tensors (see torch)."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for item in params:
+            param = item[1] if isinstance(item, tuple) else item
+            if isinstance(param, Tensor) and (
+                param.dtype != torch.float32 or param.device.type != "cpu"
+            ):
+                raise ValueError(
+                    f"roundpipe.optim.Adam updates float32 CPU parameters, got {param.dtype} on "
+                    f"{param.device}; for a low-precision RoundPipe model pass "
+                    f"optim_dtype=torch.float32 and optimize model.optim_parameters()"
+                )
+        super().add_param_group({**param_group, "params": params})
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+            group.setdefault("decoupled_weight_decay", False)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Performs one optimization step (``closure`` re-evaluates the loss, as in torch)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        active = getattr(_writeback, "active", None)
+        if active is None:
+            self._apply(self._collect(None, None))
+            return loss
+        targets, written = active
+        lowp = [targets.get(p) for group in self.param_groups for p in group["params"]]
+        calls = self._collect(None, lowp)
+        self._apply(calls)
+        for _, params, _, group_lowp in calls:
+            written.update(p for p, t in zip(params, group_lowp, strict=True) if t is not None)
+        return loss
+
+    @torch.no_grad()
+    def step_fused(
+        self,
+        grads: Sequence[Tensor | None] | None = None,
+        *,
+        grad_scale_inv: float = 1.0,
+        lowp_params: Sequence[Tensor | None] | None = None,
+        check_finite: bool = True,
+    ) -> bool:
+        """One step reading ``grads`` instead of ``param.grad``, for the RoundPipe runtime.
+
+        Args:
+            grads: one gradient (fp32, bf16 or fp16, same number of elements) or ``None`` per
+                parameter, in ``param_groups`` order; ``None`` for the list means ``p.grad``.
+                A parameter whose gradient is ``None`` is skipped, as in :meth:`step`.
+            grad_scale_inv: every gradient is multiplied by it as it is read (a GradScaler's
+                ``1 / scale``); the result is bit-identical to unscaling an fp32 copy first.
+            lowp_params: one bf16/fp16 tensor (or ``None``) per parameter that receives the
+                updated weight in the same pass, bit-identical to ``param.to(dtype)``.
+            check_finite: when true, first check every gradient for inf/NaN (a read-only
+                pass) and skip the whole step if one is found.
+
+        Returns:
+            ``False`` if the step was skipped because a gradient was not finite, else ``True``.
+        """
+        params = [p for group in self.param_groups for p in group["params"]]
+        for name, values in (("grads", grads), ("lowp_params", lowp_params)):
+            if values is not None and len(values) != len(params):
+                raise ValueError(
+                    f"{name} has {len(values)} entries but the optimizer has {len(params)} "
+                    f"parameters; pass one (or None) per parameter in param_groups order"
+                )
+        calls = self._collect(grads, lowp_params)
+        present = [grad for _, _, group_grads, _ in calls for grad in group_grads]
+        if check_finite and not _C.all_finite(present, torch.get_num_threads()):
+            return False
+        self._apply(calls, grad_scale_inv)
+        return True
+
+    def _apply(self, calls: list[_GroupCall], grad_scale_inv: float = 1.0) -> None:
+        for group, params, grads, lowp in calls:
+            self._update_group(group, params, grads, grad_scale_inv, lowp)
+
+    def _collect(
+        self,
+        grads: Sequence[Tensor | None] | None,
+        lowp_params: Sequence[Tensor | None] | None,
+    ) -> list[_GroupCall]:
+        """Pairs every parameter that has a gradient with its inputs, validating all of them
+        before any group is updated."""
+        calls: list[_GroupCall] = []
+        index = 0
+        for group in self.param_groups:
+            params: list[Tensor] = []
+            group_grads: list[Tensor] = []
+            lowp: list[Tensor | None] = []
+            for param in group["params"]:
+                grad = param.grad if grads is None else grads[index]
+                target = None if lowp_params is None else lowp_params[index]
+                index += 1
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError(
+                        "Adam does not support sparse gradients, please consider SparseAdam instead"
+                    )
+                _check_companion(
+                    grad, param, f"the gradient of parameter {index - 1}", _GRAD_DTYPES
+                )
+                if target is not None:
+                    _check_companion(target, param, f"lowp_params[{index - 1}]", _LOWP_DTYPES)
+                params.append(param)
+                group_grads.append(grad)
+                lowp.append(target)
+            if params:
+                calls.append((group, params, group_grads, lowp))
+        return calls
+
+    def _update_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        grad_scale_inv: float,
+        lowp: list[Tensor | None],
+    ) -> None:
+        exp_avgs: list[Tensor] = []
+        exp_avg_sqs: list[Tensor] = []
+        max_exp_avg_sqs: list[Tensor] = []
+        steps: list[Tensor] = []
+        for param in params:
+            state = self.state[param]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(
+                        param, memory_format=torch.preserve_format
+                    )
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            if group["amsgrad"]:
+                max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        _C.adam_step(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs if group["amsgrad"] else None,
+            steps,
+            lr=_as_float(group["lr"], "lr"),
+            beta1=_as_float(beta1, "betas[0]"),
+            beta2=_as_float(beta2, "betas[1]"),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            amsgrad=bool(group["amsgrad"]),
+            maximize=bool(group["maximize"]),
+            decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
+            grad_scale_inv=float(grad_scale_inv),
+            lowp_params=lowp if any(t is not None for t in lowp) else None,
+            num_threads=torch.get_num_threads(),
+        )

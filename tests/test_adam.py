@@ -1,0 +1,395 @@
+"""roundpipe.optim.Adam and the host gradient kernels against plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import roundpipe.optim as rp_optim
+import torch
+from roundpipe import _C
+from roundpipe.optim import Adam
+
+SIZES = [0, 1, 7, 17, 1000, 4099, 1 << 20]
+OPTIONS = [
+    {"weight_decay": wd, "amsgrad": ams, "maximize": mx, "decoupled_weight_decay": dec}
+    for wd, ams, mx, dec in itertools.product(
+        [0.0, 0.1], [False, True], [False, True], [False, True]
+    )
+]
+
+
+def make_params(sizes: list[int], seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=generator) for n in sizes]
+
+
+def grads_for(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=generator) for p in params]
+
+
+def run_both(ours: torch.optim.Optimizer, theirs: torch.optim.Optimizer, steps: int) -> None:
+    mine = [p for g in ours.param_groups for p in g["params"]]
+    reference = [p for g in theirs.param_groups for p in g["params"]]
+    for step in range(steps):
+        for p, q, g in zip(mine, reference, grads_for(reference, step), strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+
+
+def assert_same_optimizer_state(ours: torch.optim.Optimizer, theirs: torch.optim.Optimizer) -> None:
+    mine = [p for g in ours.param_groups for p in g["params"]]
+    reference = [p for g in theirs.param_groups for p in g["params"]]
+    for p, q in zip(mine, reference, strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)
+        assert ours.state[p].keys() == theirs.state[q].keys()
+        for key, value in theirs.state[q].items():
+            assert ours.state[p][key].dtype == value.dtype, key
+            torch.testing.assert_close(ours.state[p][key], value, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items())
+)
+def test_matches_torch_adam_for_every_option(options: dict[str, object]) -> None:
+    reference = make_params(SIZES)
+    mine = [p.clone() for p in reference]
+    ours = Adam(mine, lr=1e-2, **options)
+    theirs = torch.optim.Adam(reference, lr=1e-2, foreach=False, **options)
+    run_both(ours, theirs, steps=12)
+    assert_same_optimizer_state(ours, theirs)
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "fused"])
+def test_matches_torch_adamw_and_torch_vectorised_paths(implementation: str) -> None:
+    reference = make_params([4099, 17, 1])
+    mine = [p.clone() for p in reference]
+    ours = Adam(mine, lr=3e-3, betas=(0.8, 0.95), weight_decay=0.05, decoupled_weight_decay=True)
+    theirs = torch.optim.AdamW(
+        reference, lr=3e-3, betas=(0.8, 0.95), weight_decay=0.05, **{implementation: True}
+    )
+    run_both(ours, theirs, steps=10)
+    assert_same_optimizer_state(ours, theirs)
+
+
+def test_tensor_lr_and_betas_scheduler_and_param_groups() -> None:
+    reference = make_params([1000, 7, 33])
+    mine = [p.clone() for p in reference]
+
+    def groups(params: list[torch.Tensor]) -> list[dict[str, object]]:
+        return [
+            {"params": params[:2]},
+            {
+                "params": params[2:],
+                "amsgrad": True,
+                "betas": (torch.tensor(0.3), torch.tensor(0.9)),
+            },
+        ]
+
+    lr = torch.tensor(0.02)
+    ours = Adam(groups(mine), lr=lr.clone(), betas=(torch.tensor(0.9), torch.tensor(0.99)))
+    theirs = torch.optim.Adam(
+        groups(reference),
+        lr=lr.clone(),
+        betas=(torch.tensor(0.9), torch.tensor(0.99)),
+        foreach=False,
+    )
+    schedulers = [
+        torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (ours, theirs)
+    ]
+    for step in range(10):
+        run_both(ours, theirs, steps=1)
+        for scheduler in schedulers:
+            scheduler.step()
+        assert ours.param_groups[0]["lr"] == theirs.param_groups[0]["lr"], step
+    assert_same_optimizer_state(ours, theirs)
+
+
+def test_params_without_grad_are_skipped_like_torch() -> None:
+    reference = make_params([10, 10])
+    mine = [p.clone() for p in reference]
+    ours, theirs = Adam(mine), torch.optim.Adam(reference, foreach=False)
+    for optimizer, params in ((ours, mine), (theirs, reference)):
+        params[0].grad = torch.ones(10)
+        optimizer.step()
+    assert_same_optimizer_state(ours, theirs)
+    assert not ours.state.get(mine[1]) and not theirs.state.get(reference[1])
+
+
+SIMD_SCRIPT = """
+import sys, torch
+from roundpipe import _C
+from roundpipe.optim import Adam
+assert _C.build_info()["simd_active"] == sys.argv[1], _C.build_info()
+torch.manual_seed(0)
+params = [torch.randn(n) for n in (0, 1, 7, 17, 1000, 4099)]
+lowp = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
+optimizer = Adam(params, lr=1e-2, amsgrad=True, weight_decay=0.1)
+for step in range(5):
+    grads = [torch.randn(p.shape).to(torch.float16) for p in params]
+    optimizer.step_fused(grads, grad_scale_inv=0.5, lowp_params=lowp)
+torch.save({"params": params, "lowp": lowp, "state": optimizer.state_dict()}, sys.argv[2])
+"""
+
+
+def test_every_simd_level_gives_identical_results(tmp_path: object) -> None:
+    detected = _C.build_info()["simd_detected"]
+    levels = ["scalar", "avx2", "avx512"]
+    levels = levels[: levels.index(detected) + 1]
+    results = []
+    for level in levels:
+        out = os.path.join(str(tmp_path), f"{level}.pt")
+        result = subprocess.run(
+            [sys.executable, "-c", SIMD_SCRIPT, level, out],
+            env={**os.environ, "ROUNDPIPE_SIMD": level},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        results.append(torch.load(out))
+    for other in results[1:]:
+        for a, b in zip(
+            results[0]["params"] + results[0]["lowp"], other["params"] + other["lowp"], strict=True
+        ):
+            assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            for index, state in results[0]["state"]["state"].items():
+                assert torch.equal(state[key], other["state"]["state"][index][key])
+
+
+def test_state_dict_round_trips_with_torch_both_ways() -> None:
+    reference = make_params([100, 7])
+    mine = [p.clone() for p in reference]
+    ours = Adam(mine, lr=1e-2, amsgrad=True)
+    theirs = torch.optim.Adam(reference, lr=1e-2, amsgrad=True, foreach=False)
+    run_both(ours, theirs, steps=3)
+    ours_sd, theirs_sd = ours.state_dict(), theirs.state_dict()
+    # Same keys and values; torch's foreach=False was passed only to pin its reference path.
+    assert [{**g, "foreach": None} for g in theirs_sd["param_groups"]] == ours_sd["param_groups"]
+    assert ours_sd["state"].keys() == theirs_sd["state"].keys()
+    for index, state in theirs_sd["state"].items():
+        assert ours_sd["state"][index].keys() == state.keys()
+        assert ours_sd["state"][index]["step"].dtype == state["step"].dtype
+
+    # Ours -> torch and torch -> ours, then both continue in lockstep with fresh references.
+    swapped_theirs = torch.optim.Adam([p.clone() for p in mine], lr=1, foreach=False)
+    # Deep copies, as a save and load would make: load_state_dict may share the tensors.
+    swapped_theirs.load_state_dict(copy.deepcopy(ours_sd))
+    swapped_ours = Adam([p.clone() for p in reference], lr=1)
+    swapped_ours.load_state_dict(copy.deepcopy(theirs_sd))
+    run_both(swapped_ours, swapped_theirs, steps=4)
+    run_both(ours, theirs, steps=4)
+    assert_same_optimizer_state(swapped_ours, theirs)
+    assert_same_optimizer_state(ours, swapped_theirs)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lowp_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inv_scale", [1.0 / 1024, 1.0 / 3.0])
+def test_fused_step_is_bit_identical_to_the_unfused_path(
+    grad_dtype: torch.dtype, lowp_dtype: torch.dtype, inv_scale: float
+) -> None:
+    sizes = [0, 1, 7, 17, 4099, 100_003]
+    fused_params = make_params(sizes)
+    plain_params = [p.clone() for p in fused_params]
+    fused = Adam(fused_params, lr=1e-2, weight_decay=0.01)
+    plain = Adam(plain_params, lr=1e-2, weight_decay=0.01)
+    lowp = [torch.empty(n, dtype=lowp_dtype) for n in sizes]
+    for step in range(4):
+        grads = [(g * 1000).to(grad_dtype) for g in grads_for(fused_params, step)]
+        assert fused.step_fused(grads, grad_scale_inv=inv_scale, lowp_params=lowp)
+        for p, g in zip(plain_params, grads, strict=True):
+            p.grad = g.float() * inv_scale
+        plain.step()
+        for p, q, out in zip(fused_params, plain_params, lowp, strict=True):
+            assert torch.equal(p, q)
+            assert torch.equal(out, q.to(lowp_dtype))
+
+
+@pytest.mark.parametrize("lowp_dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_write_back_rounds_exactly_like_torch(lowp_dtype: torch.dtype) -> None:
+    # lr = 0 leaves the weights as they are, so the write-back converts exactly these values.
+    bits = torch.arange(0, 1 << 16, 7, dtype=torch.int32).to(torch.int16)
+    values = torch.cat(
+        [
+            torch.randn(5000) * 10.0 ** torch.randint(-9, 6, (5000,)),
+            bits.view(lowp_dtype).float(),
+            bits.view(lowp_dtype).float() * (1 + 2.0**-9),  # near and at rounding ties
+            torch.tensor([65520.0, 65519.0, 7e4, 3e38, -3e38, 1e-40, 2.0**-25, 2.0**-24 * 1.5]),
+        ]
+    )
+    values = values[torch.isfinite(values) | torch.isinf(values)]
+    param = values.clone()
+    out = torch.empty(values.shape, dtype=lowp_dtype)
+    optimizer = Adam([param], lr=0.0)
+    optimizer.step_fused([torch.ones_like(param)], lowp_params=[out])
+    expected = values.to(lowp_dtype)
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
+def test_fused_step_skips_on_inf_and_fused_writeback_context() -> None:
+    params = make_params([50, 20])
+    optimizer = Adam(params, lr=1e-2)
+    before = [p.clone() for p in params]
+    bad = [torch.ones(50, dtype=torch.bfloat16), torch.ones(20, dtype=torch.bfloat16)]
+    bad[1][19] = float("inf")
+    assert not optimizer.step_fused(bad)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert len(optimizer.state) == 0
+
+    targets = {params[0]: torch.empty(50, dtype=torch.bfloat16)}
+    params[0].grad = torch.ones(50)
+    params[1].grad = torch.ones(20)
+    with rp_optim.fused_writeback(targets) as written:
+        optimizer.step()
+    assert written == {params[0]}
+    assert torch.equal(targets[params[0]], params[0].to(torch.bfloat16))
+    optimizer.step()  # outside the context nothing is written back
+    assert not torch.equal(targets[params[0]], params[0].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [0, 1, 7, 17, 4099, 300_001])
+def test_grad_accumulate_matches_torch_and_detects_non_finite(
+    src_dtype: torch.dtype, n: int
+) -> None:
+    src = (torch.randn(n) * 100).to(src_dtype)
+    dst = torch.randn(n)
+    expected = dst + src.float()
+    assert _C.grad_accumulate(dst, src, False)
+    assert torch.equal(dst, expected)
+    assert _C.grad_accumulate(dst, src, True)
+    assert torch.equal(dst, src.float())
+    assert _C.all_finite([src, src])
+    for position in {0, n // 2, n - 1} if n else set():
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            poisoned = src.clone()
+            poisoned[position] = bad
+            assert not _C.grad_accumulate([dst, dst.clone()], [src, poisoned], False)
+            assert not _C.all_finite([src, poisoned])
+            assert _C.grad_accumulate([dst], [src], False)
+
+
+def test_optimizer_threads_follow_torch_num_threads_and_exit_cleanly() -> None:
+    script = """
+        import torch
+        from roundpipe import _C
+        from roundpipe.optim import Adam
+        params = [torch.randn(2_000_000)]
+        params[0].grad = torch.randn(2_000_000)
+        optimizer = Adam(params)
+        torch.set_num_threads(1)
+        optimizer.step()
+        print(_C.optimizer_threads_started())
+        torch.set_num_threads(2)
+        optimizer.step()
+        print(_C.optimizer_threads_started())
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    single, double = map(int, result.stdout.split())
+    assert single == 0
+    assert double == min(1, (os.cpu_count() or 1) - 1)
+
+
+def test_in_place_updates_bump_version_counters() -> None:
+    param = torch.randn(10)
+    param.grad = torch.randn(10)
+    optimizer = Adam([param])
+    version = param._version
+    optimizer.step()
+    assert param._version > version
+
+
+def test_foreach_and_fused_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rp_optim, "_warned", set())
+    with pytest.warns(UserWarning, match="ignores foreach="):
+        Adam([torch.zeros(1)], foreach=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Adam([torch.zeros(1)], foreach=False)
+    with pytest.warns(UserWarning, match="ignores fused="):
+        Adam([torch.zeros(1)], fused=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragment"),
+    [
+        ({"lr": -1.0}, ValueError, "Invalid learning rate"),
+        ({"lr": torch.tensor([1.0, 2.0])}, ValueError, "Tensor lr must be 1-element"),
+        ({"eps": -1.0}, ValueError, "Invalid epsilon value"),
+        ({"betas": (1.0, 0.9)}, ValueError, "Invalid beta parameter at index 0"),
+        ({"betas": (0.9, -0.1)}, ValueError, "Invalid beta parameter at index 1"),
+        ({"betas": (torch.tensor(0.9), 0.9)}, ValueError, "both floats or both Tensors"),
+        ({"weight_decay": -0.1}, ValueError, "Invalid weight_decay value"),
+        ({"capturable": True}, ValueError, "capturable=True"),
+        ({"differentiable": True}, ValueError, "differentiable=True"),
+    ],
+)
+def test_invalid_hyper_parameters(kwargs: dict[str, object], error: type, fragment: str) -> None:
+    with pytest.raises(error, match=fragment):
+        Adam([torch.zeros(3)], **kwargs)  # type: ignore[arg-type]
+
+
+def test_invalid_tensors_are_rejected_before_any_group_is_updated() -> None:
+    with pytest.raises(ValueError, match="float32 CPU parameters"):
+        Adam([torch.zeros(3, dtype=torch.bfloat16)])
+    first, second = torch.zeros(4), torch.zeros(4)
+    optimizer = Adam([{"params": [first]}, {"params": [second]}])
+    first.grad = torch.ones(4)
+    second.grad = torch.ones(8)[::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        optimizer.step()
+    # torch refuses such .grad assignments, but step_fused takes gradients as they come.
+    for bad, error, fragment in [
+        (torch.ones(4, dtype=torch.float64), TypeError, "float32, bfloat16, float16"),
+        (torch.ones(5), ValueError, "has 5 elements"),
+    ]:
+        with pytest.raises(error, match=fragment):
+            optimizer.step_fused([torch.ones(4), bad])
+    assert torch.equal(first, torch.zeros(4)) and len(optimizer.state) == 0
+    with pytest.raises(ValueError, match=r"pass one \(or None\) per parameter"):
+        optimizer.step_fused([torch.ones(4)])
+    with pytest.raises(TypeError, match="bfloat16, float16"):
+        optimizer.step_fused([torch.ones(4), None], lowp_params=[torch.empty(4), None])
+
+
+def test_native_entry_points_name_the_bad_argument() -> None:
+    p, g, m, v, s = torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.zeros(())
+    hyper = {
+        "lr": 1e-3,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "amsgrad": False,
+        "maximize": False,
+        "decoupled_weight_decay": False,
+    }
+    cases = [
+        (([p], [g], [m], [v], None, [s.int()]), ValueError, r"steps\[0\] must be a one-element"),
+        (([p], [g], [m.double()], [v], None, [s]), TypeError, r"exp_avgs\[0\] must be float32"),
+        (([p], [g], [m], [v], None, [s, s]), ValueError, "steps has 2 tensors but params has 1"),
+        (([p], [torch.zeros(3, device="meta")], [m], [v], None, [s]), ValueError, "CPU tensor"),
+    ]
+    for args, error, fragment in cases:
+        with pytest.raises(error, match=fragment):
+            _C.adam_step(*args, **hyper)
+    with pytest.raises(ValueError, match="max_exp_avg_sqs is required"):
+        _C.adam_step([p], [g], [m], [v], None, [s], **{**hyper, "amsgrad": True})
+    assert float(s) == 0.0  # nothing ran
+    with pytest.raises(ValueError, match="dsts has 2 tensors"):
+        _C.grad_accumulate([m, v], [g], True)
