@@ -7,6 +7,7 @@ runs asynchronously on the host. Importing this package touches no device and st
 
 from __future__ import annotations
 
+from roundpipe import optim
 from roundpipe._native import BUILD_INFO
 from roundpipe.batch import RoundPipePackedData
 from roundpipe.context import (
@@ -33,6 +34,7 @@ __all__ = [
     "device_count",
     "device_kind",
     "devices",
+    "optim",
     "doing_recompute",
     "get_recompute_data",
     "save_for_recompute",

@@ -1,0 +1,106 @@
+"""Checkpoints taken in the middle of asynchronous training continue bit-identically in a fresh
+process: weights, optimizer copies, optimizer state and not-yet-stepped gradients."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+TRAIN = textwrap.dedent(
+    """
+    import sys, torch
+    from torch import nn
+    import roundpipe
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+
+    def build():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+        model = RoundPipe(net.to(torch.bfloat16), optim_dtype=torch.float32)
+        optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-2)
+        return model, optimizer
+
+    def batch(i):
+        g = torch.Generator().manual_seed(100 + i)
+        return torch.randn(6, 5, generator=g).bfloat16(), torch.randn(6, 3, generator=g).bfloat16()
+
+    def loss_fn(out, label):
+        return ((out.float() - label.float()) ** 2).mean()
+
+    config = RoundPipeRunConfig(num_microbatch=3)
+
+    def train(model, optimizer, iterations, step_last=True):
+        for n, i in enumerate(iterations):
+            x, y = batch(i)
+            model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=config)
+            if step_last or n + 1 < len(iterations):
+                model.step(lambda: (optimizer.step(), optimizer.zero_grad()))
+
+    mode, path = sys.argv[1], sys.argv[2]
+    model, optimizer = build()
+    if mode == "save":
+        train(model, optimizer, range(3))
+        train(model, optimizer, [3], step_last=False)  # gradients pending, a step in flight
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+        model.step(lambda: (optimizer.step(), optimizer.zero_grad()))
+        train(model, optimizer, range(4, 7))
+    else:
+        state = torch.load(path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        model.step(lambda: (optimizer.step(), optimizer.zero_grad()))
+        train(model, optimizer, range(4, 7))
+    model.synchronize()
+    torch.save({n: p.detach().clone() for n, p in model.model.named_parameters()}, path + "." + mode)
+    """
+)
+
+
+def run(mode: str, path: Path, script: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(script), mode, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "ROUNDPIPE_DEVICE_KIND": "cpu", "ROUNDPIPE_CPU_DEVICES": "3"},
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_checkpoint_mid_async_training_continues_bit_identically(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    checkpoint = tmp_path / "ckpt.pt"
+    run("save", checkpoint, script)
+    state = torch.load(checkpoint)
+    assert any(key.startswith("_roundpipe.optim.") for key in state["model"])
+    assert "_roundpipe.grads" in state["model"]
+    run("load", checkpoint, script)
+    saved = torch.load(f"{checkpoint}.save")
+    loaded = torch.load(f"{checkpoint}.load")
+    assert saved.keys() == loaded.keys()
+    for name in saved:
+        assert torch.equal(saved[name], loaded[name]), name
+
+
+def test_plain_checkpoint_loads_and_refreshes_optimizer_copies() -> None:
+    from torch import nn
+
+    from roundpipe import RoundPipe
+
+    model = RoundPipe(nn.Sequential(nn.Linear(3, 3)), optim_dtype=torch.float64)
+    copies = list(model.optim_parameters())
+    source = nn.Sequential(nn.Linear(3, 3))
+    model.load_state_dict({f"model.{k}": v for k, v in source.state_dict().items()})
+    for copy, param in zip(copies, source.parameters(), strict=True):
+        assert torch.equal(copy, param.double())
+    with pytest.raises(ValueError, match="assign=True"):
+        model.load_state_dict(model.state_dict(), assign=True)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        model.load_state_dict({**model.state_dict(), "bogus": torch.zeros(1)})
