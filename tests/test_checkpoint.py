@@ -90,9 +90,8 @@ def test_checkpoint_mid_async_training_continues_bit_identically(tmp_path: Path)
 
 
 def test_plain_checkpoint_loads_and_refreshes_optimizer_copies() -> None:
-    from torch import nn
-
     from roundpipe import RoundPipe
+    from torch import nn
 
     model = RoundPipe(nn.Sequential(nn.Linear(3, 3)), optim_dtype=torch.float64)
     copies = list(model.optim_parameters())

@@ -1,9 +1,6 @@
 # Typed surface of the compiled core; tests/test_package.py keeps it true.
 
 from collections.abc import Callable
-
-from torch import Tensor
-
 from typing import overload
 
 from torch import Tensor

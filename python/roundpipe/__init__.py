@@ -34,8 +34,8 @@ __all__ = [
     "device_count",
     "device_kind",
     "devices",
-    "optim",
     "doing_recompute",
     "get_recompute_data",
+    "optim",
     "save_for_recompute",
 ]
