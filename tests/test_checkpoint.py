@@ -57,7 +57,8 @@ TRAIN = textwrap.dedent(
         model.step(lambda: (optimizer.step(), optimizer.zero_grad()))
         train(model, optimizer, range(4, 7))
     model.synchronize()
-    torch.save({n: p.detach().clone() for n, p in model.model.named_parameters()}, path + "." + mode)
+    weights = {n: p.detach().clone() for n, p in model.model.named_parameters()}
+    torch.save(weights, path + "." + mode)
     """
 )
 
