@@ -17,6 +17,7 @@ from roundpipe.context import (
     save_for_recompute,
 )
 from roundpipe.device import configure_devices, device_count, device_kind, devices
+from roundpipe.grad_scaler import GradScaler
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.scheduler import ModelExecutePlan
@@ -24,6 +25,7 @@ from roundpipe.scheduler import ModelExecutePlan
 __version__: str = str(BUILD_INFO["version"])
 
 __all__ = [
+    "GradScaler",
     "ModelExecutePlan",
     "OptimizerCtx",
     "RoundPipe",

@@ -14,6 +14,7 @@ the weights then stay as they were before the failed step.
 from __future__ import annotations
 
 import atexit
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,29 @@ from roundpipe.context import OptimizerCtx
 from roundpipe.memory import ModelMemory
 
 _live_jobs: list[Any] = []
+
+# Iterations are counted by the steps submitted in this process. The main thread is in iteration
+# `_submitted`; a job runs on behalf of the iteration that submitted it (see current_iteration).
+_submitted = 0
+_job = threading.local()
+
+
+def current_iteration() -> int:
+    """The training iteration this thread works for: on the optimizer thread, the iteration whose
+    gradients the running step consumes; elsewhere, the iteration being computed."""
+    iteration = getattr(_job, "iteration", None)
+    return _submitted if iteration is None else iteration
+
+
+def in_step_job() -> bool:
+    """True on the optimizer thread while it runs a step."""
+    return getattr(_job, "iteration", None) is not None
+
+
+def drain_optimizer_thread() -> None:
+    """Wait until every step submitted so far has run (the thread is first in, first out)."""
+    if not in_step_job():
+        _C.submit_optimizer_job(lambda: None).synchronize()
 
 
 @atexit.register
@@ -72,8 +96,17 @@ class StepPipeline:
             self._spare_grads = torch.zeros_like(handed_over)
         self.memory.grads, self._spare_grads = self._spare_grads, handed_over
         slots = [slot for slot in self.memory.slots() if slot.grad_offset is not None]
+        global _submitted
+        iteration, _submitted = _submitted, _submitted + 1
 
         def job() -> None:
+            _job.iteration = iteration
+            try:
+                run_step()
+            finally:
+                _job.iteration = None
+
+        def run_step() -> None:
             with torch.no_grad():
                 for slot in slots:
                     grad = self.memory.grad_view(slot, handed_over)

@@ -1,0 +1,226 @@
+"""Loss scaling for fp16 training with an asynchronous optimizer.
+
+Same interface as ``torch.amp.GradScaler``, made thread-aware for RoundPipe's pipeline: with
+staleness 1 the main thread already scales iteration ``i + 1``'s losses while the optimizer thread
+unscales iteration ``i``'s gradients. Each iteration's scale is fixed at its first ``scale()`` call
+and remembered, and ``unscale_``/``step`` on the optimizer thread use the scale of the iteration
+whose gradients they hold, so the two always match. Steps whose gradients hold inf/NaN are
+skipped and the scale backs off; ``growth_interval`` clean steps in a row grow it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from roundpipe._native import _C
+from roundpipe.step import current_iteration, drain_optimizer_thread, in_step_job
+
+
+def _positive(name: str, value: Any, above_one: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if value <= (1.0 if above_one else 0.0):
+        bound = "> 1" if above_one else "> 0"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return float(value)
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _all_finite(grads: list[torch.Tensor]) -> bool:
+    """One native multi-threaded pass for the usual dtypes, torch for the rest."""
+    native = [g for g in grads if g.dtype in _NATIVE_DTYPES and g.is_contiguous()]
+    others = [g for g in grads if not (g.dtype in _NATIVE_DTYPES and g.is_contiguous())]
+    if native and not _C.all_finite(native):
+        return False
+    return all(bool(torch.isfinite(g).all()) for g in others)
+
+
+class GradScaler:
+    """Dynamic loss scaling whose scales stay consistent under the staleness-1 pipeline.
+
+    Typical use::
+
+        loss_fn = lambda out, y: scaler.scale(criterion(out, y))
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        model.step(lambda: (scaler.step(optimizer), scaler.update(), optimizer.zero_grad()))
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+        self._scale = _positive("init_scale", init_scale)
+        self._growth_factor = _positive("growth_factor", growth_factor, above_one=True)
+        backoff_factor = _positive("backoff_factor", backoff_factor)
+        if backoff_factor >= 1.0:
+            raise ValueError(f"backoff_factor must be < 1, got {backoff_factor}")
+        self._backoff_factor = backoff_factor
+        self._growth_interval = self._check_interval(growth_interval)
+        self._enabled = enabled
+        self._growth_tracker = 0
+        self._lock = threading.Lock()
+        self._iteration_scales: dict[int, float] = {}
+        self._unscaled: dict[int, bool] = {}  # id(optimizer) -> found inf/NaN
+
+    @staticmethod
+    def _check_interval(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"growth_interval must be a positive int, got {value!r}")
+        return value
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    # -- main thread ---------------------------------------------------------------------------
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiply ``outputs`` (a tensor or any pytree of tensors) by this iteration's scale."""
+        if not self._enabled:
+            return outputs
+        with self._lock:
+            scale = self._iteration_scales.setdefault(current_iteration(), self._scale)
+        return tree_map(lambda t: t * scale if isinstance(t, torch.Tensor) else t, outputs)
+
+    # -- optimizer thread ----------------------------------------------------------------------
+
+    def _scale_of_gradients(self) -> float:
+        """The scale the gradients now being stepped were produced with."""
+        iteration = current_iteration()
+        with self._lock:
+            used = [i for i in self._iteration_scales if i <= iteration]
+            return self._iteration_scales[max(used)] if used else self._scale
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients of ``optimizer``'s parameters by their scale, in place, and note
+        whether any is inf/NaN. At most once per optimizer between ``update()`` calls."""
+        if not self._enabled:
+            return
+        if id(optimizer) in self._unscaled:
+            raise RuntimeError("unscale_() was already called on this optimizer since update()")
+        inverse = 1.0 / self._scale_of_gradients()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        with torch.no_grad():
+            for grad in grads:
+                grad.mul_(inverse)
+        self._unscaled[id(optimizer)] = not _all_finite(grads)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step(*args, **kwargs)`` on unscaled gradients, skipped on inf/NaN."""
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if id(optimizer) not in self._unscaled:
+            self.unscale_(optimizer)
+        if self._unscaled[id(optimizer)]:
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: float | None = None, is_async: bool = True) -> None:
+        """Adjust the scale for later iterations: back off after inf/NaN, grow after
+        ``growth_interval`` clean steps, or set ``new_scale``.
+
+        Inside ``step_fn`` it applies at once. Called elsewhere, ``is_async=True`` queues it on
+        the optimizer thread behind the steps already submitted; ``is_async=False`` waits for
+        them and applies now."""
+        if not self._enabled:
+            return
+        if new_scale is not None:
+            new_scale = _positive("new_scale", new_scale)
+        iteration = current_iteration()
+        if in_step_job():
+            self._update(new_scale, iteration)
+        elif is_async:
+            _C.submit_optimizer_job(lambda: self._update(new_scale, iteration))
+        else:
+            drain_optimizer_thread()
+            self._update(new_scale, iteration)
+
+    def _update(self, new_scale: float | None, iteration: int) -> None:
+        found_inf = any(self._unscaled.values())
+        with self._lock:
+            if new_scale is not None:
+                self._scale = new_scale
+            elif found_inf:
+                self._scale *= self._backoff_factor
+                self._growth_tracker = 0
+            else:
+                self._growth_tracker += 1
+                if self._growth_tracker == self._growth_interval:
+                    self._scale *= self._growth_factor
+                    self._growth_tracker = 0
+            self._unscaled.clear()
+            # Scales of earlier iterations are no longer needed: their steps have run.
+            for done in [i for i in self._iteration_scales if i < iteration]:
+                del self._iteration_scales[done]
+
+    # -- getters and setters -------------------------------------------------------------------
+
+    def _read(self, value: Any, up_to_date: bool) -> Any:
+        if up_to_date:
+            drain_optimizer_thread()
+        return value()
+
+    def get_scale(self, up_to_date: bool = False) -> float:
+        """The current scale; ``up_to_date=True`` first waits for queued steps and updates."""
+        return self._read(lambda: self._scale if self._enabled else 1.0, up_to_date)
+
+    def get_growth_factor(self, up_to_date: bool = False) -> float:
+        return self._read(lambda: self._growth_factor, up_to_date)
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._growth_factor = _positive("new_factor", new_factor, above_one=True)
+
+    def get_backoff_factor(self, up_to_date: bool = False) -> float:
+        return self._read(lambda: self._backoff_factor, up_to_date)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        factor = _positive("new_factor", new_factor)
+        if factor >= 1.0:
+            raise ValueError(f"new_factor must be < 1, got {factor}")
+        self._backoff_factor = factor
+
+    def get_growth_interval(self, up_to_date: bool = False) -> int:
+        return self._read(lambda: self._growth_interval, up_to_date)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._growth_interval = self._check_interval(new_interval)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scale and growth state (waits for queued updates first)."""
+        drain_optimizer_thread()
+        if not self._enabled:
+            return {}
+        return {
+            "scale": self._scale,
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._growth_tracker,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._enabled:
+            return
+        if not state_dict:
+            raise RuntimeError("the checkpoint holds no scaler state (saved with enabled=False)")
+        drain_optimizer_thread()
+        self._scale = _positive("scale", state_dict["scale"])
+        self.set_growth_factor(state_dict["growth_factor"])
+        self.set_backoff_factor(state_dict["backoff_factor"])
+        self.set_growth_interval(state_dict["growth_interval"])
+        self._growth_tracker = int(state_dict["_growth_tracker"])
+
+
+__all__ = ["GradScaler"]

@@ -1,0 +1,158 @@
+"""GradScaler under the asynchronous pipeline, against unscaled plain PyTorch training."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig
+from torch import nn
+
+CONFIG = RoundPipeRunConfig(num_microbatch=2)
+
+
+def mlp(dtype: torch.dtype) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).to(dtype)
+
+
+def batches(count: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [
+        (torch.randn(4, 4, generator=g).to(dtype), torch.randn(4, 2, generator=g).to(dtype))
+        for _ in range(count)
+    ]
+
+
+def mse(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return ((out.float() - label.float()) ** 2).mean().to(out.dtype)
+
+
+def plain_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    for xm, ym in zip(x.tensor_split(2), y.tensor_split(2), strict=True):
+        mse(model(xm), ym).backward()
+
+
+def test_scales_match_their_gradients_under_staleness_one(num_devices: int) -> None:
+    """The scale doubles every step (growth_interval=1) while steps run one iteration behind;
+    unscaling with any other iteration's scale would be off by a power of two."""
+    reference = mlp(torch.float64)
+    model = RoundPipe(copy.deepcopy(reference))
+    scaler = GradScaler(init_scale=4.0, growth_interval=1)
+    ours = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    live, master = copy.deepcopy(reference), copy.deepcopy(reference)
+    theirs = torch.optim.SGD(master.parameters(), lr=0.1)
+
+    def step_fn() -> None:
+        scaler.step(ours)
+        scaler.update()
+        ours.zero_grad()
+
+    def scaled(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        return scaler.scale(mse(output, label))
+
+    for x, y in batches(6, torch.float64):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=scaled, run_config=CONFIG)
+        model.step(step_fn)
+        plain_grads(live, x, y)
+        live.load_state_dict(master.state_dict())
+        for p, q in zip(master.parameters(), live.parameters(), strict=True):
+            p.grad, q.grad = q.grad, None
+        theirs.step()
+        theirs.zero_grad()
+    model.synchronize()
+    for p, q in zip(model.model.parameters(), master.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert scaler.get_scale(up_to_date=True) == 4.0 * 2**6
+
+
+def test_scaled_fp16_training_tracks_fp32_training(num_devices: int) -> None:
+    reference = mlp(torch.float32)
+    model = RoundPipe(copy.deepcopy(reference).half(), optim_dtype=torch.float32)
+    scaler = GradScaler(init_scale=2.0**10)
+    ours = torch.optim.SGD(model.optim_parameters(), lr=0.05)
+    theirs = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for x, y in batches(5, torch.float32):
+        model.forward_backward(
+            input_args=(x.half(),),
+            label=y.half(),
+            loss_fn=lambda o, t: scaler.scale(((o.float() - t.float()) ** 2).mean()),
+            run_config=CONFIG,
+        )
+        model.step(lambda: (scaler.step(ours), scaler.update(), ours.zero_grad()), is_async=False)
+        plain_grads(reference, x, y)
+        theirs.step()
+        theirs.zero_grad()
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.float(), q, rtol=2e-2, atol=2e-3)
+
+
+def test_inf_gradients_skip_the_step_and_back_off(num_devices: int) -> None:
+    model = RoundPipe(mlp(torch.float64))
+    before = [p.detach().clone() for p in model.model.parameters()]
+    scaler = GradScaler(init_scale=8.0, backoff_factor=0.25)
+    ours = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    x, y = batches(1, torch.float64)[0]
+    y[0, 0] = float("inf")
+    model.forward_backward(
+        input_args=(x,), label=y, loss_fn=lambda o, t: scaler.scale(mse(o, t)), run_config=CONFIG
+    )
+    model.step(lambda: (scaler.step(ours), scaler.update(), ours.zero_grad()))
+    model.synchronize()
+    assert scaler.get_scale(up_to_date=True) == 2.0
+    for p, q in zip(model.model.parameters(), before, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_update_from_the_main_thread_and_state_dict() -> None:
+    scaler = GradScaler(init_scale=16.0, growth_factor=4.0, growth_interval=2)
+    scaler.update(new_scale=32.0)  # queued on the optimizer thread
+    assert scaler.get_scale(up_to_date=True) == 32.0
+    scaler.update(is_async=False)
+    scaler.update(is_async=False)
+    assert scaler.get_scale() == 128.0
+    restored = GradScaler()
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.get_scale() == 128.0 and restored.get_growth_factor() == 4.0
+    assert restored.get_growth_interval() == 2 and restored.get_backoff_factor() == 0.5
+    restored.set_growth_interval(5)
+    restored.set_growth_factor(3.0)
+    restored.set_backoff_factor(0.125)
+    assert (restored.get_growth_interval(), restored.get_growth_factor()) == (5, 3.0)
+    assert restored.get_backoff_factor(up_to_date=True) == 0.125
+
+
+def test_disabled_scaler_is_a_passthrough() -> None:
+    scaler = GradScaler(enabled=False)
+    loss = torch.tensor(3.0)
+    assert scaler.scale(loss) is loss
+    assert scaler.get_scale() == 1.0 and not scaler.is_enabled()
+    assert scaler.state_dict() == {}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"init_scale": 0}, ValueError, "init_scale must be > 0"),
+        ({"growth_factor": 1.0}, ValueError, "growth_factor must be > 1"),
+        ({"backoff_factor": 1.5}, ValueError, "backoff_factor must be < 1"),
+        ({"growth_interval": 0}, ValueError, "growth_interval must be a positive int"),
+        ({"init_scale": "big"}, TypeError, "init_scale must be a number"),
+        ({"enabled": 1}, TypeError, "enabled must be a bool"),
+    ],
+)
+def test_rejects_bad_arguments(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        GradScaler(**kwargs)
+
+
+def test_unscale_twice_is_an_error() -> None:
+    param = nn.Parameter(torch.ones(2))
+    param.grad = torch.ones(2)
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = GradScaler(init_scale=2.0)
+    scaler.unscale_(optimizer)
+    assert torch.equal(param.grad, torch.full((2,), 0.5))
+    with pytest.raises(RuntimeError, match="already called"):
+        scaler.unscale_(optimizer)
