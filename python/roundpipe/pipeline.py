@@ -263,6 +263,8 @@ class Call:
     rng_states: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     recompute_store: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
     pending: list[Any] = field(default_factory=list)
+    # Transfer events of inputs packed by an upstream RoundPipe, per microbatch.
+    input_events: list[list[Any]] = field(default_factory=list)
 
     def plan_saving(
         self, forward_stages: Sequence[range], backward_stages: Sequence[range]
@@ -316,8 +318,14 @@ class Call:
             )
         return result
 
-    def _saved_input(self, layer: int, microbatch: int, device_index: int) -> Any:
-        return to_device(self.saved_inputs[(layer, microbatch)], device_index)
+    def _model_input(self, microbatch: int, value: Any, device_index: int) -> Any:
+        """Microbatch ``microbatch`` of the call's inputs on the device, once the upstream
+        model's transfers of it (if any) have landed. Waiting per microbatch lets the first
+        microbatches start while later ones are still in flight."""
+        if self.input_events:
+            for event in self.input_events[microbatch]:
+                event.synchronize()
+        return to_device(value, device_index)
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -325,10 +333,13 @@ class Call:
         outputs = []
         with stage.bound(keep_buffer_updates=True), torch.no_grad():
             for m, value in enumerate(activations):
-                if self.saving and stage.layers.start == 0 and 0 in self.backward_starts:
-                    # The user's own inputs, requires_grad flags included (chained models).
-                    self.saved_inputs[(0, m)] = value
-                value = to_device(value, stage.device_index)
+                if stage.layers.start == 0:
+                    if self.saving and 0 in self.backward_starts:
+                        # The user's own inputs, requires_grad flags included (chained models).
+                        self.saved_inputs[(0, m)] = value
+                    value = self._model_input(m, value, stage.device_index)
+                else:
+                    value = to_device(value, stage.device_index)
                 for layer in stage.layers:
                     if self.saving and layer > 0 and layer in self.backward_starts:
                         host, event = to_host(value, stage.device_index)
@@ -351,7 +362,7 @@ class Call:
         losses, outputs, grads = [], [], []
         with stage.bound(keep_buffer_updates=True), torch.enable_grad():
             for m, value in enumerate(activations):
-                inputs = self._differentiable_input(stage.layers.start, value, stage.device_index)
+                inputs = self._differentiable_input(stage.layers.start, m, value, stage.device_index)
                 result = inputs
                 for layer in stage.layers:
                     result = self.call_layer(layer, m, result, stage.device_index, recompute=False)
@@ -399,8 +410,8 @@ class Call:
     def _recompute_backward(
         self, layers: range, microbatch: int, grad: Any, stage: ResidentStage
     ) -> Any:
-        saved = self._saved_input(layers.start, microbatch, stage.device_index)
-        inputs = self._differentiable_input(layers.start, saved, stage.device_index)
+        saved = self.saved_inputs[(layers.start, microbatch)]
+        inputs = self._differentiable_input(layers.start, microbatch, saved, stage.device_index)
         with torch.enable_grad(), _rng_fork(self.preserve_rng_state, stage.device_index):
             result = inputs
             for layer in layers:
@@ -415,14 +426,19 @@ class Call:
         self._record_backward(layers, time.perf_counter() - start)
         return _grads_of(inputs)
 
-    def _differentiable_input(self, layer: int, value: Any, device_index: int) -> Any:
+    def _differentiable_input(
+        self, layer: int, microbatch: int, value: Any, device_index: int
+    ) -> Any:
         """The stage input on the device as fresh leaves: activations require grad (when
         floating point); for layer 0, exactly the user's tensors that required grad do."""
         leaves, spec = tree_flatten(value)
         wanted = [
             isinstance(leaf, torch.Tensor) and (layer > 0 or leaf.requires_grad) for leaf in leaves
         ]
-        moved, _ = tree_flatten(to_device(value, device_index))
+        if layer == 0:
+            moved, _ = tree_flatten(self._model_input(microbatch, value, device_index))
+        else:
+            moved, _ = tree_flatten(to_device(value, device_index))
         fresh = []
         for leaf, wants_grad in zip(moved, wanted, strict=True):
             if isinstance(leaf, torch.Tensor):

@@ -208,10 +208,10 @@ class RoundPipe(nn.Module):
         n = config.num_microbatch
         args_list, kwargs_list = split_input(args, kwargs, n, config.split_input)
         inputs = list(zip(args_list, kwargs_list, strict=True))
-        self._wait_for_producers(inputs, n)
         run_type = "train" if config.requires_grad else "infer"
         plan = self._plan(config, run_type)
         call = self._new_call(config, saving=config.requires_grad)
+        call.input_events = packed_events((args, kwargs), n)
         if config.requires_grad:
             call.plan_saving(plan.fwd_plan, plan.bwd_plan)
             self._begin_gradient_call()
@@ -268,9 +268,9 @@ class RoundPipe(nn.Module):
         args_list, kwargs_list = split_input(input_args, input_kwargs, n, config.split_input)
         labels = split_label(label, n, config.split_label)
         inputs = list(zip(args_list, kwargs_list, strict=True))
-        self._wait_for_producers(inputs, n)
         plan = self._plan(config, "fused")
         call = self._new_call(config, saving=True)
+        call.input_events = packed_events((input_args, input_kwargs), n)
         call.plan_saving(plan.fwd_plan, plan.bwd_plan[1:])
         steps = (
             [Step("forward", stage) for stage in plan.fwd_plan]
@@ -469,12 +469,6 @@ class RoundPipe(nn.Module):
             config.preserve_rng_state,
             saving,
         )
-
-    def _wait_for_producers(self, inputs: list[Any], n: int) -> None:
-        """Inputs packed by an upstream RoundPipe: wait for their transfers."""
-        for events in packed_events(inputs, n):
-            for event in events:
-                event.synchronize()
 
     def _run_forward(self, call: Call, steps: list[Step], inputs: list[Any]) -> list[Any]:
         values: dict[str, list[Any]] = {"values": inputs}
