@@ -362,7 +362,8 @@ class Call:
         losses, outputs, grads = [], [], []
         with stage.bound(keep_buffer_updates=True), torch.enable_grad():
             for m, value in enumerate(activations):
-                inputs = self._differentiable_input(stage.layers.start, m, value, stage.device_index)
+                first, device = stage.layers.start, stage.device_index
+                inputs = self._differentiable_input(first, m, value, device)
                 result = inputs
                 for layer in stage.layers:
                     result = self.call_layer(layer, m, result, stage.device_index, recompute=False)
