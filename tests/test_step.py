@@ -129,6 +129,16 @@ def test_bf16_model_with_fp32_optimizer_copies(num_devices: int) -> None:
             assert torch.equal(p, q)
 
 
+def test_tied_parameters_have_one_copy_and_both_names() -> None:
+    tied = nn.Linear(4, 4, bias=False)
+    layer = nn.Sequential(tied, nn.Tanh(), tied)
+    model = RoundPipe(nn.Sequential(layer))
+    assert [n for n, _ in model.optim_named_parameters()] == ["model.0.0.weight"]
+    both = list(model.optim_named_parameters(prefix="net", remove_duplicate=False))
+    assert [n for n, _ in both] == ["net.model.0.0.weight", "net.model.0.2.weight"]
+    assert both[0][1] is both[1][1]
+
+
 def test_step_fn_sees_optimizer_copies_and_names() -> None:
     model = RoundPipe(mlp())
     names = [name for name, _ in model.optim_named_parameters()]

@@ -173,7 +173,7 @@ class RoundPipe(nn.Module):
         construction; the module tree is bound to device copies during a stage)."""
         copies = self.__dict__["_steps"].copies()
         dotted = f"{prefix}." if prefix else ""
-        for name, param in self._trainable_named_parameters():
+        for name, param in self._trainable_named_parameters(remove_duplicate):
             yield f"{dotted}model.{name}", copies[id(param)]
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
@@ -416,10 +416,13 @@ class RoundPipe(nn.Module):
             key[len(optim) :]: value for key, value in state_dict.items() if key.startswith(optim)
         }
 
-    def _trainable_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+    def _trainable_named_parameters(
+        self, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """(name, parameter) of every parameter that requires grad, recorded at construction."""
         seen: set[int] = set()
         for name, param in self.__dict__["_param_names"]:
-            if param.requires_grad and id(param) not in seen:
+            if param.requires_grad and not (remove_duplicate and id(param) in seen):
                 seen.add(id(param))
                 yield name, param
 
