@@ -16,6 +16,7 @@ from roundpipe.context import (
     save_for_recompute,
 )
 from roundpipe.device import configure_devices, device_count, device_kind, devices
+from roundpipe.models import wrap_model_to_roundpipe
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.scheduler import ModelExecutePlan
@@ -36,4 +37,5 @@ __all__ = [
     "doing_recompute",
     "get_recompute_data",
     "save_for_recompute",
+    "wrap_model_to_roundpipe",
 ]
