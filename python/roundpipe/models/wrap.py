@@ -92,7 +92,7 @@ class _Converter:
     def skipped(self, module: nn.Module, path: str) -> bool:
         return path in self.skip_names or isinstance(module, self.skip_types)
 
-    def fits_one_part(self, module: nn.Module, size: int, chained: bool) -> bool:
+    def fits_one_part(self, module: nn.Module, size: int, list_element: bool) -> bool:
         """Whether ``module`` becomes one single-layer RoundPipe rather than being split."""
         if not _has_own_forward(module):
             return False
@@ -100,23 +100,25 @@ class _Converter:
             return size <= self.upper
         # Without an upper bound, go as deep as the structure allows: the elements of a
         # ModuleList (a model's repeated blocks) and modules without parametrised children.
-        return chained or not any(_numel(child) for child in module.children())
+        return list_element or not any(_numel(child) for child in module.children())
 
-    def convert(self, module: nn.Module, path: str, chained: bool = False) -> nn.Module:
+    def convert(
+        self, module: nn.Module, path: str, list_element: bool = False, chained: bool = False
+    ) -> nn.Module:
         """``module`` or its replacement; its children are converted in place."""
         if self.skipped(module, path):
             return module
         if path in self.override_config:
             return self.make(module, path, chained)
         size = _numel(module)
-        if size < self.lower:
+        if size < self.lower and path:  # the root is wrapped whatever its size
             return module
         if isinstance(module, nn.Sequential):
             return self.make(module, path, chained)
         if isinstance(module, nn.ModuleList):
             self.convert_list(module, path)
             return module
-        if self.fits_one_part(module, size, chained):
+        if self.fits_one_part(module, size, list_element):
             return self.make(module, path, chained)
         for child_name, child in list(module.named_children()):
             replacement = self.convert(child, f"{path}.{child_name}" if path else child_name)
@@ -129,7 +131,9 @@ class _Converter:
         parent's forward is expected to feed each element's output into the next)."""
         last = len(module) - 1
         for index, child in enumerate(list(module)):
-            replacement = self.convert(child, f"{path}.{index}", chained=index < last)
+            replacement = self.convert(
+                child, f"{path}.{index}", list_element=True, chained=index < last
+            )
             if replacement is not child:
                 module[index] = replacement
 
@@ -348,7 +352,8 @@ def wrap_model_to_roundpipe(
     2. Modules named in ``skip_modules`` (paths, or module classes) stay on the host, untouched.
     3. A path in ``override_config`` becomes one RoundPipe with those keyword arguments merged
        over ``roundpipe_kwargs`` (e.g. ``{"model.layers.0": {"optim_dtype": torch.float32}}``).
-    4. A module with fewer than ``lower_threshold`` parameters (elements) stays on the host.
+    4. A module (other than the root) with fewer than ``lower_threshold`` parameters
+       (elements) stays on the host.
     5. An ``nn.Sequential`` becomes a multi-layer RoundPipe.
     6. An ``nn.ModuleList``'s elements are converted, and consecutive RoundPipe elements are
        chained: each passes its output packed per microbatch to the next (so the parent's
