@@ -208,3 +208,58 @@ def test_importing_roundpipe_does_not_import_transformers() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_lora_adapters_train_on_a_frozen_pageable_base(num_devices: int) -> None:
+    peft = pytest.importorskip("peft", reason="the LoRA path needs peft")
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(FAMILIES["qwen3"](), lora)
+    reference = copy.deepcopy(model)
+    wrapped = wrap_model_to_roundpipe(model, pin_model="off")
+    assert wrapped.original_model is model
+    trainable = [name for name, _ in wrapped.optim_named_parameters()]
+    assert trainable and all("lora_" in name for name in trainable)
+    batch = make_batch(padding=True)
+    loss = wrapped.forward_backward(
+        input_kwargs=batch,
+        loss_fn=lambda out, _: out.loss,
+        run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
+    expected = reference(**batch).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    wrapped.synchronize()
+    ours = dict(model.named_parameters())
+    for name, param in reference.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(ours[name].grad, param.grad, rtol=1e-4, atol=2e-6)
+        else:
+            assert ours[name].grad is None, name
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_preset_on_cuda_in_bf16(family: str) -> None:
+    torch.manual_seed(0)
+    reference = FAMILIES[family]().to(torch.bfloat16)
+    model = copy.deepcopy(reference)
+    reference.cuda()
+    bf16_wrapped = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
+    batch = make_batch(padding=True)
+    expected = reference(**{k: v.cuda() for k, v in batch.items()})
+    expected.loss.backward()
+    loss = bf16_wrapped.forward_backward(
+        input_kwargs=batch,
+        loss_fn=lambda out, _: out.loss,
+        run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
+    expected_loss = expected.loss.detach().float().cpu()
+    torch.testing.assert_close(loss.float(), expected_loss, rtol=3e-2, atol=3e-2)
+    bf16_wrapped.synchronize()
+    ours = dict(bf16_wrapped.original_model.named_parameters())
+    for name, param in reference.named_parameters():
+        if param.grad is None:
+            continue
+        error = (ours[name].grad.float() - param.grad.float().cpu()).norm()
+        assert error <= 0.1 * param.grad.float().norm() + 1e-3, name
