@@ -263,3 +263,26 @@ def test_preset_on_cuda_in_bf16(family: str) -> None:
             continue
         error = (ours[name].grad.float() - param.grad.float().cpu()).norm()
         assert error <= 0.1 * param.grad.float().norm() + 1e-3, name
+
+
+def test_recursive_wrapping_of_a_hugging_face_model(num_devices: int) -> None:
+    torch.manual_seed(0)
+    reference = FAMILIES["qwen3"]()
+    wrapped = wrap_model_to_roundpipe(
+        copy.deepcopy(reference),
+        use_sequential_preset=False,
+        model_run_config=RoundPipeRunConfig(num_microbatch=3),
+    )
+    assert [path for path, _ in wrapped.parts] == [f"model.layers.{i}" for i in range(3)]
+    batch = make_batch(padding=True)
+    # A KV cache would be shared by the microbatches of each decoder layer: train without one.
+    output = wrapped(**batch, use_cache=False)
+    output.loss.backward()
+    expected = reference(**batch)
+    expected.loss.backward()
+    torch.testing.assert_close(output.loss, expected.loss)
+    wrapped.synchronize()
+    # A part's parameters are named "<path>.model.<name>": drop the RoundPipe level.
+    ours = {name.replace(".model.", ".", 1): p for name, p in wrapped.model.named_parameters()}
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(ours[name].grad, param.grad, rtol=1e-4, atol=2e-6, msg=name)
