@@ -18,6 +18,7 @@ from roundpipe.context import (
 )
 from roundpipe.device import configure_devices, device_count, device_kind, devices
 from roundpipe.grad_scaler import GradScaler
+from roundpipe.models import wrap_model_to_roundpipe
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.scheduler import ModelExecutePlan
@@ -40,4 +41,5 @@ __all__ = [
     "get_recompute_data",
     "optim",
     "save_for_recompute",
+    "wrap_model_to_roundpipe",
 ]

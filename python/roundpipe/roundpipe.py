@@ -696,4 +696,13 @@ class _PipelineFunction(torch.autograd.Function):
         return (None, None, *leaf_grads)
 
 
-__all__ = ["RoundPipe", "RoundPipePackedData"]
+def __getattr__(name: str) -> Any:
+    # AutoRoundPipe builds on RoundPipe, so it is defined in roundpipe.models and served lazily.
+    if name == "AutoRoundPipe":
+        from roundpipe.models.wrap import AutoRoundPipe
+
+        return AutoRoundPipe
+    raise AttributeError(f"module 'roundpipe.roundpipe' has no attribute {name!r}")
+
+
+__all__ = ["AutoRoundPipe", "RoundPipe", "RoundPipePackedData"]  # noqa: F822 (lazy, above)

@@ -1,0 +1,409 @@
+"""Decoder-only causal LMs as ``nn.Sequential(prefix, *decoder_layers, postfix)``.
+
+* The prefix embeds the tokens and builds positions, attention masks and rotary embeddings once
+  per microbatch; it saves the latter for its recompute, so recompute neither rebuilds them nor
+  synchronises with the host (mask construction may inspect the padding).
+* Every decoder layer passes ``(hidden_states, context)`` on; the context carries the masks,
+  rotary embeddings, positions and labels to the layers after it.
+* The postfix applies the final norm, the head and the loss and returns the model's usual
+  output type. With ``loss_chunk_size`` the head and cross-entropy run chunk by chunk under
+  activation checkpointing, so full logits never exist (``logits`` is then ``None``).
+
+Loss normalisation matches the unwrapped model over the whole batch: the split function counts
+the batch's target tokens before splitting and every microbatch divides its summed loss by
+that count, so microbatch losses add up (``forward_backward``'s sum, the merged ``loss``) to the
+model's mean loss.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import register_pytree_node
+from torch.utils.checkpoint import checkpoint
+
+from roundpipe.batch import merge_output, split_input
+from roundpipe.context import doing_recompute, get_recompute_data, save_for_recompute
+from roundpipe.roundpipe import RoundPipe
+from roundpipe.run_config import RoundPipeRunConfig
+
+IGNORE_INDEX = -100  # Hugging Face's label value for "no target here"
+
+MaskKinds = Callable[[Any], list[str]]
+
+
+@dataclass(frozen=True)
+class DecoderFamily:
+    """How one Hugging Face decoder-only family differs from the others.
+
+    Attributes:
+        name: shown when the preset is used.
+        layer_mask_kinds: ``config -> [mask kind per decoder layer]``; kinds are
+            ``"full_attention"`` or ``"sliding_attention"``.
+        masks_use_position_ids: whether the family builds its masks from the position ids.
+        output_type: class name in ``transformers.modeling_outputs``.
+    """
+
+    name: str
+    layer_mask_kinds: MaskKinds
+    masks_use_position_ids: bool = True
+    output_type: str = "CausalLMOutputWithPast"
+
+    def __str__(self) -> str:
+        return f"{self.name} sequential"
+
+    def wrap(
+        self,
+        model: nn.Module,
+        model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),  # noqa: B008
+        name: str | None = None,
+        loss_chunk_size: int | None = None,
+        **roundpipe_kwargs: Any,
+    ) -> RoundPipe:
+        """``model`` (or the model inside a PEFT wrapper) as one RoundPipe over the Sequential;
+        attribute access goes to ``model`` itself (``config``, ``save_pretrained``...).
+
+        Args:
+            loss_chunk_size: when set, tokens per chunk of the chunked head + cross-entropy.
+        """
+        from roundpipe.models.presets import base_model_of
+
+        if loss_chunk_size is not None and (
+            isinstance(loss_chunk_size, bool)
+            or not isinstance(loss_chunk_size, int)
+            or loss_chunk_size < 1
+        ):
+            raise ValueError(
+                f"loss_chunk_size must be None or an int >= 1, got {loss_chunk_size!r}"
+            )
+        sequential = self.build(base_model_of(model), loss_chunk_size)
+        wrapped = RoundPipe(
+            sequential,
+            model_run_config=_with_batch_loss_rules(model_run_config, self.output_type),
+            name=name or type(model).__name__,
+            **roundpipe_kwargs,
+        )
+        wrapped.set_original_model(model)
+        return wrapped
+
+    def build(self, model: nn.Module, loss_chunk_size: int | None = None) -> nn.Sequential:
+        """The equivalent ``nn.Sequential(prefix, *decoder_layers, postfix)`` of ``model``; it
+        shares the model's modules (and so its parameters)."""
+        config = model.config
+        if getattr(config, "output_router_logits", False):
+            raise NotImplementedError(
+                f"the {self.name} preset does not compute the router auxiliary loss; set "
+                "model.config.output_router_logits = False, or wrap with "
+                "use_sequential_preset=False"
+            )
+        embed, head = model.model.embed_tokens, model.lm_head
+        if any(p is q for p in embed.parameters() for q in head.parameters()):
+            raise NotImplementedError(
+                f"this {self.name} model ties lm_head to embed_tokens, and RoundPipe layers "
+                "cannot share parameters yet; untie them (config.tie_word_embeddings=False "
+                "and give lm_head its own weight) before wrapping"
+            )
+        backbone = model.model
+        count = config.num_hidden_layers
+        kinds = self.layer_mask_kinds(config)[:count]
+        prefix = DecoderPrefix(self, config, backbone.embed_tokens, backbone.rotary_emb, kinds)
+        decoder_layers = list(backbone.layers)[:count]
+        layers = [
+            DecoderLayerStage(layer, kind)
+            for layer, kind in zip(decoder_layers, kinds, strict=True)
+        ]
+        postfix = CausalLMPostfix(self, config, backbone.norm, model.lm_head, loss_chunk_size)
+        postfix.loss_function = model.loss_function
+        return nn.Sequential(prefix, *layers, postfix)
+
+
+class MicrobatchOutput(dict):
+    """The postfix's output for one microbatch: ``loss`` and ``logits`` as items and attributes.
+
+    Unlike a Hugging Face ``ModelOutput`` it keeps ``None`` entries when rebuilt from its
+    leaves, so the runtime's gradient trees (``None`` where a leaf got no gradient) keep its
+    shape. The merged output of a call is the model's own output type.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"MicrobatchOutput has no field {name!r}") from None
+
+
+register_pytree_node(
+    MicrobatchOutput,
+    lambda output: (list(output.values()), list(output.keys())),
+    lambda values, keys: MicrobatchOutput(zip(keys, values, strict=True)),
+    serialized_type_name="roundpipe.models.presets.MicrobatchOutput",
+)
+
+
+# -------------------------------------------------------------------------------------------
+# Mask kinds shared by the families
+
+
+def kinds_from_layer_types(config: Any) -> list[str]:
+    """Per-layer kinds as the config lists them (``config.layer_types``)."""
+    return list(config.layer_types)
+
+
+def all_layers(kind: str) -> MaskKinds:
+    """Every layer uses one mask of ``kind``."""
+    return lambda config: [kind] * config.num_hidden_layers
+
+
+def sliding_if_windowed(config: Any) -> list[str]:
+    """One mask for every layer: sliding when the config has a window, else full."""
+    kind = "full_attention" if config.sliding_window is None else "sliding_attention"
+    return [kind] * config.num_hidden_layers
+
+
+# -------------------------------------------------------------------------------------------
+# The layers
+
+
+class DecoderPrefix(nn.Module):
+    """Layer 0: embeddings, positions, masks and rotary embeddings of a microbatch."""
+
+    def __init__(
+        self,
+        family: DecoderFamily,
+        config: Any,
+        embed_tokens: nn.Module,
+        rotary_emb: nn.Module,
+        kinds: list[str],
+    ) -> None:
+        super().__init__()
+        self.family, self.config, self.kinds = family, config, sorted(set(kinds))
+        self.embed_tokens, self.rotary_emb = embed_tokens, rotary_emb
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if past_key_values is not None or use_cache:
+            raise ValueError(
+                "the RoundPipe preset trains without a KV cache; leave past_key_values and "
+                "use_cache unset (generate with the original model instead)"
+            )
+        if not isinstance(logits_to_keep, int) or logits_to_keep != 0:
+            raise ValueError("the RoundPipe preset computes all logits; leave logits_to_keep at 0")
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if doing_recompute():
+            position_ids, masks, cos, sin = get_recompute_data()
+        else:
+            if position_ids is None:
+                position_ids = torch.arange(embeds.shape[1], device=embeds.device).unsqueeze(0)
+            masks = self._masks(embeds, attention_mask, position_ids)
+            cos, sin = self.rotary_emb(embeds, position_ids)
+            save_for_recompute(position_ids, masks, cos.detach(), sin.detach())
+        context = {
+            "masks": masks,
+            "position_embeddings": (cos, sin),
+            "position_ids": position_ids,
+            "labels": labels,
+            "num_items_in_batch": num_items_in_batch,
+        }
+        return embeds, context
+
+    def _masks(
+        self, embeds: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
+    ) -> dict[str, Any]:
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_sliding_window_causal_mask,
+        )
+
+        builders = {
+            "full_attention": create_causal_mask,
+            "sliding_attention": create_sliding_window_causal_mask,
+        }
+        arguments: dict[str, Any] = {
+            "config": self.config,
+            "inputs_embeds": embeds,
+            "attention_mask": attention_mask,
+            "past_key_values": None,
+        }
+        if self.family.masks_use_position_ids:
+            arguments["position_ids"] = position_ids
+        return {kind: builders[kind](**arguments) for kind in self.kinds}
+
+
+class DecoderLayerStage(nn.Module):
+    """One decoder layer: ``(hidden_states, context) -> (hidden_states, context)``."""
+
+    def __init__(self, layer: nn.Module, mask_kind: str) -> None:
+        super().__init__()
+        self.layer, self.mask_kind = layer, mask_kind
+
+    def forward(self, state: tuple[torch.Tensor, dict[str, Any]]) -> Any:
+        hidden, context = state
+        hidden = self.layer(
+            hidden,
+            attention_mask=context["masks"][self.mask_kind],
+            position_embeddings=context["position_embeddings"],
+            position_ids=context["position_ids"],
+        )
+        return hidden, context
+
+
+class CausalLMPostfix(nn.Module):
+    """The last layer: final norm, head and loss, returned as the model's output type."""
+
+    loss_function: Callable[..., torch.Tensor]
+
+    def __init__(
+        self,
+        family: DecoderFamily,
+        config: Any,
+        norm: nn.Module,
+        lm_head: nn.Module,
+        loss_chunk_size: int | None,
+    ) -> None:
+        super().__init__()
+        self.family, self.config, self.loss_chunk_size = family, config, loss_chunk_size
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, state: tuple[torch.Tensor, dict[str, Any]]) -> MicrobatchOutput:
+        hidden, context = state
+        hidden = self.norm(hidden)
+        labels, num_items = context["labels"], context["num_items_in_batch"]
+        if labels is not None and self.loss_chunk_size is not None:
+            loss = chunked_causal_lm_loss(
+                hidden, self.lm_head, labels, num_items, self.loss_chunk_size
+            )
+            return MicrobatchOutput(loss=loss, logits=None)
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(
+                logits=logits,
+                labels=labels,
+                vocab_size=self.config.vocab_size,
+                num_items_in_batch=num_items,
+            )
+        return MicrobatchOutput(loss=loss, logits=logits)
+
+
+def _shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Token t's target is token t + 1; the last position has none."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def _summed_cross_entropy(
+    head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    logits = head(hidden).float()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_causal_lm_loss(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    labels: torch.Tensor,
+    num_items: torch.Tensor | int | None,
+    chunk_size: int,
+) -> torch.Tensor:
+    """The causal LM loss of ``head(hidden)`` computed ``chunk_size`` tokens at a time.
+
+    Each chunk's logits are recomputed in backward (checkpointing), so at most one chunk of
+    logits exists at any time. Normalised by ``num_items`` (tokens with a target in the whole
+    batch), or by this microbatch's count when that is ``None``.
+    """
+    targets = _shifted_targets(labels).reshape(-1).to(hidden.device)
+    flat = hidden.reshape(-1, hidden.size(-1))
+    chunk_loss = functools.partial(_summed_cross_entropy, head)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, flat.size(0), chunk_size):
+        end = start + chunk_size
+        total = total + checkpoint(
+            chunk_loss,
+            flat[start:end],
+            targets[start:end],
+            use_reentrant=False,
+            preserve_rng_state=False,
+        )
+    if num_items is None:
+        num_items = (targets != IGNORE_INDEX).sum()
+    if isinstance(num_items, torch.Tensor):
+        num_items = num_items.to(total.device)
+    return total / num_items
+
+
+# -------------------------------------------------------------------------------------------
+# Whole-batch loss normalisation
+
+
+def _split_counting_targets(
+    args: tuple[Any, ...], kwargs: dict[str, Any], num_microbatch: int
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    """The automatic split, after counting the whole batch's target tokens into
+    ``num_items_in_batch`` (a 0-d tensor, so every microbatch gets the same count)."""
+    labels = kwargs.get("labels")
+    if labels is not None and kwargs.get("num_items_in_batch") is None:
+        kwargs = {**kwargs, "num_items_in_batch": (_shifted_targets(labels) != IGNORE_INDEX).sum()}
+    # The token tensor first: the automatic kwargs rule takes the first batched tensor as the
+    # batch, and position_ids may have a batch dimension of 1.
+    leading = ("input_ids", "inputs_embeds")
+    ordered = {key: kwargs[key] for key in sorted(kwargs, key=lambda key: key not in leading)}
+    return split_input(args, ordered, num_microbatch, None)
+
+
+def _merger(output_type_name: str) -> Callable[[list[MicrobatchOutput]], Any]:
+    """The merge rule: logits concatenated, microbatch losses (already normalised by the whole
+    batch's target count) added up, as the model's own output type."""
+
+    def merge(outputs: list[MicrobatchOutput]) -> Any:
+        from transformers import modeling_outputs
+
+        merged: dict[str, Any] = {}
+        losses = [output["loss"] for output in outputs]
+        if losses[0] is not None:
+            merged["loss"] = torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
+        logits = [output["logits"] for output in outputs]
+        if logits[0] is not None:
+            merged["logits"] = merge_output(logits, None)
+        return getattr(modeling_outputs, output_type_name)(**merged)
+
+    return merge
+
+
+def _with_batch_loss_rules(config: RoundPipeRunConfig, output_type: str) -> RoundPipeRunConfig:
+    """``config`` with the whole-batch loss split and merge rules where it leaves them unset."""
+    fields = {field: getattr(config, field) for field in RoundPipeRunConfig.__slots__}
+    if fields["split_input"] is None:
+        fields["split_input"] = _split_counting_targets
+    if fields["merge_output"] is None:
+        fields["merge_output"] = _merger(output_type)
+    return RoundPipeRunConfig(**fields)
+
+
+__all__ = [
+    "CausalLMPostfix",
+    "DecoderFamily",
+    "DecoderLayerStage",
+    "DecoderPrefix",
+    "MicrobatchOutput",
+    "all_layers",
+    "chunked_causal_lm_loss",
+    "kinds_from_layer_types",
+    "sliding_if_windowed",
+]

@@ -1,0 +1,288 @@
+"""Hugging Face presets: loss and every gradient equal the unwrapped model (tiny random configs
+built here; no downloads)."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from roundpipe import RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
+from torch import nn
+
+transformers = pytest.importorskip("transformers", reason="the presets need transformers")
+
+VOCAB = 128
+SHAPE = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "tie_word_embeddings": False,
+}
+
+
+def _build(config_name: str, model_name: str, **extra: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        if not hasattr(transformers, model_name):
+            pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+        config = getattr(transformers, config_name)(**{**SHAPE, **extra})
+        return getattr(transformers, model_name)(config)
+
+    return build
+
+
+FAMILIES = {
+    "qwen3": _build("Qwen3Config", "Qwen3ForCausalLM", intermediate_size=128),
+    "llama": _build("LlamaConfig", "LlamaForCausalLM", intermediate_size=128),
+    "qwen3_moe": _build(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+    ),
+    "gpt_oss": _build(
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
+}
+
+
+def make_pair(family: str, **wrap_kwargs: Any) -> tuple[nn.Module, RoundPipe]:
+    torch.manual_seed(0)
+    reference = FAMILIES[family]()
+    wrapped = wrap_model_to_roundpipe(copy.deepcopy(reference), **wrap_kwargs)
+    assert isinstance(wrapped, RoundPipe)
+    return reference, wrapped
+
+
+def make_batch(padding: bool) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, VOCAB, (4, 9), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    if padding:
+        attention_mask[1, 6:] = 0
+        attention_mask[3, 3:] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    batch = {"input_ids": input_ids, "labels": labels}
+    if padding:
+        batch["attention_mask"] = attention_mask
+    return batch
+
+
+def assert_same_grads(reference: nn.Module, wrapped: RoundPipe) -> None:
+    wrapped.synchronize()
+    ours = dict(wrapped.original_model.named_parameters())
+    for name, param in reference.named_parameters():
+        grad = ours[name].grad
+        assert grad is not None, name
+        # An expert no token was routed to has no gradient in the reference: zero in ours.
+        expected = torch.zeros_like(param) if param.grad is None else param.grad
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=2e-6, msg=name)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("padding", [False, True], ids=["nopad", "pad"])
+@pytest.mark.parametrize("num_microbatch", [1, 3])
+@pytest.mark.parametrize("mode", ["forward", "forward_backward"])
+def test_preset_matches_the_unwrapped_model(
+    num_devices: int, family: str, padding: bool, num_microbatch: int, mode: str
+) -> None:
+    reference, wrapped = make_pair(family)
+    batch = make_batch(padding)
+    expected = reference(**batch)
+    expected.loss.backward()
+    config = RoundPipeRunConfig(num_microbatch=num_microbatch)
+    if mode == "forward":
+        output = wrapped(**batch, roundpipe_run_config=config)
+        assert type(output) is type(expected)
+        torch.testing.assert_close(output.logits, expected.logits, rtol=1e-4, atol=1e-5)
+        output.loss.backward()
+        loss = output.loss.detach()
+    else:
+        loss = wrapped.forward_backward(
+            input_kwargs=batch, loss_fn=lambda out, _: out.loss, run_config=config
+        )
+    torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-6)
+    assert_same_grads(reference, wrapped)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_chunked_head_and_cross_entropy_match_without_logits(num_devices: int, family: str) -> None:
+    reference, wrapped = make_pair(family, loss_chunk_size=5)
+    batch = make_batch(padding=True)
+    expected = reference(**batch)
+    expected.loss.backward()
+    output = wrapped(**batch, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=2))
+    assert output.logits is None
+    output.loss.backward()
+    torch.testing.assert_close(output.loss.detach(), expected.loss.detach())
+    assert_same_grads(reference, wrapped)
+
+
+def test_inference_without_labels_returns_logits() -> None:
+    reference, wrapped = make_pair("qwen3")
+    batch = make_batch(padding=True)
+    del batch["labels"]
+    with torch.no_grad():
+        output = wrapped(**batch, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=2))
+        expected = reference(**batch)
+    assert output.loss is None
+    torch.testing.assert_close(output.logits, expected.logits, rtol=1e-4, atol=1e-5)
+
+
+def test_attributes_go_to_the_original_model(tmp_path: Path) -> None:
+    reference, wrapped = make_pair("llama")
+    original = wrapped.original_model
+    assert type(original).__name__ == "LlamaForCausalLM"
+    assert wrapped.config is original.config
+    assert wrapped.vocab_size == VOCAB
+    wrapped.custom_flag = 3
+    assert original.custom_flag == 3
+    # The Sequential shares the original's parameters, so saving the original saves training.
+    with torch.no_grad():
+        wrapped.model[0].embed_tokens.weight.add_(1.0)
+    wrapped.save_pretrained(tmp_path)
+    reloaded = type(reference).from_pretrained(tmp_path)
+    torch.testing.assert_close(
+        reloaded.model.embed_tokens.weight, reference.model.embed_tokens.weight + 1.0
+    )
+
+
+def test_preset_is_logged_and_can_be_refused(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    with caplog.at_level("INFO", logger="roundpipe"):
+        wrap_model_to_roundpipe(FAMILIES["qwen3"]())
+    assert [r.message for r in caplog.records if "preset" in r.message] == [
+        "roundpipe: wrapping Qwen3ForCausalLM with the Qwen3 sequential preset"
+    ]
+    recursive = wrap_model_to_roundpipe(FAMILIES["qwen3"](), use_sequential_preset=False)
+    assert type(recursive).__name__ == "AutoRoundPipe"
+
+
+def test_demanding_a_missing_preset_raises() -> None:
+    with pytest.raises(NotImplementedError, match="no sequential preset for Sequential"):
+        wrap_model_to_roundpipe(nn.Sequential(nn.Linear(2, 2)), use_sequential_preset=True)
+
+
+def test_unsupported_model_settings_are_refused() -> None:
+    torch.manual_seed(0)
+    tied = transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(**{**SHAPE, "tie_word_embeddings": True, "intermediate_size": 8})
+    )
+    with pytest.raises(NotImplementedError, match="ties lm_head to embed_tokens"):
+        wrap_model_to_roundpipe(tied)
+    moe = FAMILIES["qwen3_moe"]()
+    moe.config.output_router_logits = True
+    with pytest.raises(NotImplementedError, match="output_router_logits"):
+        wrap_model_to_roundpipe(moe)
+    with pytest.raises(ValueError, match="loss_chunk_size"):
+        wrap_model_to_roundpipe(FAMILIES["llama"](), loss_chunk_size=0)
+
+
+def test_bad_call_arguments_name_the_fix() -> None:
+    _, wrapped = make_pair("qwen3")
+    batch = make_batch(padding=False)
+    with pytest.raises(ValueError, match="without a KV cache"):
+        wrapped(**batch, use_cache=True)
+    with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
+        wrapped(labels=batch["labels"])
+
+
+def test_importing_roundpipe_does_not_import_transformers() -> None:
+    code = "import sys, roundpipe; print('transformers' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_lora_adapters_train_on_a_frozen_pageable_base(num_devices: int) -> None:
+    peft = pytest.importorskip("peft", reason="the LoRA path needs peft")
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(FAMILIES["qwen3"](), lora)
+    reference = copy.deepcopy(model)
+    wrapped = wrap_model_to_roundpipe(model, pin_model="off")
+    assert wrapped.original_model is model
+    trainable = [name for name, _ in wrapped.optim_named_parameters()]
+    assert trainable and all("lora_" in name for name in trainable)
+    batch = make_batch(padding=True)
+    loss = wrapped.forward_backward(
+        input_kwargs=batch,
+        loss_fn=lambda out, _: out.loss,
+        run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
+    expected = reference(**batch).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    wrapped.synchronize()
+    ours = dict(model.named_parameters())
+    for name, param in reference.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(ours[name].grad, param.grad, rtol=1e-4, atol=2e-6)
+        else:
+            assert ours[name].grad is None, name
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_preset_on_cuda_in_bf16(family: str) -> None:
+    torch.manual_seed(0)
+    reference = FAMILIES[family]().to(torch.bfloat16)
+    model = copy.deepcopy(reference)
+    reference.cuda()
+    bf16_wrapped = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
+    batch = make_batch(padding=True)
+    expected = reference(**{k: v.cuda() for k, v in batch.items()})
+    expected.loss.backward()
+    loss = bf16_wrapped.forward_backward(
+        input_kwargs=batch,
+        loss_fn=lambda out, _: out.loss,
+        run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
+    expected_loss = expected.loss.detach().float().cpu()
+    torch.testing.assert_close(loss.float(), expected_loss, rtol=3e-2, atol=3e-2)
+    bf16_wrapped.synchronize()
+    ours = dict(bf16_wrapped.original_model.named_parameters())
+    for name, param in reference.named_parameters():
+        if param.grad is None:
+            continue
+        error = (ours[name].grad.float() - param.grad.float().cpu()).norm()
+        assert error <= 0.1 * param.grad.float().norm() + 1e-3, name
+
+
+def test_recursive_wrapping_of_a_hugging_face_model(num_devices: int) -> None:
+    torch.manual_seed(0)
+    reference = FAMILIES["qwen3"]()
+    wrapped = wrap_model_to_roundpipe(
+        copy.deepcopy(reference),
+        use_sequential_preset=False,
+        model_run_config=RoundPipeRunConfig(num_microbatch=3),
+    )
+    assert [path for path, _ in wrapped.parts] == [f"model.layers.{i}" for i in range(3)]
+    batch = make_batch(padding=True)
+    # A KV cache would be shared by the microbatches of each decoder layer: train without one.
+    output = wrapped(**batch, use_cache=False)
+    output.loss.backward()
+    expected = reference(**batch)
+    expected.loss.backward()
+    torch.testing.assert_close(output.loss, expected.loss)
+    wrapped.synchronize()
+    # A part's parameters are named "<path>.model.<name>": drop the RoundPipe level.
+    ours = {name.replace(".model.", ".", 1): p for name, p in wrapped.model.named_parameters()}
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(ours[name].grad, param.grad, rtol=1e-4, atol=2e-6, msg=name)

@@ -1,0 +1,184 @@
+"""wrap_model_to_roundpipe's recursive strategy and AutoRoundPipe, against the plain model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from roundpipe import RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
+from roundpipe.roundpipe import AutoRoundPipe
+from torch import nn
+
+HIDDEN = 16  # a Linear(16, 16) has 272 parameters
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
+        self.down = nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x))) * scale
+
+
+class Net(nn.Module):
+    """Not a Sequential: glue parameters and code on the host around a ModuleList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Sequential(
+            nn.Linear(HIDDEN, 2 * HIDDEN), nn.Tanh(), nn.Linear(2 * HIDDEN, 4)
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        scale = torch.linspace(0.5, 1.0, tokens.size(0)).view(-1, 1, 1)
+        for block in self.blocks:
+            x = block(x, scale=scale)
+        return self.head(self.norm(x)).mean(dim=1)
+
+
+def make_pair(**kwargs: object) -> tuple[Net, AutoRoundPipe]:
+    torch.manual_seed(0)
+    reference = Net()
+    kwargs.setdefault("lower_threshold", 500)
+    wrapped = wrap_model_to_roundpipe(
+        copy.deepcopy(reference),
+        model_run_config=RoundPipeRunConfig(num_microbatch=3),
+        **kwargs,
+    )
+    assert isinstance(wrapped, AutoRoundPipe)
+    return reference, wrapped
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    return torch.randint(0, 32, (6, 5), generator=generator), torch.randn(6, 4, generator=generator)
+
+
+def loss_of(model: nn.Module) -> torch.Tensor:
+    tokens, target = batch()
+    return nn.functional.mse_loss(model(tokens), target)
+
+
+def assert_same_grads(reference: nn.Module, wrapped: AutoRoundPipe) -> None:
+    wrapped.synchronize()
+    expected = {name.replace(".model.", "."): p for name, p in reference.named_parameters()}
+    ours = {name.replace(".model.", "."): p for name, p in wrapped.model.named_parameters()}
+    assert ours.keys() == expected.keys()
+    for name, param in expected.items():
+        torch.testing.assert_close(ours[name].grad, param.grad, msg=name)
+
+
+def part_paths(wrapped: AutoRoundPipe) -> list[str]:
+    return [path for path, _ in wrapped.parts]
+
+
+def test_recursive_wrapping_matches_the_plain_model(num_devices: int) -> None:
+    reference, wrapped = make_pair()
+    # Blocks are chained ModuleList elements, the head a Sequential; embed (512 >= 500)
+    # is a leaf part; the norm (32 < 500) stays on the host.
+    assert part_paths(wrapped) == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
+    assert isinstance(wrapped.model.blocks[0], RoundPipe)
+    assert isinstance(wrapped.model.norm, nn.LayerNorm)
+    loss = loss_of(wrapped)
+    loss.backward()
+    expected = loss_of(reference)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    assert_same_grads(reference, wrapped)
+
+
+def test_chained_elements_pass_packed_outputs() -> None:
+    _, wrapped = make_pair()
+    parts = dict(wrapped.parts)
+    assert parts["blocks.0"].model_run_config.merge_output is False
+    assert parts["blocks.1"].model_run_config.merge_output is False
+    assert parts["blocks.2"].model_run_config.merge_output is None  # the parent gets a tensor
+
+
+def test_thresholds_decide_what_is_wrapped() -> None:
+    _, everything_on_host = make_pair(lower_threshold=10**6)
+    assert part_paths(everything_on_host) == []
+    # An upper bound below a block's size splits the blocks into their linears.
+    _, fine = make_pair(upper_threshold=600)
+    assert "blocks.0.up" in part_paths(fine) and "blocks.0" not in part_paths(fine)
+    with pytest.raises(ValueError, match="upper_threshold"):
+        make_pair(upper_threshold=10)
+    with pytest.raises(ValueError, match="lower_threshold"):
+        make_pair(lower_threshold=-1)
+
+
+def test_skip_modules_and_override_config(num_devices: int) -> None:
+    reference, wrapped = make_pair(
+        skip_modules=["head", nn.Embedding],
+        override_config={"norm": {"name": "the-norm"}},
+    )
+    assert part_paths(wrapped) == ["blocks.0", "blocks.1", "blocks.2", "norm"]
+    assert wrapped.model.norm.name == "the-norm"
+    assert isinstance(wrapped.model.head, nn.Sequential)
+    loss = loss_of(wrapped)
+    loss.backward()
+    loss_of(reference).backward()
+    assert_same_grads(reference, wrapped)
+    with pytest.raises(ValueError, match="never reached"):
+        make_pair(override_config={"nope": {}})
+
+
+def test_sequential_root_becomes_one_roundpipe() -> None:
+    wrapped = wrap_model_to_roundpipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    assert isinstance(wrapped, RoundPipe) and len(wrapped.layers) == 2
+
+
+def test_tied_parts_are_refused() -> None:
+    model = nn.Module()
+    model.a = nn.Linear(HIDDEN, HIDDEN)
+    model.b = nn.Linear(HIDDEN, HIDDEN)
+    model.b.weight = model.a.weight
+    with pytest.raises(ValueError, match="shares parameters"):
+        wrap_model_to_roundpipe(model, lower_threshold=1)
+
+
+def test_forward_backward_explains_what_to_do() -> None:
+    _, wrapped = make_pair()
+    with pytest.raises(NotImplementedError, match=r"loss.backward\(\)"):
+        wrapped.forward_backward(input_args=batch()[:1])
+
+
+def sgd_reference_steps(reference: Net, steps: int) -> None:
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(steps):
+        loss_of(reference).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_step_updates_parts_and_host_glue_as_one_model(num_devices: int, is_async: bool) -> None:
+    reference, wrapped = make_pair()
+    optim_names = [name for name, _ in wrapped.optim_named_parameters()]
+    assert "norm.weight" in optim_names and "blocks.1.model.up.weight" in optim_names
+    optimizer = torch.optim.SGD(wrapped.optim_parameters(), lr=0.1)
+
+    def step_fn() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    loss_of(wrapped).backward()
+    wrapped.step(step_fn, is_async=is_async)
+    if is_async:
+        # Staleness 1: the second iteration trains on the first weights, like the reference's
+        # first iteration; compare after one step there.
+        wrapped.synchronize()
+    loss_of(wrapped).backward()
+    wrapped.step(step_fn, is_async=is_async)
+    wrapped.synchronize()
+    sgd_reference_steps(reference, 2)
+    expected = {n.replace(".model.", "."): p for n, p in reference.named_parameters()}
+    for name, param in wrapped.model.named_parameters():
+        torch.testing.assert_close(param, expected[name.replace(".model.", ".")], msg=name)
