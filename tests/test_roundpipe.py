@@ -577,3 +577,47 @@ def test_runtime_runs_stages_in_the_simulators_order(
             (stage, mb) for stage, mb in log if assigned[stage] == (assigned[0] + device) % devices
         ]
         assert ran == simulated
+
+
+class Output(dict):
+    """A pytree type that, like Hugging Face's ModelOutput, drops None fields when rebuilt."""
+
+
+torch.utils._pytree.register_pytree_node(
+    Output,
+    lambda out: (
+        [v for v in out.values() if v is not None],
+        [k for k, v in out.items() if v is not None],
+    ),
+    lambda values, keys: Output(zip(keys, values, strict=True)),
+    serialized_type_name="tests.Output",
+)
+
+
+class ToOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> Output:
+        return Output(
+            hidden=self.linear(x), mask=torch.ones(x.shape[0], dtype=torch.long), cache=None
+        )
+
+
+class FromOutput(nn.Linear):
+    def forward(self, out: Output) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(out["hidden"]) * out["mask"][:, None]
+
+
+def test_outputs_that_drop_none_fields_between_stages(num_devices: int) -> None:
+    torch.manual_seed(6)
+    reference = nn.Sequential(ToOutput(), FromOutput(6, 6), nn.Tanh())
+    model = RoundPipe(copy.deepcopy(reference))
+    x, y = torch.randn(6, 6), torch.randn(6, 6)
+    plan = make_plan([range(0, 1)], [range(1, 3), range(0, 1)])
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    plain_forward_backward(reference, x, y, 2)
+    model.synchronize()
+    assert_same_grads(model.model, reference)

@@ -219,19 +219,22 @@ class Step:
     layers: range
 
 
-def _grads_of(tree: Any) -> Any:
-    return tree_map(
-        lambda t: t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None, tree
-    )
+def _grads_of(tree: Any) -> list[torch.Tensor | None]:
+    """Gradients of ``tree``'s leaves in ``tree_flatten`` order, None where a leaf got none.
+
+    Kept flat, never rebuilt into ``tree``'s type: some pytree types (Hugging Face
+    ``ModelOutput``) drop ``None`` fields when rebuilt, which would misalign the leaves."""
+    return [
+        leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
+        for leaf in tree_flatten(tree)[0]
+    ]
 
 
-def _backward(outputs: Any, grads: Any) -> None:
-    """Backpropagate ``grads`` (same structure as ``outputs``, None where absent)."""
-    out_leaves, _ = tree_flatten(outputs)
-    grad_leaves, _ = tree_flatten(grads, is_leaf=lambda x: x is None)
+def _backward(outputs: Any, grads: Sequence[torch.Tensor | None]) -> None:
+    """Backpropagate ``grads`` (one per leaf of ``outputs``, None where absent)."""
     pairs = [
         (o, g)
-        for o, g in zip(out_leaves, grad_leaves, strict=True)
+        for o, g in zip(tree_flatten(outputs)[0], grads, strict=True)
         if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
     ]
     if pairs:

@@ -560,18 +560,24 @@ def _device_of(value: Any) -> int:
     return 0
 
 
-def _backward_into_inputs(inputs: list[Any], grads: list[Any]) -> None:
-    """Send the gradients of the user's inputs (those that require grad) into their graph."""
-    outputs, grad_values = [], []
+def _input_grads(
+    inputs: list[Any], grads: list[list[torch.Tensor | None]]
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(input leaf that requires grad, its gradient on that leaf's device) for every microbatch;
+    ``grads[m]`` holds one entry per leaf of ``inputs[m]``."""
+    pairs = []
     for value, grad in zip(inputs, grads, strict=True):
-        leaves = tree_flatten(value)[0]
-        grad_leaves = tree_flatten(grad, is_leaf=lambda x: x is None)[0]
-        for leaf, leaf_grad in zip(leaves, grad_leaves, strict=True):
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf_grad is not None:
-                outputs.append(leaf)
-                grad_values.append(leaf_grad.to(leaf.device))
-    if outputs:
-        torch.autograd.backward(outputs, grad_values)
+        for leaf, leaf_grad in zip(tree_flatten(value)[0], grad, strict=True):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                pairs.append((leaf, None if leaf_grad is None else leaf_grad.to(leaf.device)))
+    return pairs
+
+
+def _backward_into_inputs(inputs: list[Any], grads: list[list[torch.Tensor | None]]) -> None:
+    """Send the gradients of the user's inputs (those that require grad) into their graph."""
+    pairs = [(leaf, grad) for leaf, grad in _input_grads(inputs, grads) if grad is not None]
+    if pairs:
+        torch.autograd.backward([leaf for leaf, _ in pairs], [grad for _, grad in pairs])
 
 
 class _GradientTransaction:
@@ -650,11 +656,8 @@ class _PipelineNode:
         """The pipelined recompute + backward; returns per-microbatch input gradients."""
         iterator = iter(grad_outputs)
         grads = [
-            tree_unflatten(
-                [next(iterator) if isinstance(leaf, torch.Tensor) else None for leaf in leaves],
-                spec,
-            )
-            for leaves, spec in zip(self.output_leaves, self.output_specs, strict=True)
+            [next(iterator) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+            for leaves in self.output_leaves
         ]
         self.output_leaves = []  # the forward's outputs are no longer needed
         steps = [Step("backward", stage) for stage in self.plan.bwd_plan]
@@ -686,14 +689,7 @@ class _PipelineFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
         node: _PipelineNode = ctx.node
         input_grads = node.run_backward(grad_outputs)
-        leaf_grads: list[Any] = []
-        for value, grad in zip(node.inputs, input_grads, strict=True):
-            leaves = tree_flatten(value)[0]
-            grad_leaves = tree_flatten(grad, is_leaf=lambda x: x is None)[0]
-            for leaf, leaf_grad in zip(leaves, grad_leaves, strict=True):
-                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                    leaf_grads.append(None if leaf_grad is None else leaf_grad.to(leaf.device))
-        return (None, None, *leaf_grads)
+        return (None, None, *(grad for _, grad in _input_grads(node.inputs, input_grads)))
 
 
 def __getattr__(name: str) -> Any:
