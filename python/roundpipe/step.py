@@ -61,6 +61,33 @@ def _drain_optimizer_thread() -> None:
             pass
 
 
+_NATIVE_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _move_grads(pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """Cast + accumulate each gradient into its optimizer copy's ``.grad``: fp32 copies in one
+    native multi-threaded pass over all of them, other dtypes through torch."""
+    fresh, accumulate = ([], []), ([], [])
+    with torch.no_grad():
+        for master, grad in pairs:
+            if master.dtype != torch.float32 or grad.dtype not in _NATIVE_GRAD_DTYPES:
+                if master.grad is None:
+                    master.grad = grad.to(master.dtype, copy=True)
+                else:
+                    master.grad.add_(grad)
+                continue
+            if master.grad is None:
+                master.grad = torch.empty_like(master)
+                target = fresh
+            else:
+                target = accumulate
+            target[0].append(master.grad)
+            target[1].append(grad)
+    for (dsts, srcs), overwrite in ((fresh, True), (accumulate, False)):
+        if dsts:
+            _C.grad_accumulate(dsts, srcs, overwrite)
+
+
 class StepPipeline:
     """Optimizer copies and in-flight optimizer work of one model."""
 
@@ -107,15 +134,13 @@ class StepPipeline:
                 _job.iteration = None
 
         def run_step() -> None:
-            with torch.no_grad():
-                for slot in slots:
-                    grad = self.memory.grad_view(slot, handed_over)
-                    master = copies[id(slot.param)]
-                    if master.grad is None:
-                        master.grad = grad.to(master.dtype, copy=True)
-                    else:
-                        master.grad.add_(grad)
-                handed_over.zero_()
+            _move_grads(
+                [
+                    (copies[id(slot.param)], self.memory.grad_view(slot, handed_over))
+                    for slot in slots
+                ]
+            )
+            handed_over.zero_()
             with OptimizerCtx():
                 step_fn(*args, **kwargs)
 
