@@ -621,3 +621,22 @@ def test_outputs_that_drop_none_fields_between_stages(num_devices: int) -> None:
     plain_forward_backward(reference, x, y, 2)
     model.synchronize()
     assert_same_grads(model.model, reference)
+
+
+def test_failed_merge_rolls_back_the_calls_gradients(num_devices: int) -> None:
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+
+    def bad_merge(outputs: list[torch.Tensor]) -> torch.Tensor:
+        raise ValueError("cannot merge")
+
+    config = RoundPipeRunConfig(num_microbatch=2, merge_output=bad_merge)
+    with pytest.raises(ValueError, match="cannot merge"):
+        model.forward_backward(
+            input_args=(x,), label=y, loss_fn=mse, return_outputs=True, run_config=config
+        )
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    plain_forward_backward(reference, x, y, 2)
+    model.synchronize()
+    assert_same_grads(model.model, reference)

@@ -70,6 +70,7 @@ class ModelMemory:
     """Flat host arenas for a list of layers; the parameters are moved into them in place."""
 
     def __init__(self, layers: list[nn.Module], pin_model: str) -> None:
+        self.pin_model = pin_model
         self.layers: list[LayerMemory] = []
         seen: dict[int, int] = {}
         param_cursor = grad_cursor = 0
@@ -115,6 +116,10 @@ class ModelMemory:
                 view = typed_view(self.params, slot.offset, slot.param)
                 view.copy_(slot.param.data)
                 slot.param.data = view
+
+    def new_grad_arena(self) -> torch.Tensor:
+        """Another zeroed gradient arena of the same layout and pinning."""
+        return _C.allocate_host_arena(self.grads.numel(), self.pin_model)
 
     def slots(self) -> Iterator[ParamSlot]:
         for layer in self.layers:

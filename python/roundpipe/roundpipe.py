@@ -293,11 +293,10 @@ class RoundPipe(nn.Module):
         self._begin_gradient_call()
         with self._gradient_transaction(call):
             run_steps(call, steps, body)
+            loss = _sum_losses(results["losses"])
+            outputs = self._finish_outputs(results["outputs"], config) if return_outputs else None
             _backward_into_inputs(inputs, results["values"])
-        loss = _sum_losses(results["losses"])
-        if not return_outputs:
-            return loss
-        return loss, self._finish_outputs(results["outputs"], config)
+        return (loss, outputs) if return_outputs else loss
 
     def step(
         self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any

@@ -120,7 +120,7 @@ class StepPipeline:
         copies = self.copies()
         handed_over = self.memory.grads
         if self._spare_grads is None:
-            self._spare_grads = torch.zeros_like(handed_over)
+            self._spare_grads = self.memory.new_grad_arena()
         self.memory.grads, self._spare_grads = self._spare_grads, handed_over
         slots = [slot for slot in self.memory.slots() if slot.grad_offset is not None]
         global _submitted
