@@ -20,6 +20,14 @@ c10::Stream pool_stream(c10::Device device, bool high_priority) {
       ->getStreamFromGlobalPool(device, high_priority);
 }
 
+// Tells the caching allocator that `tensor` is used on `stream`, so its block is not handed to other
+// work before what is queued there has run (a device tensor used off its allocation stream).
+void record_use(const at::Tensor& tensor, const c10::Stream& stream) {
+  if (!tensor.is_cuda()) return;
+  c10::impl::getDeviceGuardImpl(tensor.device().type())
+      ->recordDataPtrOnStream(tensor.storage().data_ptr(), stream);
+}
+
 // Runs `work` on the worker once `after` completed, completing the returned event with its error.
 template <typename Work>
 EventPtr submit_host_job(WorkQueue& worker, Lane lane, EventPtr after, Work work) {
@@ -67,8 +75,8 @@ EventPtr CopyEngine::copy(const at::Tensor& dst, const at::Tensor& src, Lane lan
   c10::StreamGuard guard(stream);
   if (after) after->block(stream);
   dst.copy_(src, /*non_blocking=*/true);
-  // The caller keeps src and dst alive until this event completes (the caching allocator may
-  // otherwise hand their blocks to other work on their allocation streams).
+  record_use(src, stream);
+  record_use(dst, stream);
   return Event::recorded_on(stream);
 }
 
@@ -87,11 +95,11 @@ EventPtr CopyEngine::accumulate(const at::Tensor& dst, const at::Tensor& src,
     if (after) after->block(stream);
     staging = at::empty(src.sizes(), src.options().device(at::kCPU).pinned_memory(true));
     staging.copy_(src, /*non_blocking=*/true);
+    record_use(src, stream);
   }
   EventPtr downloaded = Event::recorded_on(stream);
-  // src stays referenced until the download completed, so its device block is not reused early.
   return submit_host_job(worker_, Lane::kGradient, downloaded,
-                         [dst, src, staging] { dst.add_(staging); });
+                         [dst, staging] { dst.add_(staging); });
 }
 
 c10::Stream current_stream(int index) {

@@ -75,7 +75,7 @@ def annotate(error: BaseException, where: str) -> BaseException:
 
 
 def _on_cuda() -> bool:
-    return devices()[0].type == "cuda"
+    return _C.device_kind() == "cuda"
 
 
 def to_device(tree: Any, device_index: int) -> Any:
