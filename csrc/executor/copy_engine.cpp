@@ -20,8 +20,8 @@ c10::Stream pool_stream(c10::Device device, bool high_priority) {
       ->getStreamFromGlobalPool(device, high_priority);
 }
 
-// Tells the caching allocator that `tensor` is used on `stream`, so its block is not handed to other
-// work before what is queued there has run (a device tensor used off its allocation stream).
+// Tells the caching allocator that `tensor` is used on `stream`, so its block is not handed to
+// other work before what is queued there has run (a device tensor used off its allocation stream).
 void record_use(const at::Tensor& tensor, const c10::Stream& stream) {
   if (!tensor.is_cuda()) return;
   c10::impl::getDeviceGuardImpl(tensor.device().type())
