@@ -640,3 +640,25 @@ def test_failed_merge_rolls_back_the_calls_gradients(num_devices: int) -> None:
     plain_forward_backward(reference, x, y, 2)
     model.synchronize()
     assert_same_grads(model.model, reference)
+
+
+def test_backward_twice_with_retained_graph_doubles_gradients(num_devices: int) -> None:
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    x = torch.randn(4, 6)
+    config = RoundPipeRunConfig(num_microbatch=2)
+    loss = model(x, roundpipe_run_config=config).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    expected = torch.cat([reference(chunk) for chunk in x.tensor_split(2)]).sum()
+    expected.backward(retain_graph=True)
+    expected.backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
+@pytest.mark.parametrize("loss", [3.0, [], None])
+def test_loss_fn_must_return_tensors(loss: object) -> None:
+    model = RoundPipe(mlp(), name="lossy")
+    with pytest.raises(TypeError, match=r"'lossy': loss_fn must return a tensor"):
+        model.forward_backward(input_args=(torch.randn(4, 6),), loss_fn=lambda o, l: loss)

@@ -234,6 +234,11 @@ class _Batch:
 
 
 def _split_dim_chunks(tensor: torch.Tensor, dim: int, n: int, path: str) -> list[torch.Tensor]:
+    if tensor.size(dim) == 0:
+        raise ValueError(
+            f"{path}: cannot split an empty tensor (size 0 along dim {dim}) into microbatches; "
+            "pass a non-empty batch, or mark it _Replicate in the split spec"
+        )
     if tensor.size(dim) < n:
         raise ValueError(
             f"{path}: cannot split a tensor of size {tensor.size(dim)} along dim {dim} into "

@@ -379,6 +379,7 @@ class Call:
                         f"of layer {stage.layers.stop - 1} for microbatch {m}"
                     )
                     raise annotate(error, where) from error
+                _check_loss(loss, self.runner.name)
                 start = time.perf_counter()
                 try:
                     if isinstance(loss, torch.Tensor):
@@ -458,6 +459,17 @@ class Call:
         share = seconds / len(layers)
         for layer in layers:
             self.runner.timer.record(layer, "bwd", share)
+
+
+def _check_loss(loss: Any, name: str) -> None:
+    if isinstance(loss, torch.Tensor):
+        return
+    if isinstance(loss, (list, tuple)) and loss and all(isinstance(x, torch.Tensor) for x in loss):
+        return
+    raise TypeError(
+        f"RoundPipe model '{name}': loss_fn must return a tensor or a non-empty sequence of "
+        f"tensors to backpropagate, got {type(loss).__name__}"
+    )
 
 
 def _detach_leaf(value: Any) -> Any:

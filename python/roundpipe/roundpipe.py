@@ -610,6 +610,9 @@ class _GradientTransaction:
             grads.copy_(self.backup)
 
 
+_TENSOR = object()  # marks where an output leaf was a tensor
+
+
 class _PipelineNode:
     """What the autograd node of one ``forward()`` call keeps for its backward."""
 
@@ -636,7 +639,10 @@ class _PipelineNode:
                 event.synchronize()
             leaves, spec = tree_flatten(moved)
             self.output_specs.append(spec)
-            self.output_leaves.append(leaves)
+            # Tensors are replaced by a marker: the node must not keep its own outputs alive.
+            self.output_leaves.append(
+                [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+            )
             flat.extend(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
         return flat
 
@@ -645,7 +651,7 @@ class _PipelineNode:
         iterator = iter(flat)
         return [
             tree_unflatten(
-                [next(iterator) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves],
+                [next(iterator) if leaf is _TENSOR else leaf for leaf in leaves],
                 spec,
             )
             for leaves, spec in zip(self.output_leaves, self.output_specs, strict=True)
@@ -655,10 +661,9 @@ class _PipelineNode:
         """The pipelined recompute + backward; returns per-microbatch input gradients."""
         iterator = iter(grad_outputs)
         grads = [
-            [next(iterator) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+            [next(iterator) if leaf is _TENSOR else None for leaf in leaves]
             for leaves in self.output_leaves
         ]
-        self.output_leaves = []  # the forward's outputs are no longer needed
         steps = [Step("backward", stage) for stage in self.plan.bwd_plan]
         values = {"grads": grads}
 
