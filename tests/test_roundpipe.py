@@ -661,4 +661,4 @@ def test_backward_twice_with_retained_graph_doubles_gradients(num_devices: int) 
 def test_loss_fn_must_return_tensors(loss: object) -> None:
     model = RoundPipe(mlp(), name="lossy")
     with pytest.raises(TypeError, match=r"'lossy': loss_fn must return a tensor"):
-        model.forward_backward(input_args=(torch.randn(4, 6),), loss_fn=lambda o, l: loss)
+        model.forward_backward(input_args=(torch.randn(4, 6),), loss_fn=lambda out, label: loss)
