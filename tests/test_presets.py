@@ -179,13 +179,34 @@ def test_demanding_a_missing_preset_raises() -> None:
         wrap_model_to_roundpipe(nn.Sequential(nn.Linear(2, 2)), use_sequential_preset=True)
 
 
-def test_unsupported_model_settings_are_refused() -> None:
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_tied_embeddings_match_the_unwrapped_model(num_devices: int, family: str) -> None:
+    """lm_head shares embed_tokens' weight across the first and the last layer."""
     torch.manual_seed(0)
-    tied = transformers.Qwen3ForCausalLM(
-        transformers.Qwen3Config(**{**SHAPE, "tie_word_embeddings": True, "intermediate_size": 8})
+    names = {
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    }
+    config_name, model_name = names[family]
+    config = getattr(transformers, config_name)(
+        **{**SHAPE, "tie_word_embeddings": True, "intermediate_size": 64}
     )
-    with pytest.raises(NotImplementedError, match="ties lm_head to embed_tokens"):
-        wrap_model_to_roundpipe(tied)
+    reference = getattr(transformers, model_name)(config)
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
+    wrapped = wrap_model_to_roundpipe(copy.deepcopy(reference))
+    batch = make_batch(padding=True)
+    expected = reference(**batch)
+    expected.loss.backward()
+    loss = wrapped.forward_backward(
+        input_kwargs=batch,
+        loss_fn=lambda out, _: out.loss,
+        run_config=RoundPipeRunConfig(num_microbatch=3),
+    )
+    torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-6)
+    assert_same_grads(reference, wrapped)
+
+
+def test_unsupported_model_settings_are_refused() -> None:
     moe = FAMILIES["qwen3_moe"]()
     moe.config.output_router_logits = True
     with pytest.raises(NotImplementedError, match="output_router_logits"):

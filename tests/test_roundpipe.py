@@ -466,12 +466,60 @@ def test_constructor_rejects_bad_arguments(kwargs: dict, error: type, match: str
         RoundPipe(mlp(), **kwargs)
 
 
-def test_constructor_rejects_non_modules_and_shared_parameters() -> None:
+def test_constructor_rejects_non_modules() -> None:
     with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
         RoundPipe(lambda x: x)  # type: ignore[arg-type]
-    shared = nn.Linear(6, 6)
-    with pytest.raises(ValueError, match="shared with layer 0"):
-        RoundPipe(nn.Sequential(shared, nn.Tanh(), shared))
+
+
+def tied_lm(seed: int = 8) -> nn.Sequential:
+    """Embedding and output head share one weight, in the first and the last layer."""
+    torch.manual_seed(seed)
+    embedding, head = nn.Embedding(11, 6), nn.Linear(6, 11, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(embedding, nn.Linear(6, 6), nn.Tanh(), head)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+@pytest.mark.parametrize("plan", [SEED_FUSED, None], ids=["seed", "auto"])
+def test_parameters_shared_across_layers_train_like_pytorch(
+    num_devices: int, plan: ModelExecutePlan | None
+) -> None:
+    reference = tied_lm()
+    model = RoundPipe(copy.deepcopy(reference))
+    ours = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
+    assert len(list(model.optim_parameters())) == len(list(reference.parameters()))
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        tokens = torch.randint(0, 11, (4, 5), generator=generator)
+        labels = torch.randint(0, 11, (4, 5), generator=generator)
+        model.forward_backward(
+            input_args=(tokens,), label=labels, loss_fn=cross_entropy, run_config=config
+        )
+        model.synchronize()
+        plain_forward_backward(reference, tokens, labels, 2, cross_entropy)
+        assert_same_grads(model.model, reference)
+        model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
+        theirs.step()
+        theirs.zero_grad()
+        for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+
+
+def test_shared_parameter_changed_by_the_user_reaches_every_layer(num_devices: int) -> None:
+    reference = tied_lm()
+    model = RoundPipe(copy.deepcopy(reference))
+    with torch.no_grad():
+        for module in (model.model, reference):
+            module[0].weight.mul_(0.5)
+    tokens = torch.randint(0, 11, (4, 5))
+    single = RoundPipeRunConfig(num_microbatch=1)
+    with torch.no_grad():
+        assert torch.equal(model(tokens, roundpipe_run_config=single), reference(tokens))
 
 
 def test_requires_grad_without_grad_mode_is_an_error() -> None:

@@ -5,6 +5,11 @@ layers back to back, and each ``nn.Parameter`` becomes a view into it, so user c
 loads parameters keeps working. A stage, being a contiguous range of layers, uploads in a single
 copy; its gradients come back in one accumulation per dtype run. Gradients of parameters that
 require grad live in a second flat arena with the same layer order.
+
+A parameter shared by several layers (tied embeddings) lives in its first layer; every later
+layer that uses it gets an *alias* slot, a copy in its own part of the arenas, so each stage
+still uploads in one copy. Aliases are refreshed from the parameter before each call and their
+gradients are folded into the parameter's before they are published or stepped.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class ParamSlot:
     owners: list[tuple[nn.Module, str]]
     offset: int  # bytes into the parameter arena
     grad_offset: int | None  # bytes into the gradient arena; None when frozen
+    primary: ParamSlot | None = None  # for an alias: the slot in the parameter's first layer
 
     @property
     def nbytes(self) -> int:
@@ -72,27 +78,24 @@ class ModelMemory:
     def __init__(self, layers: list[nn.Module], pin_model: str) -> None:
         self.pin_model = pin_model
         self.layers: list[LayerMemory] = []
-        seen: dict[int, int] = {}
+        first_slot: dict[int, ParamSlot] = {}
+        self.aliases: list[ParamSlot] = []
         param_cursor = grad_cursor = 0
         for index, module in enumerate(layers):
             layer = LayerMemory(index, module, begin=param_cursor, grad_begin=grad_cursor)
             by_param: dict[int, ParamSlot] = {}
-            for owner_name, owner in module.named_modules(remove_duplicate=False):
+            for _, owner in module.named_modules(remove_duplicate=False):
                 for name, param in owner._parameters.items():
                     if param is None:
                         continue
                     key = id(param)
-                    if key in seen and seen[key] != index:
-                        raise ValueError(
-                            f"parameter '{owner_name or '<layer>'}.{name}' of layer {index} is "
-                            f"shared with layer {seen[key]}; RoundPipe layers must not share "
-                            "parameters (tie them inside one layer instead)"
-                        )
-                    seen[key] = index
                     if key in by_param:
                         by_param[key].owners.append((owner, name))
                         continue
-                    slot = ParamSlot(param, [(owner, name)], 0, None)
+                    slot = ParamSlot(param, [(owner, name)], 0, None, first_slot.get(key))
+                    first_slot.setdefault(key, slot)
+                    if slot.primary is not None:
+                        self.aliases.append(slot)
                     by_param[key] = slot
                     layer.slots.append(slot)
                 for name, buffer in owner._buffers.items():
@@ -116,14 +119,32 @@ class ModelMemory:
                 view = typed_view(self.params, slot.offset, slot.param)
                 view.copy_(slot.param.data)
                 slot.param.data = view
+        self.sync_aliases()
+
+    def sync_aliases(self) -> None:
+        """Copy each shared parameter into its aliases (before a call reads the arena)."""
+        with torch.no_grad():
+            for alias in self.aliases:
+                typed_view(self.params, alias.offset, alias.param).copy_(alias.param)
+
+    def fold_alias_grads(self) -> None:
+        """Add the aliases' gradients into their parameters' and clear them."""
+        with torch.no_grad():
+            for alias in self.aliases:
+                if alias.grad_offset is not None:
+                    assert alias.primary is not None
+                    alias_grad = self.grad_view(alias)
+                    self.grad_view(alias.primary).add_(alias_grad)
+                    alias_grad.zero_()
 
     def new_grad_arena(self) -> torch.Tensor:
         """Another zeroed gradient arena of the same layout and pinning."""
         return _C.allocate_host_arena(self.grads.numel(), self.pin_model)
 
     def slots(self) -> Iterator[ParamSlot]:
+        """Every parameter once, in its first layer (aliases excluded)."""
         for layer in self.layers:
-            yield from layer.slots
+            yield from (slot for slot in layer.slots if slot.primary is None)
 
     def grad_view(self, slot: ParamSlot, arena: torch.Tensor | None = None) -> torch.Tensor:
         """The host gradient of ``slot``: a view into ``arena`` (default: the current one)."""

@@ -205,6 +205,7 @@ class RoundPipe(nn.Module):
         """
         config = self._resolve(roundpipe_run_config)
         self.__dict__["_steps"].raise_if_failed()
+        self.__dict__["_memory"].sync_aliases()
         n = config.num_microbatch
         args_list, kwargs_list = split_input(args, kwargs, n, config.split_input)
         inputs = list(zip(args_list, kwargs_list, strict=True))
@@ -259,6 +260,7 @@ class RoundPipe(nn.Module):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         config = self._resolve(run_config)
         self.__dict__["_steps"].raise_if_failed()
+        self.__dict__["_memory"].sync_aliases()
         if not config.requires_grad:
             raise RuntimeError(
                 "forward_backward computes gradients but requires_grad resolved to False; call it "
@@ -315,6 +317,7 @@ class RoundPipe(nn.Module):
             raise TypeError(f"is_async must be a bool, got {type(is_async).__name__}")
         self._wait_pending()
         self._absorb_user_grads()
+        self.__dict__["_memory"].fold_alias_grads()
         self.__dict__["_steps"].step(step_fn, is_async, args, kwargs)
         self.__dict__["_grads_dirty"] = False
 
@@ -327,6 +330,7 @@ class RoundPipe(nn.Module):
         self._wait_pending()
         self.__dict__["_steps"].finish()
         memory = self.__dict__["_memory"]
+        memory.fold_alias_grads()
         for slot in memory.slots():
             if slot.grad_offset is not None:
                 slot.param.grad = memory.grad_view(slot)

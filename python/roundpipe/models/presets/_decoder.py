@@ -102,13 +102,6 @@ class DecoderFamily:
                 "model.config.output_router_logits = False, or wrap with "
                 "use_sequential_preset=False"
             )
-        embed, head = model.model.embed_tokens, model.lm_head
-        if any(p is q for p in embed.parameters() for q in head.parameters()):
-            raise NotImplementedError(
-                f"this {self.name} model ties lm_head to embed_tokens, and RoundPipe layers "
-                "cannot share parameters yet; untie them (config.tie_word_embeddings=False "
-                "and give lm_head its own weight) before wrapping"
-            )
         backbone = model.model
         count = config.num_hidden_layers
         kinds = self.layer_mask_kinds(config)[:count]
