@@ -75,26 +75,34 @@ def test_asynchronous_steps_are_one_step_stale(num_devices: int) -> None:
     reference = mlp()
     model = RoundPipe(copy.deepcopy(reference))
     ours = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    # The weights each forward pass really computed with (the bound copies, not recompute).
+    used: list[list[torch.Tensor]] = []
+
+    def record(module: nn.Module, args: object) -> None:
+        if not roundpipe.doing_recompute():
+            used.append([p.detach().clone() for p in module.parameters()])
+
+    for layer in model.model:
+        if isinstance(layer, nn.Linear):
+            layer.register_forward_pre_hook(record)
     # Plain simulation: `live` is what the iterations train on, `master` what the optimizer holds.
     live, master = copy.deepcopy(reference), copy.deepcopy(reference)
     theirs = torch.optim.SGD(master.parameters(), lr=0.1)
-
-    def step_fn() -> None:
-        ours.step()
-        ours.zero_grad()
+    single = RoundPipeRunConfig(num_microbatch=1)
 
     for x, y in batches(5):
-        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
-        model.step(step_fn)  # async: writes back the previous step, queues this one
-        plain_grads(live, x, y)
+        used.clear()
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=single)
+        model.step(lambda: (ours.step(), ours.zero_grad()))  # async: one step stale
+        computed_with = [t for weights in used for t in weights]
+        for a, b in zip(computed_with, live.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        mse(live(x), y).backward()
         live.load_state_dict(master.state_dict())  # the previous step's weights arrive
         for p, q in zip(master.parameters(), live.parameters(), strict=True):
-            p.grad = q.grad
-            q.grad = None
+            p.grad, q.grad = q.grad, None
         theirs.step()
         theirs.zero_grad()
-        for p, q in zip(model.model.parameters(), live.parameters(), strict=True):
-            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
     model.synchronize()
     for p, q in zip(model.model.parameters(), master.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)

@@ -113,6 +113,26 @@ void bind_runtime(py::module_& m) {
       py::arg("job"),
       "Run job() on the optimizer thread (FIFO); the event re-raises its exception.");
   m.def(
+      "writeback_async",
+      [](std::vector<at::Tensor> dsts, std::vector<at::Tensor> srcs) {
+        TORCH_CHECK(dsts.size() == srcs.size(), "writeback_async: ", dsts.size(),
+                    " destinations for ", srcs.size(), " sources");
+        auto done = std::make_shared<Event>();
+        executor::writeback_thread().submit(0,
+                                            [done, dsts = std::move(dsts), srcs = std::move(srcs)] {
+                                              try {
+                                                for (std::size_t i = 0; i < dsts.size(); ++i)
+                                                  dsts[i].copy_(srcs[i]);
+                                                done->complete();
+                                              } catch (...) {
+                                                done->complete(std::current_exception());
+                                              }
+                                            });
+        return done;
+      },
+      py::arg("dsts"), py::arg("srcs"), py::call_guard<py::gil_scoped_release>(),
+      "dsts[i].copy_(srcs[i]) (casting) on the weight writer, first in first out.");
+  m.def(
       "allocate_host_arena",
       [](std::int64_t bytes, const std::string& pin_model) {
         return memory::allocate_host_arena(bytes, memory::parse_pin_mode(pin_model));

@@ -8,4 +8,9 @@ WorkQueue& optimizer_thread() {
   return *queue;
 }
 
+WorkQueue& writeback_thread() {
+  static auto* queue = new WorkQueue();
+  return *queue;
+}
+
 }  // namespace roundpipe::executor

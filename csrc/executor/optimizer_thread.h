@@ -8,4 +8,8 @@ namespace roundpipe::executor {
 
 WorkQueue& optimizer_thread();
 
+// The weight writer: copies new weights into the parameter arena layer by layer, first in first
+// out, beside the pipeline (uploads of a layer wait for its copy's event).
+WorkQueue& writeback_thread();
+
 }  // namespace roundpipe::executor

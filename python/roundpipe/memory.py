@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +39,7 @@ class ParamSlot:
     offset: int  # bytes into the parameter arena
     grad_offset: int | None  # bytes into the gradient arena; None when frozen
     primary: ParamSlot | None = None  # for an alias: the slot in the parameter's first layer
+    layer: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +94,7 @@ class ModelMemory:
                     if key in by_param:
                         by_param[key].owners.append((owner, name))
                         continue
-                    slot = ParamSlot(param, [(owner, name)], 0, None, first_slot.get(key))
+                    slot = ParamSlot(param, [(owner, name)], 0, None, first_slot.get(key), index)
                     first_slot.setdefault(key, slot)
                     if slot.primary is not None:
                         self.aliases.append(slot)
@@ -114,18 +116,51 @@ class ModelMemory:
 
         self.params = _C.allocate_host_arena(param_cursor, pin_model)
         self.grads = _C.allocate_host_arena(grad_cursor, pin_model)
+        # Writes into the parameter arena queued on the weight writer: per layer, the sequence
+        # number and event of the latest one. The writer is first in first out.
+        self._writes: dict[int, tuple[int, Any]] = {}
+        self._write_count = 0
+        self._last_write: Any = None
         with torch.no_grad():
             for slot in self.slots():
                 view = typed_view(self.params, slot.offset, slot.param)
                 view.copy_(slot.param.data)
                 slot.param.data = view
-        self.sync_aliases()
+            for alias in self.aliases:
+                self.alias_view(alias).copy_(alias.param)
+
+    def alias_view(self, alias: ParamSlot) -> torch.Tensor:
+        return typed_view(self.params, alias.offset, alias.param)
+
+    def write_async(self, layer: int, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Any:
+        """Queue ``dsts[i].copy_(srcs[i])`` into layer ``layer``'s parameters on the weight
+        writer; uploads of that layer wait for it (see :meth:`fence`)."""
+        event = _C.writeback_async(dsts, srcs)
+        self._write_count += 1
+        self._writes[layer] = (self._write_count, event)
+        self._last_write = event
+        return event
+
+    def fence(self, layers: range) -> Any:
+        """The event after which every queued write into ``layers`` has landed, or None."""
+        latest = max(
+            (self._writes[i] for i in layers if i in self._writes),
+            key=lambda write: write[0],
+            default=None,
+        )
+        return None if latest is None else latest[1]
+
+    def wait_writes(self) -> None:
+        """Wait for every queued write (the host parameters are then current)."""
+        last, self._last_write = self._last_write, None
+        self._writes.clear()
+        if last is not None:
+            last.synchronize()
 
     def sync_aliases(self) -> None:
-        """Copy each shared parameter into its aliases (before a call reads the arena)."""
-        with torch.no_grad():
-            for alias in self.aliases:
-                typed_view(self.params, alias.offset, alias.param).copy_(alias.param)
+        """Queue a copy of each shared parameter into its aliases, after pending writes."""
+        for alias in self.aliases:
+            self.write_async(alias.layer, [self.alias_view(alias)], [alias.param.detach()])
 
     def fold_alias_grads(self) -> None:
         """Add the aliases' gradients into their parameters' and clear them."""

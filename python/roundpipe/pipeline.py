@@ -139,7 +139,7 @@ class ResidentStage:
         begin, end = memory.param_range(layers)
         self.buffer = torch.empty(end - begin, dtype=torch.uint8, device=device)
         self.uploaded = _C.copy_async(
-            device_index, self.buffer, memory.params[begin:end], "parameter"
+            device_index, self.buffer, memory.params[begin:end], "parameter", memory.fence(layers)
         )
         self.grad_buffer: torch.Tensor | None = None
         grad_begin = 0

@@ -330,6 +330,7 @@ class RoundPipe(nn.Module):
         self._wait_pending()
         self.__dict__["_steps"].finish()
         memory = self.__dict__["_memory"]
+        memory.wait_writes()
         memory.fold_alias_grads()
         for slot in memory.slots():
             if slot.grad_offset is not None:
@@ -435,6 +436,7 @@ class RoundPipe(nn.Module):
         """Finish every pending transfer and optimizer step (weights written back)."""
         self._wait_pending()
         self.__dict__["_steps"].finish()
+        self.__dict__["_memory"].wait_writes()
 
     def _resolve(self, call_config: RoundPipeRunConfig) -> ResolvedRunConfig:
         if not isinstance(call_config, RoundPipeRunConfig):

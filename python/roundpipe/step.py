@@ -3,9 +3,11 @@
 ``RoundPipe.step(step_fn)`` hands the iteration's gradients to the process's optimizer thread and
 swaps in a second gradient arena, so the next iteration accumulates while the optimizer works.
 On that thread the gradients are cast into the optimizer copies' ``.grad`` and ``step_fn`` runs
-with ``OptimizerCtx`` active. The new weights are written back into the model's parameter arena
-when the next ``step()`` (or ``synchronize()``) begins, after the iteration in between has used
-the previous weights: bounded staleness 1. ``is_async=False`` waits and writes back at once.
+with ``OptimizerCtx`` active. When the next ``step()`` (or ``synchronize()``) begins, after the
+iteration in between has used the previous weights (bounded staleness 1), the new weights are
+queued into the parameter arena layer by layer on the native weight writer; a stage upload waits
+only for its own layers' writes (per-layer fences), and the next optimizer job waits for the
+whole write-back before it changes the optimizer copies. ``is_async=False`` waits for both.
 
 An exception in ``step_fn`` is re-raised at the next ``step``, ``synchronize`` or forward call;
 the weights then stay as they were before the failed step.
@@ -98,6 +100,7 @@ class StepPipeline:
         self._spare_grads: torch.Tensor | None = None
         self._job: Any = None  # the optimizer thread's event of the last step
         self._write_back_due = False
+        self._written: Any = None  # event of the last write-back into the parameter arena
 
     def copies(self) -> dict[int, nn.Parameter]:
         """Optimizer copies keyed by ``id`` of the model parameter, created on first use."""
@@ -133,7 +136,11 @@ class StepPipeline:
             finally:
                 _job.iteration = None
 
+        written = self._written
+
         def run_step() -> None:
+            if written is not None:  # the previous step's weights must be read out first
+                written.synchronize()
             _move_grads(
                 [
                     (copies[id(slot.param)], self.memory.grad_view(slot, handed_over))
@@ -149,9 +156,10 @@ class StepPipeline:
         self._write_back_due = True
         if not is_async:
             self.finish()
+            self.memory.wait_writes()
 
     def finish(self) -> None:
-        """Wait for the last step, re-raise its error, and write its weights back."""
+        """Wait for the last step, re-raise its error, and queue its weights' write-back."""
         job, self._job = self._job, None
         if job is None:
             return
@@ -163,12 +171,23 @@ class StepPipeline:
             raise
         if self._write_back_due:
             self._write_back_due = False
-            copies = self.copies()
-            with torch.no_grad():
-                for slot in self.memory.slots():
-                    master = copies.get(id(slot.param))
-                    if master is not None:
-                        slot.param.copy_(master)
+            self._written = self._write_back()
+
+    def _write_back(self) -> Any:
+        """Queue the optimizer copies' values into the parameter arena, layer by layer: the next
+        iteration's uploads wait only for their own layers. Returns the last write's event."""
+        copies = self.copies()
+        last = None
+        for layer in self.memory.layers:
+            slots = [s for s in layer.slots if s.primary is None and id(s.param) in copies]
+            if slots:
+                last = self.memory.write_async(
+                    layer.index,
+                    [slot.param.detach() for slot in slots],
+                    [copies[id(slot.param)].detach() for slot in slots],
+                )
+        self.memory.sync_aliases()
+        return last
 
     def raise_if_failed(self) -> None:
         """Re-raise a finished step's error without waiting for a running one. A step that
