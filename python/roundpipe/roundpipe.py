@@ -205,7 +205,6 @@ class RoundPipe(nn.Module):
         """
         config = self._resolve(roundpipe_run_config)
         self.__dict__["_steps"].raise_if_failed()
-        self.__dict__["_memory"].sync_aliases()
         n = config.num_microbatch
         args_list, kwargs_list = split_input(args, kwargs, n, config.split_input)
         inputs = list(zip(args_list, kwargs_list, strict=True))
@@ -260,7 +259,6 @@ class RoundPipe(nn.Module):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         config = self._resolve(run_config)
         self.__dict__["_steps"].raise_if_failed()
-        self.__dict__["_memory"].sync_aliases()
         if not config.requires_grad:
             raise RuntimeError(
                 "forward_backward computes gradients but requires_grad resolved to False; call it "
@@ -470,6 +468,8 @@ class RoundPipe(nn.Module):
         )
 
     def _new_call(self, config: ResolvedRunConfig, saving: bool) -> Call:
+        """A call about to run (arguments validated): shared parameters are refreshed first."""
+        self.__dict__["_memory"].sync_aliases()
         return Call(
             self.__dict__["_runner"],
             config.num_microbatch,

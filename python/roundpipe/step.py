@@ -186,7 +186,6 @@ class StepPipeline:
                     [slot.param.detach() for slot in slots],
                     [copies[id(slot.param)].detach() for slot in slots],
                 )
-        self.memory.sync_aliases()
         return last
 
     def raise_if_failed(self) -> None:
