@@ -44,7 +44,7 @@ def main() -> None:
         ),
         name="train_tiny",
     )
-    optimizer = torch.optim.AdamW(model.optim_parameters(), lr=2e-3)
+    optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=2e-3, decoupled_weight_decay=True)
 
     def step_fn() -> None:
         optimizer.step()
