@@ -8,10 +8,12 @@ rebuilding them (and, on GPUs, without a host synchronisation).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_leaves
 
 
@@ -117,7 +119,38 @@ def optimizer_context_active() -> bool:
     return _state.optimizer_depth > 0
 
 
+class OptimizerCopiesView(nn.Module):
+    """``parameters()`` / ``named_parameters()`` that return the optimizer copies inside
+    :class:`OptimizerCtx` and the model's parameters otherwise. Subclasses define
+    ``optim_named_parameters(prefix, remove_duplicate)``."""
+
+    def optim_named_parameters(
+        self, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        raise NotImplementedError
+
+    def optim_parameters(self) -> Iterator[nn.Parameter]:
+        """The optimizer copies of every parameter that requires grad."""
+        for _, param in self.optim_named_parameters():
+            yield param
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Named optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
+        if optimizer_context_active():
+            yield from self.optim_named_parameters(prefix, remove_duplicate)
+        else:
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """Optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
+        for _, param in self.named_parameters(recurse=recurse):
+            yield param
+
+
 __all__ = [
+    "OptimizerCopiesView",
     "OptimizerCtx",
     "doing_recompute",
     "get_recompute_data",

@@ -19,7 +19,7 @@ from roundpipe.batch import (
     split_input,
     split_label,
 )
-from roundpipe.context import optimizer_context_active
+from roundpipe.context import OptimizerCopiesView
 from roundpipe.device import device_count
 from roundpipe.memory import ModelMemory
 from roundpipe.pipeline import Call, LayerRunner, ResidentStage, Step, run_steps, to_host
@@ -47,7 +47,7 @@ def _sum_losses(losses: list[Any]) -> Any:
     return [_sum_losses([loss[i] for loss in losses]) for i in range(len(losses[0]))]
 
 
-class RoundPipe(nn.Module):
+class RoundPipe(OptimizerCopiesView):
     """Pipelined execution of ``model`` with its state in host memory.
 
     Args:
@@ -159,11 +159,6 @@ class RoundPipe(nn.Module):
 
     # -- parameters --------------------------------------------------------------------------
 
-    def optim_parameters(self) -> Iterator[nn.Parameter]:
-        """The optimizer copies (in ``optim_dtype``) of every parameter that requires grad."""
-        for _, param in self.optim_named_parameters():
-            yield param
-
     def optim_named_parameters(
         self, prefix: str = "", remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
@@ -175,20 +170,6 @@ class RoundPipe(nn.Module):
         dotted = f"{prefix}." if prefix else ""
         for name, param in self._trainable_named_parameters(remove_duplicate):
             yield f"{dotted}model.{name}", copies[id(param)]
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """Optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
-        for _, param in self.named_parameters(recurse=recurse):
-            yield param
-
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Named optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
-        if optimizer_context_active():
-            yield from self.optim_named_parameters(prefix, remove_duplicate)
-        else:
-            yield from super().named_parameters(prefix, recurse, remove_duplicate)
 
     # -- calls -------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from roundpipe.context import OptimizerCtx, optimizer_context_active
+from roundpipe.context import OptimizerCopiesView, OptimizerCtx
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 
@@ -142,7 +142,7 @@ def _no_step() -> None:
     """The step of a part whose optimizer copies the shared ``step_fn`` updates."""
 
 
-class AutoRoundPipe(nn.Module):
+class AutoRoundPipe(OptimizerCopiesView):
     """A model whose large parts run as RoundPipes while its own ``forward`` runs on the host.
 
     Built by :func:`wrap_model_to_roundpipe` for models that cannot be one ``nn.Sequential``.
@@ -229,25 +229,6 @@ class AutoRoundPipe(nn.Module):
         copies = self._glue_copy_map()
         for name, param in self.__dict__["_glue"]:
             yield f"{lead}{name}", copies[id(param)]
-
-    def optim_parameters(self) -> Iterator[nn.Parameter]:
-        """The optimizer copies of every trainable parameter (parts and host glue)."""
-        for _, param in self.optim_named_parameters():
-            yield param
-
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Named optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
-        if optimizer_context_active():
-            yield from self.optim_named_parameters(prefix, remove_duplicate)
-        else:
-            yield from super().named_parameters(prefix, recurse, remove_duplicate)
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """Optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
-        for _, param in self.named_parameters(recurse=recurse):
-            yield param
 
     # -- optimizer ---------------------------------------------------------------------------
 
