@@ -147,6 +147,34 @@ def test_tied_parameters_have_one_copy_and_both_names() -> None:
     assert both[0][1] is both[1][1]
 
 
+def test_native_adam_writes_low_precision_weights_in_its_update_pass(num_devices: int) -> None:
+    """The fused path (Adam writes bf16 weights as it updates) equals the unfused one: fp32
+    copies stepped by the same Adam, then cast to bf16 by torch."""
+    reference = mlp(torch.bfloat16)
+    model = RoundPipe(copy.deepcopy(reference), optim_dtype=torch.float32)
+    ours = roundpipe.optim.Adam(model.optim_parameters(), lr=0.01)
+    masters = [p.detach().float().requires_grad_(True) for p in reference.parameters()]
+    theirs = roundpipe.optim.Adam(masters, lr=0.01)
+
+    def step_fn() -> None:
+        ours.step()
+        ours.zero_grad()
+
+    for x, y in batches(4, torch.bfloat16):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+        model.step(step_fn, is_async=False)
+        assert len(model._steps._fused) == len(masters)  # every parameter went the fused way
+        plain_grads(reference, x, y)
+        with torch.no_grad():
+            for master, p in zip(masters, reference.parameters(), strict=True):
+                master.grad, p.grad = p.grad.float(), None
+            theirs.step()
+            for master, p in zip(masters, reference.parameters(), strict=True):
+                p.copy_(master)
+        for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p, q)
+
+
 def test_step_fn_sees_optimizer_copies_and_names() -> None:
     model = RoundPipe(mlp())
     names = [name for name, _ in model.optim_named_parameters()]

@@ -9,6 +9,10 @@ queued into the parameter arena layer by layer on the native weight writer; a st
 only for its own layers' writes (per-layer fences), and the next optimizer job waits for the
 whole write-back before it changes the optimizer copies. ``is_async=False`` waits for both.
 
+Fused path: when ``step_fn`` steps ``roundpipe.optim.Adam`` on fp32 copies of bf16/fp16
+parameters, Adam writes the new low-precision weights into a staging arena in its update pass
+(``roundpipe.optim.fused_writeback``), and the write-back copies them without casting.
+
 An exception in ``step_fn`` is re-raised at the next ``step``, ``synchronize`` or forward call;
 the weights then stay as they were before the failed step.
 """
@@ -26,6 +30,7 @@ from torch import nn
 from roundpipe._native import _C
 from roundpipe.context import OptimizerCtx
 from roundpipe.memory import ModelMemory
+from roundpipe.optim import fused_writeback
 
 _live_jobs: list[Any] = []
 
@@ -101,6 +106,10 @@ class StepPipeline:
         self._job: Any = None  # the optimizer thread's event of the last step
         self._write_back_due = False
         self._written: Any = None  # event of the last write-back into the parameter arena
+        # Low-precision weights that roundpipe.optim.Adam wrote in its update pass (gradient
+        # arena layout), and the optimizer copies it wrote them for.
+        self._staged: torch.Tensor | None = None
+        self._fused: set[torch.Tensor] = set()
 
     def copies(self) -> dict[int, nn.Parameter]:
         """Optimizer copies keyed by ``id`` of the model parameter, created on first use."""
@@ -137,6 +146,7 @@ class StepPipeline:
                 _job.iteration = None
 
         written = self._written
+        targets = self._fused_targets(copies, slots)
 
         def run_step() -> None:
             if written is not None:  # the previous step's weights must be read out first
@@ -148,8 +158,9 @@ class StepPipeline:
                 ]
             )
             handed_over.zero_()
-            with OptimizerCtx():
+            with OptimizerCtx(), fused_writeback(targets) as fused:
                 step_fn(*args, **kwargs)
+            self._fused = fused
 
         self._job = _C.submit_optimizer_job(job)
         _live_jobs.append(self._job)
@@ -173,10 +184,27 @@ class StepPipeline:
             self._write_back_due = False
             self._written = self._write_back()
 
+    def _fused_targets(
+        self, copies: dict[int, nn.Parameter], slots: list[Any]
+    ) -> dict[torch.Tensor, torch.Tensor]:
+        """fp32 optimizer copy -> its staging view, for bf16/fp16 parameters: there our Adam
+        writes the low-precision weights in the same pass as the update."""
+        pairs = [
+            (copies[id(slot.param)], slot)
+            for slot in slots
+            if slot.param.dtype in (torch.bfloat16, torch.float16)
+            and copies[id(slot.param)].dtype == torch.float32
+        ]
+        if not pairs:
+            return {}
+        if self._staged is None:
+            self._staged = self.memory.new_grad_arena()
+        return {master: self.memory.grad_view(slot, self._staged) for master, slot in pairs}
+
     def _write_back(self) -> Any:
         """Queue the optimizer copies' values into the parameter arena, layer by layer: the next
         iteration's uploads wait only for their own layers. Returns the last write's event."""
-        copies = self.copies()
+        copies, fused = self.copies(), self._fused
         last = None
         for layer in self.memory.layers:
             slots = [s for s in layer.slots if s.primary is None and id(s.param) in copies]
@@ -184,9 +212,18 @@ class StepPipeline:
                 last = self.memory.write_async(
                     layer.index,
                     [slot.param.detach() for slot in slots],
-                    [copies[id(slot.param)].detach() for slot in slots],
+                    [self._new_weights(slot, copies[id(slot.param)], fused) for slot in slots],
                 )
         return last
+
+    def _new_weights(
+        self, slot: Any, master: nn.Parameter, fused: set[torch.Tensor]
+    ) -> torch.Tensor:
+        """Where the parameter's new value is: staged in its own dtype by the fused pass, or in
+        the optimizer copy (cast on the way)."""
+        if master in fused and self._staged is not None:
+            return self.memory.grad_view(slot, self._staged)
+        return master.detach()
 
     def raise_if_failed(self) -> None:
         """Re-raise a finished step's error without waiting for a running one. A step that
