@@ -138,13 +138,6 @@ class StepPipeline:
         global _submitted
         iteration, _submitted = _submitted, _submitted + 1
 
-        def job() -> None:
-            _job.iteration = iteration
-            try:
-                run_step()
-            finally:
-                _job.iteration = None
-
         written = self._written
         targets = self._fused_targets(copies, slots)
 
@@ -161,6 +154,13 @@ class StepPipeline:
             with OptimizerCtx(), fused_writeback(targets) as fused:
                 step_fn(*args, **kwargs)
             self._fused = fused
+
+        def job() -> None:
+            _job.iteration = iteration
+            try:
+                run_step()
+            finally:
+                _job.iteration = None
 
         self._job = _C.submit_optimizer_job(job)
         _live_jobs.append(self._job)
