@@ -315,8 +315,15 @@ def test_failures_name_model_layer_phase_and_leave_the_model_usable(
     model = RoundPipe(copy.deepcopy(reference), name="boomer")
     x, y = torch.randn(4, 6), torch.randn(4, 6)
     config = RoundPipeRunConfig(num_microbatch=2)
-    # A successful call first, so the failed call's partial gradients must be rolled back.
-    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    # A successful call first, so the failed call's partial gradients must be rolled back. One
+    # stage per layer (7 stages) reaches every device, so every copy engine has started before
+    # threads are counted: automatic plans follow measured timings and could touch fewer.
+    per_layer = make_plan(
+        [range(0, 1), range(1, 2), range(2, 3)],
+        [range(3, 4), range(2, 3), range(1, 2), range(0, 1)],
+    )
+    warm_up = RoundPipeRunConfig(num_microbatch=2, execute_plan=per_layer)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=warm_up)
     plain_forward_backward(reference, x, y, 2)
     threads = os_threads()
 
