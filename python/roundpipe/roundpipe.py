@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
+from roundpipe.autograd import PipelineFunction, PipelineNode, backward_into_inputs
 from roundpipe.batch import (
     RoundPipePackedData,
     merge_output,
@@ -207,8 +208,8 @@ class RoundPipe(OptimizerCopiesView):
             for leaf in tree_flatten(inputs)[0]
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad
         ]
-        node = _PipelineNode(self, call, plan, steps, inputs, config)
-        flat_outputs = _PipelineFunction.apply(node, self.__dict__["_anchor"], *input_leaves)
+        node = PipelineNode(self, call, plan, steps, inputs, config)
+        flat_outputs = PipelineFunction.apply(node, self.__dict__["_anchor"], *input_leaves)
         per_microbatch = node.rebuild_outputs(flat_outputs)
         return self._merge(per_microbatch, config)
 
@@ -276,7 +277,7 @@ class RoundPipe(OptimizerCopiesView):
             run_steps(call, steps, body)
             loss = _sum_losses(results["losses"])
             outputs = self._finish_outputs(results["outputs"], config) if return_outputs else None
-            _backward_into_inputs(inputs, results["values"])
+            backward_into_inputs(inputs, results["values"])
         return (loss, outputs) if return_outputs else loss
 
     def step(
@@ -546,26 +547,6 @@ def _device_of(value: Any) -> int:
     return 0
 
 
-def _input_grads(
-    inputs: list[Any], grads: list[list[torch.Tensor | None]]
-) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """(input leaf that requires grad, its gradient on that leaf's device) for every microbatch;
-    ``grads[m]`` holds one entry per leaf of ``inputs[m]``."""
-    pairs = []
-    for value, grad in zip(inputs, grads, strict=True):
-        for leaf, leaf_grad in zip(tree_flatten(value)[0], grad, strict=True):
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                pairs.append((leaf, None if leaf_grad is None else leaf_grad.to(leaf.device)))
-    return pairs
-
-
-def _backward_into_inputs(inputs: list[Any], grads: list[list[torch.Tensor | None]]) -> None:
-    """Send the gradients of the user's inputs (those that require grad) into their graph."""
-    pairs = [(leaf, grad) for leaf, grad in _input_grads(inputs, grads) if grad is not None]
-    if pairs:
-        torch.autograd.backward([leaf for leaf, _ in pairs], [grad for _, grad in pairs])
-
-
 class _GradientTransaction:
     """Keeps the host gradients consistent when a call fails half-way: the gradients it already
     accumulated are rolled back, so the next call trains as if the failed one never ran."""
@@ -595,92 +576,6 @@ class _GradientTransaction:
             grads.zero_()
         else:
             grads.copy_(self.backup)
-
-
-_TENSOR = object()  # marks where an output leaf was a tensor
-
-
-class _PipelineNode:
-    """What the autograd node of one ``forward()`` call keeps for its backward."""
-
-    def __init__(
-        self,
-        model: RoundPipe,
-        call: Call,
-        plan: ModelExecutePlan,
-        steps: list[Step],
-        inputs: list[Any],
-        config: ResolvedRunConfig,
-    ) -> None:
-        self.model, self.call, self.plan, self.steps = model, call, plan, steps
-        self.inputs, self.config = inputs, config
-        self.output_specs: list[Any] = []
-        self.output_leaves: list[list[Any]] = []
-
-    def run_forward(self) -> list[torch.Tensor]:
-        outputs = self.model._run_forward(self.call, self.steps, self.inputs)
-        flat: list[torch.Tensor] = []
-        for value in outputs:
-            moved, event = self.model._to_output_device(value, self.config.output_device)
-            if event is not None:
-                event.synchronize()
-            leaves, spec = tree_flatten(moved)
-            self.output_specs.append(spec)
-            # Tensors are replaced by a marker: the node must not keep its own outputs alive.
-            self.output_leaves.append(
-                [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-            )
-            flat.extend(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
-        return flat
-
-    def rebuild_outputs(self, flat: Sequence[torch.Tensor]) -> list[Any]:
-        """Per-microbatch outputs whose tensors are the autograd node's outputs."""
-        iterator = iter(flat)
-        return [
-            tree_unflatten(
-                [next(iterator) if leaf is _TENSOR else leaf for leaf in leaves],
-                spec,
-            )
-            for leaves, spec in zip(self.output_leaves, self.output_specs, strict=True)
-        ]
-
-    def run_backward(self, grad_outputs: Sequence[torch.Tensor | None]) -> list[Any]:
-        """The pipelined recompute + backward; returns per-microbatch input gradients."""
-        iterator = iter(grad_outputs)
-        grads = [
-            [next(iterator) if leaf is _TENSOR else None for leaf in leaves]
-            for leaves in self.output_leaves
-        ]
-        steps = [Step("backward", stage) for stage in self.plan.bwd_plan]
-        values = {"grads": grads}
-
-        def body(step: Step, stage: ResidentStage) -> None:
-            values["grads"] = self.call.backward_step(stage, values["grads"])
-
-        self.model._begin_gradient_call()
-        with self.model._gradient_transaction(self.call):
-            run_steps(self.call, steps, body)
-        return values["grads"]
-
-
-class _PipelineFunction(torch.autograd.Function):
-    """The autograd node of a ``forward()`` call: backward runs the pipelined backward stages."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, node: _PipelineNode, anchor: torch.Tensor, *input_leaves: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.node = node
-        ctx.set_materialize_grads(False)
-        outputs = tuple(node.run_forward())
-        ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
-        return outputs
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
-        node: _PipelineNode = ctx.node
-        input_grads = node.run_backward(grad_outputs)
-        return (None, None, *(grad for _, grad in _input_grads(node.inputs, input_grads)))
 
 
 def __getattr__(name: str) -> Any:

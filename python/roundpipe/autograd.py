@@ -1,0 +1,131 @@
+"""The autograd node of a ``forward()`` call with gradients enabled.
+
+``forward()`` runs the pipelined forward inside one ``torch.autograd.Function``, whose inputs are
+the user's tensors that require grad and whose outputs are the per-microbatch output tensors.
+Its backward runs the pipelined recompute + backward stages and returns the input gradients, so
+``loss.backward()`` on anything built from the output drives the pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from roundpipe.pipeline import Call, ResidentStage, Step, run_steps
+from roundpipe.run_config import ResolvedRunConfig
+from roundpipe.scheduler import ModelExecutePlan
+
+if TYPE_CHECKING:
+    from roundpipe.roundpipe import RoundPipe
+
+
+def input_grads(
+    inputs: list[Any], grads: list[list[torch.Tensor | None]]
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(input leaf that requires grad, its gradient on that leaf's device) for every microbatch;
+    ``grads[m]`` holds one entry per leaf of ``inputs[m]``."""
+    pairs = []
+    for value, grad in zip(inputs, grads, strict=True):
+        for leaf, leaf_grad in zip(tree_flatten(value)[0], grad, strict=True):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                pairs.append((leaf, None if leaf_grad is None else leaf_grad.to(leaf.device)))
+    return pairs
+
+
+def backward_into_inputs(inputs: list[Any], grads: list[list[torch.Tensor | None]]) -> None:
+    """Send the gradients of the user's inputs (those that require grad) into their graph."""
+    pairs = [(leaf, grad) for leaf, grad in input_grads(inputs, grads) if grad is not None]
+    if pairs:
+        torch.autograd.backward([leaf for leaf, _ in pairs], [grad for _, grad in pairs])
+
+
+_TENSOR = object()  # marks where an output leaf was a tensor
+
+
+class PipelineNode:
+    """What the autograd node of one ``forward()`` call keeps for its backward."""
+
+    def __init__(
+        self,
+        model: RoundPipe,
+        call: Call,
+        plan: ModelExecutePlan,
+        steps: list[Step],
+        inputs: list[Any],
+        config: ResolvedRunConfig,
+    ) -> None:
+        self.model, self.call, self.plan, self.steps = model, call, plan, steps
+        self.inputs, self.config = inputs, config
+        self.output_specs: list[Any] = []
+        self.output_leaves: list[list[Any]] = []
+
+    def run_forward(self) -> list[torch.Tensor]:
+        outputs = self.model._run_forward(self.call, self.steps, self.inputs)
+        flat: list[torch.Tensor] = []
+        for value in outputs:
+            moved, event = self.model._to_output_device(value, self.config.output_device)
+            if event is not None:
+                event.synchronize()
+            leaves, spec = tree_flatten(moved)
+            self.output_specs.append(spec)
+            # Tensors are replaced by a marker: the node must not keep its own outputs alive.
+            self.output_leaves.append(
+                [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+            )
+            flat.extend(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+        return flat
+
+    def rebuild_outputs(self, flat: Sequence[torch.Tensor]) -> list[Any]:
+        """Per-microbatch outputs whose tensors are the autograd node's outputs."""
+        iterator = iter(flat)
+        return [
+            tree_unflatten(
+                [next(iterator) if leaf is _TENSOR else leaf for leaf in leaves],
+                spec,
+            )
+            for leaves, spec in zip(self.output_leaves, self.output_specs, strict=True)
+        ]
+
+    def run_backward(self, grad_outputs: Sequence[torch.Tensor | None]) -> list[Any]:
+        """The pipelined recompute + backward; returns per-microbatch input gradients."""
+        iterator = iter(grad_outputs)
+        grads = [
+            [next(iterator) if leaf is _TENSOR else None for leaf in leaves]
+            for leaves in self.output_leaves
+        ]
+        steps = [Step("backward", stage) for stage in self.plan.bwd_plan]
+        values = {"grads": grads}
+
+        def body(step: Step, stage: ResidentStage) -> None:
+            values["grads"] = self.call.backward_step(stage, values["grads"])
+
+        self.model._begin_gradient_call()
+        with self.model._gradient_transaction(self.call):
+            run_steps(self.call, steps, body)
+        return values["grads"]
+
+
+class PipelineFunction(torch.autograd.Function):
+    """The autograd node of a ``forward()`` call: backward runs the pipelined backward stages."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, node: PipelineNode, anchor: torch.Tensor, *input_leaves: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.node = node
+        ctx.set_materialize_grads(False)
+        outputs = tuple(node.run_forward())
+        ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
+        node: PipelineNode = ctx.node
+        grads = node.run_backward(grad_outputs)
+        return (None, None, *(grad for _, grad in input_grads(node.inputs, grads)))
+
+
+__all__ = ["PipelineFunction", "PipelineNode", "backward_into_inputs", "input_grads"]
