@@ -260,3 +260,32 @@ def test_optimizer_thread_starts_lazily() -> None:
     before, after = map(int, result.stdout.split())
     assert after > before  # the copy engine and optimizer threads exist only once used
     assert roundpipe.device_count() >= 1
+
+
+def test_exit_right_after_asynchronous_work_is_clean() -> None:
+    """Native workers must not release Python-owned tensors during interpreter shutdown: exits
+    right after async steps, write-backs and copies end with status 0, every time."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, roundpipe\n"
+        "net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))\n"
+        "m = roundpipe.RoundPipe(net)\n"
+        "opt = torch.optim.SGD(m.optim_parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    m.forward_backward(input_args=(torch.randn(4, 8),), loss_fn=lambda o, l: o.sum())\n"
+        "    m.step(lambda: (opt.step(), opt.zero_grad()))\n"
+        "m.synchronize()\n"
+    )
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        env = {**os.environ, "ROUNDPIPE_DEVICE_KIND": "cpu", "ROUNDPIPE_CPU_DEVICES": "2"}
+        for _ in range(8):
+            result = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+            )
+            assert result.returncode == 0, result.stderr
+    finally:
+        busy.kill()

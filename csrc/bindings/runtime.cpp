@@ -97,16 +97,19 @@ void bind_runtime(py::module_& m) {
         // The callable is released on the worker with the GIL held, never without it.
         auto holder = std::make_shared<py::object>(std::move(job));
         executor::optimizer_thread().submit(0, [done, holder] {
-          py::gil_scoped_acquire gil;
-          try {
-            (*holder)();
-            done->complete();
-          } catch (const py::error_already_set& error) {
-            done->complete(capture_python_error(error));
-          } catch (...) {
-            done->complete(std::current_exception());
+          std::exception_ptr error;
+          {
+            py::gil_scoped_acquire gil;
+            try {
+              (*holder)();
+            } catch (const py::error_already_set& python_error) {
+              error = capture_python_error(python_error);
+            } catch (...) {
+              error = std::current_exception();
+            }
+            *holder = py::object();
           }
-          *holder = py::object();
+          done->complete(error);
         });
         return done;
       },
@@ -118,20 +121,31 @@ void bind_runtime(py::module_& m) {
         TORCH_CHECK(dsts.size() == srcs.size(), "writeback_async: ", dsts.size(),
                     " destinations for ", srcs.size(), " sources");
         auto done = std::make_shared<Event>();
-        executor::writeback_thread().submit(0,
-                                            [done, dsts = std::move(dsts), srcs = std::move(srcs)] {
-                                              try {
-                                                for (std::size_t i = 0; i < dsts.size(); ++i)
-                                                  dsts[i].copy_(srcs[i]);
-                                                done->complete();
-                                              } catch (...) {
-                                                done->complete(std::current_exception());
-                                              }
-                                            });
+        executor::writeback_thread().submit(
+            0, [done, dsts = std::move(dsts), srcs = std::move(srcs)]() mutable {
+              std::exception_ptr error;
+              try {
+                for (std::size_t i = 0; i < dsts.size(); ++i) dsts[i].copy_(srcs[i]);
+              } catch (...) {
+                error = std::current_exception();
+              }
+              dsts.clear();  // released before the caller can move on (see WorkQueue::submit)
+              srcs.clear();
+              done->complete(error);
+            });
         return done;
       },
       py::arg("dsts"), py::arg("srcs"), py::call_guard<py::gil_scoped_release>(),
       "dsts[i].copy_(srcs[i]) (casting) on the weight writer, first in first out.");
+  m.def(
+      "drain_workers",
+      [] {
+        executor::drain_copy_engines();
+        executor::writeback_thread().drain();
+        executor::optimizer_thread().drain();
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "Wait until every native worker ran the jobs submitted so far (called at exit).");
   m.def(
       "allocate_host_arena",
       [](std::int64_t bytes, const std::string& pin_model) {

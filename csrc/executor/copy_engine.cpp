@@ -8,6 +8,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <vector>
 
 #include "device/registry.h"
 
@@ -29,19 +31,37 @@ void record_use(const at::Tensor& tensor, const c10::Stream& stream) {
 }
 
 // Runs `work` on the worker once `after` completed, completing the returned event with its error.
+// The work (and the tensors it captured) is destroyed before the event completes (see WorkQueue).
 template <typename Work>
 EventPtr submit_host_job(WorkQueue& worker, Lane lane, EventPtr after, Work work) {
   auto done = std::make_shared<Event>();
-  worker.submit(static_cast<int>(lane), [done, after = std::move(after), work = std::move(work)] {
+  auto pending = std::make_shared<std::optional<Work>>(std::move(work));
+  worker.submit(static_cast<int>(lane), [done, after = std::move(after), pending]() mutable {
+    std::exception_ptr error;
     try {
       if (after) after->synchronize();
-      work();
-      done->complete();
+      (**pending)();
     } catch (...) {
-      done->complete(std::current_exception());
+      error = std::current_exception();
     }
+    pending->reset();
+    after.reset();
+    done->complete(error);
   });
   return done;
+}
+
+std::mutex& engines_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+// Engines live for the whole process (leaked on purpose: worker threads must not be joined during
+// static destruction, after libtorch may already be gone). Keyed by kind and index so that
+// reconfiguring the registry never hands out an engine of the other kind.
+std::map<std::pair<bool, int>, std::unique_ptr<CopyEngine>>& engines() {
+  static auto* map = new std::map<std::pair<bool, int>, std::unique_ptr<CopyEngine>>();
+  return *map;
 }
 
 }  // namespace
@@ -113,13 +133,8 @@ CopyEngine& copy_engine(int index) {
   const bool cuda = registry.kind() == device::DeviceKind::kCuda;
   TORCH_CHECK(index >= 0 && index < registry.count(), "device index ", index,
               " is out of range [0, ", registry.count(), ")");
-  // Engines live for the whole process (leaked on purpose: worker threads must not be joined
-  // during static destruction, after libtorch may already be gone). Keyed by kind and index so
-  // that reconfiguring the registry never hands out an engine of the other kind.
-  static std::mutex mutex;
-  static auto* engines = new std::map<std::pair<bool, int>, std::unique_ptr<CopyEngine>>();
-  std::lock_guard<std::mutex> lock(mutex);
-  auto& engine = (*engines)[{cuda, index}];
+  std::lock_guard<std::mutex> lock(engines_mutex());
+  auto& engine = engines()[{cuda, index}];
   if (!engine) {
     c10::Device device =
         cuda ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index))
@@ -127,6 +142,15 @@ CopyEngine& copy_engine(int index) {
     engine = std::make_unique<CopyEngine>(device);
   }
   return *engine;
+}
+
+void drain_copy_engines() {
+  std::vector<CopyEngine*> all;
+  {
+    std::lock_guard<std::mutex> lock(engines_mutex());
+    for (auto& [key, engine] : engines()) all.push_back(engine.get());
+  }
+  for (CopyEngine* engine : all) engine->drain();
 }
 
 }  // namespace roundpipe::executor

@@ -33,6 +33,9 @@ class CopyEngine {
   // dst += src once `after` has completed; dst is a host tensor, src may be on the device.
   EventPtr accumulate(const at::Tensor& dst, const at::Tensor& src, const EventPtr& after);
 
+  // Returns once every host job submitted so far has run.
+  void drain() { worker_.drain(); }
+
  private:
   bool on_cuda() const { return device_.is_cuda(); }
   c10::Stream lane_stream(Lane lane) const;
@@ -46,6 +49,9 @@ class CopyEngine {
 
 // The process-wide engine of device `index` of the registry's current kind, created on first use.
 CopyEngine& copy_engine(int index);
+
+// Waits for the host jobs of every copy engine created so far (before interpreter shutdown).
+void drain_copy_engines();
 
 // The stream that compute on device `index` is currently issued to (the CPU pseudo-stream on
 // virtual CPU devices).

@@ -27,6 +27,24 @@ void WorkQueue::submit(int lane, std::function<void()> job) {
   ready_cv_.notify_one();
 }
 
+void WorkQueue::drain() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!worker_.joinable()) return;
+  }
+  std::mutex done_mutex;
+  std::condition_variable done_cv;
+  bool done = false;
+  // The lowest-priority lane runs last: once this job runs, every earlier job has.
+  submit(kLanes - 1, [&] {
+    std::lock_guard<std::mutex> lock(done_mutex);
+    done = true;
+    done_cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(done_mutex);
+  done_cv.wait(lock, [&] { return done; });
+}
+
 void WorkQueue::run() {
   for (;;) {
     std::function<void()> job;

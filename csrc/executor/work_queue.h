@@ -21,8 +21,13 @@ class WorkQueue {
   WorkQueue(const WorkQueue&) = delete;
   WorkQueue& operator=(const WorkQueue&) = delete;
 
-  // `job` must not throw: jobs report their own errors (through their Event).
+  // `job` must not throw: jobs report their own errors (through their Event). A job must release
+  // what it captured (tensors may own Python objects) before it signals completion: after the
+  // signal the caller may move on, even into interpreter shutdown.
   void submit(int lane, std::function<void()> job);
+
+  // Returns once every job submitted before the call has run (no-op if none ever was).
+  void drain();
 
  private:
   void run();

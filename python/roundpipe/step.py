@@ -59,13 +59,15 @@ def drain_optimizer_thread() -> None:
 
 
 @atexit.register
-def _drain_optimizer_thread() -> None:
-    """Finish queued optimizer jobs before the interpreter goes away under them."""
+def _drain_native_workers() -> None:
+    """Finish every queued native job while the interpreter is still alive: jobs may hold
+    tensors that own Python objects, which must not be released during shutdown."""
     for job in _live_jobs:
         try:
             job.synchronize()
         except Exception:  # reported (or not) by its model; exiting anyway
             pass
+    _C.drain_workers()
 
 
 _NATIVE_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
