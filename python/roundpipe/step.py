@@ -32,8 +32,6 @@ from roundpipe.context import OptimizerCtx
 from roundpipe.memory import ModelMemory
 from roundpipe.optim import fused_writeback
 
-_live_jobs: list[Any] = []
-
 # Iterations are counted by the steps submitted in this process. The main thread is in iteration
 # `_submitted`; a job runs on behalf of the iteration that submitted it (see current_iteration).
 _submitted = 0
@@ -60,13 +58,9 @@ def drain_optimizer_thread() -> None:
 
 @atexit.register
 def _drain_native_workers() -> None:
-    """Finish every queued native job while the interpreter is still alive: jobs may hold
-    tensors that own Python objects, which must not be released during shutdown."""
-    for job in _live_jobs:
-        try:
-            job.synchronize()
-        except Exception:  # reported (or not) by its model; exiting anyway
-            pass
+    """Finish every queued native job (optimizer steps included) while the interpreter is still
+    alive: jobs may hold tensors that own Python objects, which must not be released during
+    shutdown. Errors of unfinished steps stay with their events, unreported at exit."""
     _C.drain_workers()
 
 
@@ -106,7 +100,6 @@ class StepPipeline:
         self._copies: dict[int, nn.Parameter] | None = None
         self._spare_grads: torch.Tensor | None = None
         self._job: Any = None  # the optimizer thread's event of the last step
-        self._write_back_due = False
         self._written: Any = None  # event of the last write-back into the parameter arena
         # Low-precision weights that roundpipe.optim.Adam wrote in its update pass (gradient
         # arena layout), and the optimizer copies it wrote them for.
@@ -165,8 +158,6 @@ class StepPipeline:
                 _job.iteration = None
 
         self._job = _C.submit_optimizer_job(job)
-        _live_jobs.append(self._job)
-        self._write_back_due = True
         if not is_async:
             self.finish()
             self.memory.wait_writes()
@@ -176,15 +167,8 @@ class StepPipeline:
         job, self._job = self._job, None
         if job is None:
             return
-        _live_jobs.remove(job)
-        try:
-            job.synchronize()
-        except BaseException:
-            self._write_back_due = False
-            raise
-        if self._write_back_due:
-            self._write_back_due = False
-            self._written = self._write_back()
+        job.synchronize()  # a failed step raises here and leaves the weights as they were
+        self._written = self._write_back()
 
     def _fused_targets(
         self, copies: dict[int, nn.Parameter], slots: list[Any]
