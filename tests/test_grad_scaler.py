@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig
+from staleness import stale_step
 from torch import nn
 
 CONFIG = RoundPipeRunConfig(num_microbatch=2)
@@ -56,11 +57,7 @@ def test_scales_match_their_gradients_under_staleness_one(num_devices: int) -> N
         model.forward_backward(input_args=(x,), label=y, loss_fn=scaled, run_config=CONFIG)
         model.step(step_fn)
         plain_grads(live, x, y)
-        live.load_state_dict(master.state_dict())
-        for p, q in zip(master.parameters(), live.parameters(), strict=True):
-            p.grad, q.grad = q.grad, None
-        theirs.step()
-        theirs.zero_grad()
+        stale_step(live, master, theirs)
     model.synchronize()
     for p, q in zip(model.model.parameters(), master.parameters(), strict=True):
         assert torch.equal(p, q)

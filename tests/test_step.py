@@ -10,6 +10,7 @@ import pytest
 import roundpipe
 import torch
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from staleness import stale_step
 from torch import nn
 
 CONFIG = RoundPipeRunConfig(num_microbatch=2)
@@ -98,24 +99,23 @@ def test_asynchronous_steps_are_one_step_stale(num_devices: int) -> None:
         for a, b in zip(computed_with, live.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
         mse(live(x), y).backward()
-        live.load_state_dict(master.state_dict())  # the previous step's weights arrive
-        for p, q in zip(master.parameters(), live.parameters(), strict=True):
-            p.grad, q.grad = q.grad, None
-        theirs.step()
-        theirs.zero_grad()
+        stale_step(live, master, theirs)
     model.synchronize()
     for p, q in zip(model.model.parameters(), master.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
 
 
-def test_bf16_model_with_fp32_optimizer_copies(num_devices: int) -> None:
+@pytest.mark.parametrize("adam", [torch.optim.Adam, roundpipe.optim.Adam], ids=["torch", "native"])
+def test_bf16_model_with_fp32_optimizer_copies(num_devices: int, adam: type) -> None:
+    """fp32 copies stepped by Adam, then cast to bf16 (by torch in the reference). The native Adam
+    takes the fused path: it writes the bf16 weights in its update pass, bit-identically."""
     reference = mlp(torch.bfloat16)
     model = RoundPipe(copy.deepcopy(reference), optim_dtype=torch.float32)
     copies = list(model.optim_parameters())
     assert all(c.dtype == torch.float32 for c in copies)
-    ours = torch.optim.Adam(copies, lr=0.01)
+    ours = adam(copies, lr=0.01)
     masters = [p.detach().float().requires_grad_(True) for p in reference.parameters()]
-    theirs = torch.optim.Adam(masters, lr=0.01)
+    theirs = adam(masters, lr=0.01)
 
     def step_fn() -> None:
         ours.step()
@@ -124,11 +124,12 @@ def test_bf16_model_with_fp32_optimizer_copies(num_devices: int) -> None:
     for x, y in batches(4, torch.bfloat16):
         model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
         model.step(step_fn, is_async=False)
+        fused = len(masters) if adam is roundpipe.optim.Adam else 0
+        assert len(model._steps._fused) == fused
         plain_grads(reference, x, y)
         with torch.no_grad():
             for master, p in zip(masters, reference.parameters(), strict=True):
-                master.grad = p.grad.float()
-                p.grad = None
+                master.grad, p.grad = p.grad.float(), None
             theirs.step()
             for master, p in zip(masters, reference.parameters(), strict=True):
                 p.copy_(master)
@@ -145,34 +146,6 @@ def test_tied_parameters_have_one_copy_and_both_names() -> None:
     both = list(model.optim_named_parameters(prefix="net", remove_duplicate=False))
     assert [n for n, _ in both] == ["net.model.0.0.weight", "net.model.0.2.weight"]
     assert both[0][1] is both[1][1]
-
-
-def test_native_adam_writes_low_precision_weights_in_its_update_pass(num_devices: int) -> None:
-    """The fused path (Adam writes bf16 weights as it updates) equals the unfused one: fp32
-    copies stepped by the same Adam, then cast to bf16 by torch."""
-    reference = mlp(torch.bfloat16)
-    model = RoundPipe(copy.deepcopy(reference), optim_dtype=torch.float32)
-    ours = roundpipe.optim.Adam(model.optim_parameters(), lr=0.01)
-    masters = [p.detach().float().requires_grad_(True) for p in reference.parameters()]
-    theirs = roundpipe.optim.Adam(masters, lr=0.01)
-
-    def step_fn() -> None:
-        ours.step()
-        ours.zero_grad()
-
-    for x, y in batches(4, torch.bfloat16):
-        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
-        model.step(step_fn, is_async=False)
-        assert len(model._steps._fused) == len(masters)  # every parameter went the fused way
-        plain_grads(reference, x, y)
-        with torch.no_grad():
-            for master, p in zip(masters, reference.parameters(), strict=True):
-                master.grad, p.grad = p.grad.float(), None
-            theirs.step()
-            for master, p in zip(masters, reference.parameters(), strict=True):
-                p.copy_(master)
-        for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
-            assert torch.equal(p, q)
 
 
 def test_step_fn_sees_optimizer_copies_and_names() -> None:
