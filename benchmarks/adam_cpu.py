@@ -288,7 +288,7 @@ def main() -> None:
     if args.record:
         entry = textwrap.dedent(
             f"""
-            ## {datetime.date(2026, 11, 21).isoformat()} — benchmarks/adam_cpu.py
+            ## {datetime.date.today().isoformat()} — benchmarks/adam_cpu.py
 
             - machine: {machine()}
             - torch {torch.__version__}, roundpipe {info["version"]} """

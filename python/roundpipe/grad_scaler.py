@@ -17,6 +17,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from roundpipe._native import _C
+from roundpipe.optim import Adam
 from roundpipe.step import current_iteration, drain_optimizer_thread, in_step_job
 
 
@@ -118,9 +119,19 @@ class GradScaler:
         self._unscaled[id(optimizer)] = not _all_finite(grads)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """``optimizer.step(*args, **kwargs)`` on unscaled gradients, skipped on inf/NaN."""
+        """``optimizer.step(*args, **kwargs)`` on unscaled gradients, skipped on inf/NaN.
+
+        With :class:`roundpipe.optim.Adam` (and no extra arguments) the gradients are unscaled
+        inside its update pass, after a read-only inf/NaN check, as torch's fused optimizers do:
+        ``.grad`` then stays scaled. Call :meth:`unscale_` first to get unscaled ``.grad``."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
+        fused = isinstance(optimizer, Adam) and not args and not kwargs
+        if fused and id(optimizer) not in self._unscaled:
+            inverse = 1.0 / self._scale_of_gradients()
+            stepped = optimizer.step_fused(grad_scale_inv=inverse, check_finite=True)
+            self._unscaled[id(optimizer)] = not stepped
+            return None
         if id(optimizer) not in self._unscaled:
             self.unscale_(optimizer)
         if self._unscaled[id(optimizer)]:

@@ -7,10 +7,11 @@ within float rounding of torch. The update is one native pass per parameter grou
 (scalar, AVX2 or AVX-512, picked for the CPU in use; ``ROUNDPIPE_SIMD`` lowers it) on a native
 thread pool, with the GIL released.
 
-For the RoundPipe runtime, :meth:`Adam.step_fused` additionally reads low-precision gradients,
-unscales them (GradScaler), and writes the new weights as bf16/fp16 into the model's parameter
-buffers in the same pass; :func:`fused_writeback` gives a plain :meth:`Adam.step` (called from a
-user's ``step_fn``) that same write-back.
+For the RoundPipe runtime, the same pass reads low-precision gradients, unscales them
+(:meth:`Adam.step_fused`, which ``roundpipe.GradScaler.step`` uses), and writes the new weights as
+bf16/fp16 into the model's parameter buffers (:func:`fused_writeback`, which the step pipeline
+activates around ``step_fn``). The pending gradients of RoundPipe's optimizer copies are read
+straight from the model's gradient arena, never cast into ``.grad`` first.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from roundpipe._native import _C
+from roundpipe.optimizer_copy import OptimizerCopy, gradient_of
 
 __all__ = ["Adam", "fused_writeback"]
 
@@ -195,16 +197,7 @@ class Adam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        active = getattr(_writeback, "active", None)
-        if active is None:
-            self._apply(self._collect(None, None))
-            return loss
-        targets, written = active
-        lowp = [targets.get(p) for group in self.param_groups for p in group["params"]]
-        calls = self._collect(None, lowp)
-        self._apply(calls)
-        for _, params, _, group_lowp in calls:
-            written.update(p for p, t in zip(params, group_lowp, strict=True) if t is not None)
+        self._step(None, 1.0, None, check_finite=False)
         return loss
 
     @torch.no_grad()
@@ -216,16 +209,20 @@ class Adam(torch.optim.Optimizer):
         lowp_params: Sequence[Tensor | None] | None = None,
         check_finite: bool = True,
     ) -> bool:
-        """One step reading ``grads`` instead of ``param.grad``, for the RoundPipe runtime.
+        """One step that unscales and checks the gradients and may write low-precision weights.
 
         Args:
             grads: one gradient (fp32, bf16 or fp16, same number of elements) or ``None`` per
-                parameter, in ``param_groups`` order; ``None`` for the list means ``p.grad``.
-                A parameter whose gradient is ``None`` is skipped, as in :meth:`step`.
+                parameter, in ``param_groups`` order; ``None`` for the list means each
+                parameter's own gradient (a RoundPipe optimizer copy's pending gradient is read
+                as it is, without casting it into ``.grad``). A parameter whose gradient is
+                ``None`` is skipped, as in :meth:`step`.
             grad_scale_inv: every gradient is multiplied by it as it is read (a GradScaler's
                 ``1 / scale``); the result is bit-identical to unscaling an fp32 copy first.
+                The gradients themselves are left as they are (still scaled).
             lowp_params: one bf16/fp16 tensor (or ``None``) per parameter that receives the
-                updated weight in the same pass, bit-identical to ``param.to(dtype)``.
+                updated weight in the same pass, bit-identical to ``param.to(dtype)``. ``None``
+                means the targets of an active :func:`fused_writeback`, if any.
             check_finite: when true, first check every gradient for inf/NaN (a read-only
                 pass) and skip the whole step if one is found.
 
@@ -239,16 +236,39 @@ class Adam(torch.optim.Optimizer):
                     f"{name} has {len(values)} entries but the optimizer has {len(params)} "
                     f"parameters; pass one (or None) per parameter in param_groups order"
                 )
+        return self._step(grads, grad_scale_inv, lowp_params, check_finite)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; pending gradients of RoundPipe optimizer copies are dropped uncast."""
+        if set_to_none:
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if isinstance(param, OptimizerCopy):
+                        param.drop_grad()
+        super().zero_grad(set_to_none)
+
+    def _step(
+        self,
+        grads: Sequence[Tensor | None] | None,
+        grad_scale_inv: float,
+        lowp_params: Sequence[Tensor | None] | None,
+        check_finite: bool,
+    ) -> bool:
+        written: set[Tensor] | None = None
+        active = getattr(_writeback, "active", None)
+        if lowp_params is None and active is not None:
+            targets, written = active
+            lowp_params = [targets.get(p) for group in self.param_groups for p in group["params"]]
         calls = self._collect(grads, lowp_params)
         present = [grad for _, _, group_grads, _ in calls for grad in group_grads]
         if check_finite and not _C.all_finite(present, torch.get_num_threads()):
             return False
-        self._apply(calls, grad_scale_inv)
+        for group, params, group_grads, lowp in calls:
+            self._update_group(group, params, group_grads, grad_scale_inv, lowp)
+        if written is not None:
+            for _, params, _, group_lowp in calls:
+                written.update(p for p, t in zip(params, group_lowp, strict=True) if t is not None)
         return True
-
-    def _apply(self, calls: list[_GroupCall], grad_scale_inv: float = 1.0) -> None:
-        for group, params, grads, lowp in calls:
-            self._update_group(group, params, grads, grad_scale_inv, lowp)
 
     def _collect(
         self,
@@ -264,7 +284,7 @@ class Adam(torch.optim.Optimizer):
             group_grads: list[Tensor] = []
             lowp: list[Tensor | None] = []
             for param in group["params"]:
-                grad = param.grad if grads is None else grads[index]
+                grad = gradient_of(param) if grads is None else grads[index]
                 target = None if lowp_params is None else lowp_params[index]
                 index += 1
                 if grad is None:

@@ -2,16 +2,20 @@
 
 ``RoundPipe.step(step_fn)`` hands the iteration's gradients to the process's optimizer thread and
 swaps in a second gradient arena, so the next iteration accumulates while the optimizer works.
-On that thread the gradients are cast into the optimizer copies' ``.grad`` and ``step_fn`` runs
-with ``OptimizerCtx`` active. When the next ``step()`` (or ``synchronize()``) begins, after the
-iteration in between has used the previous weights (bounded staleness 1), the new weights are
+On that thread every optimizer copy receives its gradient (a pending gradient, see
+``roundpipe.optimizer_copy``: cast into ``.grad`` only if something reads it) and ``step_fn``
+runs with ``OptimizerCtx`` active. When the next ``step()`` (or ``synchronize()``) begins, after
+the iteration in between has used the previous weights (bounded staleness 1), the new weights are
 queued into the parameter arena layer by layer on the native weight writer; a stage upload waits
 only for its own layers' writes (per-layer fences), and the next optimizer job waits for the
 whole write-back before it changes the optimizer copies. ``is_async=False`` waits for both.
 
-Fused path: when ``step_fn`` steps ``roundpipe.optim.Adam`` on fp32 copies of bf16/fp16
-parameters, Adam writes the new low-precision weights into a staging arena in its update pass
-(``roundpipe.optim.fused_writeback``), and the write-back copies them without casting.
+Fused path: when ``step_fn`` steps ``roundpipe.optim.Adam`` (directly or through
+``roundpipe.GradScaler``) on fp32 copies of bf16/fp16 parameters, one native pass reads the
+gradients straight from the arena, unscales them, updates weights and moments, and writes the new
+low-precision weights into a staging arena (``roundpipe.optim.fused_writeback``); the write-back
+copies them without casting. GradScaler's inf/NaN check is a read-only pass before it, since a
+step with a non-finite gradient must not change anything.
 
 An exception in ``step_fn`` is re-raised at the next ``step``, ``synchronize`` or forward call;
 the weights then stay as they were before the failed step.
@@ -25,12 +29,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from roundpipe._native import _C
 from roundpipe.context import OptimizerCtx
 from roundpipe.memory import ModelMemory
 from roundpipe.optim import fused_writeback
+from roundpipe.optimizer_copy import OptimizerCopy
 
 # Iterations are counted by the steps submitted in this process. The main thread is in iteration
 # `_submitted`; a job runs on behalf of the iteration that submitted it (see current_iteration).
@@ -67,28 +71,23 @@ def _drain_native_workers() -> None:
 _NATIVE_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _move_grads(pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-    """Cast + accumulate each gradient into its optimizer copy's ``.grad``: fp32 copies in one
-    native multi-threaded pass over all of them, other dtypes through torch."""
-    fresh, accumulate = ([], []), ([], [])
+def _hand_over(pairs: list[tuple[OptimizerCopy, torch.Tensor]]) -> None:
+    """Give each optimizer copy its gradient: as a pending gradient (no copy made) when it has
+    none, else added to its ``.grad`` now: fp32 in one native multi-threaded pass over all of
+    them, other dtypes through torch."""
+    dsts, srcs = [], []
     with torch.no_grad():
-        for master, grad in pairs:
-            if master.dtype != torch.float32 or grad.dtype not in _NATIVE_GRAD_DTYPES:
-                if master.grad is None:
-                    master.grad = grad.to(master.dtype, copy=True)
-                else:
-                    master.grad.add_(grad)
-                continue
-            if master.grad is None:
-                master.grad = torch.empty_like(master)
-                target = fresh
+        for copy, grad in pairs:
+            current = copy.grad
+            if current is None:
+                copy.hand_over_grad(grad)
+            elif current.dtype == torch.float32 and grad.dtype in _NATIVE_GRAD_DTYPES:
+                dsts.append(current)
+                srcs.append(grad)
             else:
-                target = accumulate
-            target[0].append(master.grad)
-            target[1].append(grad)
-    for (dsts, srcs), overwrite in ((fresh, True), (accumulate, False)):
-        if dsts:
-            _C.grad_accumulate(dsts, srcs, overwrite)
+                current.add_(grad)
+    if dsts:
+        _C.grad_accumulate(dsts, srcs, False)
 
 
 class StepPipeline:
@@ -97,7 +96,7 @@ class StepPipeline:
     def __init__(self, memory: ModelMemory, optim_dtype: torch.dtype | None) -> None:
         self.memory = memory
         self.optim_dtype = optim_dtype
-        self._copies: dict[int, nn.Parameter] | None = None
+        self._copies: dict[int, OptimizerCopy] | None = None
         self._spare_grads: torch.Tensor | None = None
         self._job: Any = None  # the optimizer thread's event of the last step
         self._written: Any = None  # event of the last write-back into the parameter arena
@@ -106,11 +105,11 @@ class StepPipeline:
         self._staged: torch.Tensor | None = None
         self._fused: set[torch.Tensor] = set()
 
-    def copies(self) -> dict[int, nn.Parameter]:
+    def copies(self) -> dict[int, OptimizerCopy]:
         """Optimizer copies keyed by ``id`` of the model parameter, created on first use."""
         if self._copies is None:
             self._copies = {
-                id(slot.param): nn.Parameter(
+                id(slot.param): OptimizerCopy(
                     slot.param.detach().to(self.optim_dtype or slot.param.dtype, copy=True)
                 )
                 for slot in self.memory.slots()
@@ -139,16 +138,20 @@ class StepPipeline:
         def run_step() -> None:
             if written is not None:  # the previous step's weights must be read out first
                 written.synchronize()
-            _move_grads(
-                [
-                    (copies[id(slot.param)], self.memory.grad_view(slot, handed_over))
-                    for slot in slots
-                ]
-            )
-            handed_over.zero_()
-            with OptimizerCtx(), fused_writeback(targets) as fused:
-                step_fn(*args, **kwargs)
-            self._fused = fused
+            pairs = [
+                (copies[id(slot.param)], self.memory.grad_view(slot, handed_over)) for slot in slots
+            ]
+            _hand_over(pairs)
+            try:
+                with OptimizerCtx(), fused_writeback(targets) as fused:
+                    step_fn(*args, **kwargs)
+                self._fused = fused
+            finally:
+                # Pending gradients that step_fn neither consumed nor dropped become real ones
+                # before their arena is reused.
+                for copy, _ in pairs:
+                    copy.resolve_grad()
+                handed_over.zero_()
 
         def job() -> None:
             _job.iteration = iteration
@@ -171,7 +174,7 @@ class StepPipeline:
         self._written = self._write_back()
 
     def _fused_targets(
-        self, copies: dict[int, nn.Parameter], slots: list[Any]
+        self, copies: dict[int, OptimizerCopy], slots: list[Any]
     ) -> dict[torch.Tensor, torch.Tensor]:
         """fp32 optimizer copy -> its staging view, for bf16/fp16 parameters: there our Adam
         writes the low-precision weights in the same pass as the update."""
@@ -203,7 +206,7 @@ class StepPipeline:
         return last
 
     def _new_weights(
-        self, slot: Any, master: nn.Parameter, fused: set[torch.Tensor]
+        self, slot: Any, master: OptimizerCopy, fused: set[torch.Tensor]
     ) -> torch.Tensor:
         """Where the parameter's new value is: staged in its own dtype by the fused pass, or in
         the optimizer copy (cast on the way)."""

@@ -1,0 +1,147 @@
+"""The optimizer side of one training iteration, through the runtime: ``model.step(step_fn)``.
+
+An fp16 model with fp32 optimizer copies and a ``roundpipe.GradScaler`` (the case with the most
+host work per parameter): the gradients in the model's fp16 arena go to the copies, are unscaled
+and checked for inf/NaN, Adam updates the copies, and the new fp16 weights are written back into
+the parameter arena. Timed: ``model.step(step_fn, is_async=False)`` from call to return, the
+``forward_backward`` that produces the gradients is not. Variants, each on a fresh model:
+
+* fused: ``scaler.step(roundpipe.optim.Adam)``: a read-only inf/NaN check of the fp16 gradients,
+  then one pass that reads them from the arena, unscales, updates and writes fp16 weights;
+* ``scaler.unscale_`` first, then our Adam: the gradients are cast into fp32 ``.grad`` and
+  unscaled in place (what a ``step_fn`` that clips gradients does), then the same Adam pass;
+* torch's Adam (``fused=True`` and ``foreach=True``) behind the same GradScaler calls.
+
+Run from the repository root: ``python benchmarks/step_cpu.py [--params 100M] [--record]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import platform
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import roundpipe
+import torch
+from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+WIDTH = 2048
+
+
+def parse_count(text: str) -> int:
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1].upper(), 1)
+    return int(float(text.rstrip("KMGkmg")) * scale)
+
+
+Variant = tuple[Callable[[list[nn.Parameter]], torch.optim.Optimizer], bool]
+
+VARIANTS: dict[str, Variant] = {
+    "fused: GradScaler.step + roundpipe.optim.Adam": (roundpipe.optim.Adam, False),
+    "unscale_ (cast .grad) + roundpipe.optim.Adam": (roundpipe.optim.Adam, True),
+    "unscale_ + torch.optim.Adam fused=True": (lambda p: torch.optim.Adam(p, fused=True), True),
+    "unscale_ + torch.optim.Adam foreach=True": (
+        lambda p: torch.optim.Adam(p, foreach=True),
+        True,
+    ),
+}
+
+
+def step_seconds(total: int, variant: Variant, steps: int) -> float:
+    """Fastest ``model.step`` of ``steps`` iterations (after one warm-up iteration)."""
+    factory, unscale_first = variant
+    layers = max(1, total // (WIDTH * WIDTH))
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)]).half()
+    model = RoundPipe(net, optim_dtype=torch.float32)
+    optimizer = factory(list(model.optim_parameters()))
+    scaler = GradScaler(init_scale=2.0**8)
+    config = RoundPipeRunConfig(num_microbatch=1)
+    x = torch.randn(2, WIDTH).half()
+
+    def step_fn() -> None:
+        if unscale_first:
+            scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+    def loss_fn(output: torch.Tensor, _: object) -> torch.Tensor:
+        return scaler.scale(output.float().square().mean())
+
+    times = []
+    for _ in range(steps + 1):
+        model.forward_backward(input_args=(x,), loss_fn=loss_fn, run_config=config)
+        start = time.perf_counter()
+        model.step(step_fn, is_async=False)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def machine() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", default="25M", help="comma-separated model sizes")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (fastest reported)")
+    parser.add_argument("--record", action="store_true", help="append the table to RESULTS.md")
+    args = parser.parse_args()
+
+    lines = [f"threads {torch.get_num_threads()}, best of {args.steps} steps", ""]
+    printed = 0
+    for total in map(parse_count, args.params.split(",")):
+        total = max(1, total // (WIDTH * WIDTH)) * WIDTH * WIDTH
+        seconds = {}
+        for name, variant in VARIANTS.items():
+            seconds[name] = step_seconds(total, variant, args.steps)
+            gc.collect()  # the previous model's arenas and optimizer state
+        fused = seconds["fused: GradScaler.step + roundpipe.optim.Adam"]
+        lines += [
+            f"### {total:,} fp16 parameters, fp32 copies: `model.step` (sync) with GradScaler",
+            "",
+            "| step_fn | ms | Mparams/s | fused is x faster |",
+            "|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {name} | {1e3 * s:.0f} | {total / s / 1e6:.0f} | {s / fused:.2f} |"
+            for name, s in seconds.items()
+        ]
+        lines.append("")
+        print("\n".join(lines[printed:]), flush=True)
+        printed = len(lines)
+
+    if args.record:
+        entry = textwrap.dedent(
+            f"""
+            ## {datetime.date.today().isoformat()} — benchmarks/step_cpu.py
+
+            - machine: {machine()}
+            - torch {torch.__version__}, roundpipe {roundpipe._C.build_info()["version"]}
+            - command: `python benchmarks/step_cpu.py {" ".join(sys.argv[1:])}`
+
+            """
+        )
+        results = HERE / "RESULTS.md"
+        results.write_text(results.read_text() + entry + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

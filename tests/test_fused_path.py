@@ -1,0 +1,222 @@
+"""The fused host path: RoundPipe's optimizer copies receive their gradients lazily, and
+``roundpipe.optim.Adam`` (alone or through ``GradScaler``) reads them straight from the gradient
+arena in its update pass. Everything is compared with plain PyTorch or with the unfused path."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import roundpipe
+import torch
+from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig
+from roundpipe.optimizer_copy import OptimizerCopy
+from torch import nn
+
+CONFIG = RoundPipeRunConfig(num_microbatch=2)
+
+
+def mlp(dtype: torch.dtype) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(dtype)
+
+
+def batches(count: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(11)
+    return [
+        (
+            torch.randn(6, 5, generator=generator).to(dtype),
+            torch.randn(6, 3, generator=generator).to(dtype),
+        )
+        for _ in range(count)
+    ]
+
+
+def mse(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return ((output.float() - label.float()) ** 2).sum()
+
+
+def plain_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    for xm, ym in zip(x.tensor_split(2), y.tensor_split(2), strict=True):
+        mse(model(xm), ym).backward()
+
+
+class _Spy:
+    """Stands in for ``roundpipe._C`` in ``roundpipe.optim``, recording the gradient dtypes that
+    reach the native Adam kernel."""
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+        self.grad_dtypes: list[set[torch.dtype]] = []  # one set per call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._native, name)
+
+    def adam_step(self, params: Any, grads: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        self.grad_dtypes.append({grad.dtype for grad in grads})
+        return self._native.adam_step(params, grads, *args, **kwargs)
+
+
+@pytest.fixture
+def casts(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
+    """Dtypes of the pending gradients that were cast into ``.grad`` during the test."""
+    seen: list[torch.dtype] = []
+    resolve = OptimizerCopy.resolve_grad
+
+    def counting(self: OptimizerCopy) -> None:
+        if self._pending_grad is not None:
+            seen.append(self._pending_grad.dtype)
+        resolve(self)
+
+    monkeypatch.setattr(OptimizerCopy, "resolve_grad", counting)
+    return seen
+
+
+def test_adam_reads_bf16_gradients_from_the_arena_without_casting(
+    num_devices: int, casts: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = _Spy(roundpipe.optim._C)
+    monkeypatch.setattr(roundpipe.optim, "_C", spy)
+    reference = mlp(torch.bfloat16)
+    model = RoundPipe(copy.deepcopy(reference), optim_dtype=torch.float32)
+    ours = roundpipe.optim.Adam(model.optim_parameters(), lr=0.01)
+    masters = [p.detach().float().requires_grad_(True) for p in reference.parameters()]
+    theirs = roundpipe.optim.Adam(masters, lr=0.01)
+    for x, y in batches(3, torch.bfloat16):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+        model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
+        plain_grads(reference, x, y)
+        with torch.no_grad():
+            for master, p in zip(masters, reference.parameters(), strict=True):
+                master.grad, p.grad = p.grad.float(), None
+            theirs.step()
+            for master, p in zip(masters, reference.parameters(), strict=True):
+                p.copy_(master)
+        for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p, q)
+    assert casts == []
+    # Calls alternate: ours (bf16 gradients straight from the arena), then the reference's.
+    assert spy.grad_dtypes == [{torch.bfloat16}, {torch.float32}] * 3
+
+
+def _fp16_training(unscale_first: bool, steps: int, inf_at: int) -> list[torch.Tensor]:
+    """fp16 model, fp32 copies, GradScaler + our Adam; the loss of iteration ``inf_at`` is inf."""
+    model = RoundPipe(mlp(torch.float16), optim_dtype=torch.float32)
+    optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=0.01, weight_decay=0.1)
+    scaler = GradScaler(init_scale=2.0**12, growth_interval=2)
+
+    def step_fn() -> None:
+        if unscale_first:
+            scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+    for index, (x, y) in enumerate(batches(steps, torch.float16)):
+        if index == inf_at:
+            y[0, 0] = float("inf")
+        model.forward_backward(
+            input_args=(x,),
+            label=y,
+            loss_fn=lambda o, t: scaler.scale(mse(o, t)),
+            run_config=CONFIG,
+        )
+        model.step(step_fn)
+    model.synchronize()
+    return [p.detach().clone() for p in model.model.parameters()] + [
+        torch.tensor(scaler.get_scale(up_to_date=True))
+    ]
+
+
+def test_grad_scaler_with_our_adam_is_fused_and_identical_to_unscaling_first(
+    num_devices: int, casts: list[torch.dtype]
+) -> None:
+    unfused = _fp16_training(unscale_first=True, steps=6, inf_at=2)
+    assert casts and set(casts) == {torch.float16}  # unscale_ reads .grad: cast, then unscaled
+    casts.clear()
+    fused = _fp16_training(unscale_first=False, steps=6, inf_at=2)
+    assert casts == []
+    for a, b in zip(fused, unfused, strict=True):
+        assert torch.equal(a, b)
+    # Grew after iterations 1 and 4 (growth_interval=2), backed off at the inf of iteration 2.
+    assert fused[-1] == 2.0**12 * 2 * 0.5 * 2
+
+
+def test_step_fn_reading_grads_sees_the_moved_gradients(num_devices: int) -> None:
+    """clip_grad_norm_ over the copies reads .grad (cast on access), then Adam steps."""
+    reference = mlp(torch.bfloat16)
+    model = RoundPipe(copy.deepcopy(reference), optim_dtype=torch.float32)
+    ours = roundpipe.optim.Adam(model.optim_parameters(), lr=0.01)
+    masters = [p.detach().float().requires_grad_(True) for p in reference.parameters()]
+    theirs = torch.optim.Adam(masters, lr=0.01)
+
+    def step_fn(max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        ours.step()
+        ours.zero_grad()
+
+    for x, y in batches(3, torch.bfloat16):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+        model.step(step_fn, False, 0.5)
+        plain_grads(reference, x, y)
+        with torch.no_grad():
+            for master, p in zip(masters, reference.parameters(), strict=True):
+                master.grad, p.grad = p.grad.float(), None
+            torch.nn.utils.clip_grad_norm_(masters, 0.5)
+            theirs.step()
+            theirs.zero_grad()
+            for master, p in zip(masters, reference.parameters(), strict=True):
+                p.copy_(master)
+        for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=2**-8 * p.abs().max().item())
+
+
+@pytest.mark.parametrize("zero_grad", [None, False], ids=["never", "set_to_none=False"])
+def test_copies_accumulate_gradients_over_steps_as_torch_does(
+    num_devices: int, zero_grad: bool | None
+) -> None:
+    """Each step adds its iteration's gradient to the copies' .grad, unless zeroed."""
+    reference = mlp(torch.float64)
+    model = RoundPipe(copy.deepcopy(reference))
+    ours = torch.optim.SGD(model.optim_parameters(), lr=0.0)
+    step_fn: Callable[[], Any] = (
+        (lambda: None) if zero_grad is None else (lambda: ours.zero_grad(set_to_none=False))
+    )
+    totals = [torch.zeros_like(p) for p in reference.parameters()]
+    for x, y in batches(3, torch.float64):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+        model.step(step_fn, is_async=False)
+        reference.zero_grad()
+        plain_grads(reference, x, y)
+        for total, p in zip(totals, reference.parameters(), strict=True):
+            total.add_(p.grad)
+    for copy_, total in zip(model.optim_parameters(), totals, strict=True):
+        assert torch.equal(copy_.grad, torch.zeros_like(total) if zero_grad is False else total)
+
+
+def test_pending_gradient_semantics() -> None:
+    """A pending gradient reads as its cast; autograd writing meanwhile adds to it; setting,
+    deleting and set_to_none drop it without casting."""
+    copy_ = OptimizerCopy(torch.zeros(4))
+    pending = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.bfloat16)
+    copy_.hand_over_grad(pending)
+    (copy_ * torch.arange(4.0)).sum().backward()  # autograd fills the slot directly
+    assert torch.equal(copy_.grad, torch.tensor([1.0, 3.0, 5.0, 7.0]))
+    assert copy_.grad.dtype == torch.float32
+
+    for drop in (
+        lambda p: setattr(p, "grad", None),
+        lambda p: delattr(p, "grad"),
+        lambda p: roundpipe.optim.Adam([p]).zero_grad(),
+    ):
+        copy_.grad = None
+        copy_.hand_over_grad(pending)
+        drop(copy_)
+        assert copy_.grad is None and copy_._pending_grad is None
+
+    copy_.hand_over_grad(pending)
+    torch.optim.SGD([copy_]).zero_grad(set_to_none=False)
+    assert torch.equal(copy_.grad, torch.zeros(4))
+    assert type(copy.deepcopy(copy_)) is OptimizerCopy
