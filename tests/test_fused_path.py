@@ -101,6 +101,31 @@ def test_adam_reads_bf16_gradients_from_the_arena_without_casting(
     assert spy.grad_dtypes == [{torch.bfloat16}, {torch.float32}] * 3
 
 
+def test_asynchronous_fused_steps_equal_a_staleness_one_simulation(num_devices: int) -> None:
+    """Asynchronous steps stage the bf16 weights and write them back one iteration later."""
+    reference = mlp(torch.bfloat16)
+    model = RoundPipe(copy.deepcopy(reference), optim_dtype=torch.float32)
+    ours = roundpipe.optim.Adam(model.optim_parameters(), lr=0.01)
+    live = copy.deepcopy(reference)
+    masters = [p.detach().float().requires_grad_(True) for p in reference.parameters()]
+    theirs = roundpipe.optim.Adam(masters, lr=0.01)
+    for x, y in batches(4, torch.bfloat16):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+        model.step(lambda: (ours.step(), ours.zero_grad()))
+        plain_grads(live, x, y)
+        with torch.no_grad():  # the previous step's weights arrive, then the next step runs
+            for master, p in zip(masters, live.parameters(), strict=True):
+                p.copy_(master)
+                master.grad, p.grad = p.grad.float(), None
+            theirs.step()
+    model.synchronize()
+    with torch.no_grad():
+        for master, p in zip(masters, live.parameters(), strict=True):
+            p.copy_(master)
+    for p, q in zip(model.model.parameters(), live.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def _fp16_training(unscale_first: bool, steps: int, inf_at: int) -> list[torch.Tensor]:
     """fp16 model, fp32 copies, GradScaler + our Adam; the loss of iteration ``inf_at`` is inf."""
     model = RoundPipe(mlp(torch.float16), optim_dtype=torch.float32)

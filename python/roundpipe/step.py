@@ -13,12 +13,14 @@ whole write-back before it changes the optimizer copies. ``is_async=False`` wait
 Fused path: when ``step_fn`` steps ``roundpipe.optim.Adam`` (directly or through
 ``roundpipe.GradScaler``) on fp32 copies of bf16/fp16 parameters, one native pass reads the
 gradients straight from the arena, unscales them, updates weights and moments, and writes the new
-low-precision weights into a staging arena (``roundpipe.optim.fused_writeback``); the write-back
-copies them without casting. GradScaler's inf/NaN check is a read-only pass before it, since a
-step with a non-finite gradient must not change anything.
+low-precision weights (``roundpipe.optim.fused_writeback``): a synchronous step straight into the
+parameter arena, an asynchronous one into a staging arena (the iteration in flight still reads the
+parameters), from which the write-back copies them without casting. GradScaler's inf/NaN check is
+a read-only pass before it, since a step with a non-finite gradient must not change anything.
 
-An exception in ``step_fn`` is re-raised at the next ``step``, ``synchronize`` or forward call;
-the weights then stay as they were before the failed step.
+An exception in ``step_fn`` is re-raised at the next ``step``, ``synchronize`` or forward call,
+and the failed step's weights are not written back. (A synchronous step's fused pass writes them
+in place as it updates the copies, so a failure after that pass leaves them matching the copies.)
 """
 
 from __future__ import annotations
@@ -100,10 +102,13 @@ class StepPipeline:
         self._spare_grads: torch.Tensor | None = None
         self._job: Any = None  # the optimizer thread's event of the last step
         self._written: Any = None  # event of the last write-back into the parameter arena
-        # Low-precision weights that roundpipe.optim.Adam wrote in its update pass (gradient
-        # arena layout), and the optimizer copies it wrote them for.
+        # Low-precision weights that roundpipe.optim.Adam wrote in its update pass: for an
+        # asynchronous step into a staging arena (gradient arena layout), since the iteration in
+        # flight still reads the parameter arena; for a synchronous one into the parameter arena
+        # itself. The last successful step's optimizer copies that were written so, and where.
         self._staged: torch.Tensor | None = None
         self._fused: set[torch.Tensor] = set()
+        self._fused_in_place = False
 
     def copies(self) -> dict[int, OptimizerCopy]:
         """Optimizer copies keyed by ``id`` of the model parameter, created on first use."""
@@ -133,7 +138,10 @@ class StepPipeline:
         iteration, _submitted = _submitted, _submitted + 1
 
         written = self._written
-        targets = self._fused_targets(copies, slots)
+        # Synchronous: nothing reads the parameter arena until this step is done (calls wait for
+        # their uploads before they return), so Adam may write the new weights right there.
+        in_place = not is_async
+        targets = self._fused_targets(copies, slots, in_place)
 
         def run_step() -> None:
             if written is not None:  # the previous step's weights must be read out first
@@ -145,7 +153,7 @@ class StepPipeline:
             try:
                 with OptimizerCtx(), fused_writeback(targets) as fused:
                     step_fn(*args, **kwargs)
-                self._fused = fused
+                self._fused, self._fused_in_place = fused, in_place
             finally:
                 # Pending gradients that step_fn neither consumed nor dropped become real ones
                 # before their arena is reused.
@@ -170,14 +178,14 @@ class StepPipeline:
         job, self._job = self._job, None
         if job is None:
             return
-        job.synchronize()  # a failed step raises here and leaves the weights as they were
+        job.synchronize()  # a failed step raises here; its weights are not written back
         self._written = self._write_back()
 
     def _fused_targets(
-        self, copies: dict[int, OptimizerCopy], slots: list[Any]
+        self, copies: dict[int, OptimizerCopy], slots: list[Any], in_place: bool
     ) -> dict[torch.Tensor, torch.Tensor]:
-        """fp32 optimizer copy -> its staging view, for bf16/fp16 parameters: there our Adam
-        writes the low-precision weights in the same pass as the update."""
+        """fp32 optimizer copy -> where our Adam writes its bf16/fp16 parameter's new weights in
+        the same pass as the update: the parameter itself, or its staging view."""
         pairs = [
             (copies[id(slot.param)], slot)
             for slot in slots
@@ -186,6 +194,8 @@ class StepPipeline:
         ]
         if not pairs:
             return {}
+        if in_place:
+            return {master: slot.param.detach() for master, slot in pairs}
         if self._staged is None:
             self._staged = self.memory.new_grad_arena()
         return {master: self.memory.grad_view(slot, self._staged) for master, slot in pairs}
@@ -194,9 +204,14 @@ class StepPipeline:
         """Queue the optimizer copies' values into the parameter arena, layer by layer: the next
         iteration's uploads wait only for their own layers. Returns the last write's event."""
         copies, fused = self.copies(), self._fused
+        done = fused if self._fused_in_place else set()
         last = None
         for layer in self.memory.layers:
-            slots = [s for s in layer.slots if s.primary is None and id(s.param) in copies]
+            slots = [
+                s
+                for s in layer.slots
+                if s.primary is None and id(s.param) in copies and copies[id(s.param)] not in done
+            ]
             if slots:
                 last = self.memory.write_async(
                     layer.index,
