@@ -11,36 +11,17 @@ from typing import Any
 import pytest
 import roundpipe
 import torch
+from reference import MICROBATCHES, batches, master_step, mse, plain_grads
 from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig
 from roundpipe.optimizer_copy import OptimizerCopy
 from torch import nn
 
-CONFIG = RoundPipeRunConfig(num_microbatch=2)
+CONFIG = RoundPipeRunConfig(num_microbatch=MICROBATCHES)
 
 
 def mlp(dtype: torch.dtype) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(dtype)
-
-
-def batches(count: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(11)
-    return [
-        (
-            torch.randn(6, 5, generator=generator).to(dtype),
-            torch.randn(6, 3, generator=generator).to(dtype),
-        )
-        for _ in range(count)
-    ]
-
-
-def mse(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-    return ((output.float() - label.float()) ** 2).sum()
-
-
-def plain_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-    for xm, ym in zip(x.tensor_split(2), y.tensor_split(2), strict=True):
-        mse(model(xm), ym).backward()
 
 
 class _Spy:
@@ -88,12 +69,7 @@ def test_adam_reads_bf16_gradients_from_the_arena_without_casting(
         model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
         model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
         plain_grads(reference, x, y)
-        with torch.no_grad():
-            for master, p in zip(masters, reference.parameters(), strict=True):
-                master.grad, p.grad = p.grad.float(), None
-            theirs.step()
-            for master, p in zip(masters, reference.parameters(), strict=True):
-                p.copy_(master)
+        master_step(reference, masters, theirs)
         for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
             assert torch.equal(p, q)
     assert casts == []

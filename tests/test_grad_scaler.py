@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
+from reference import stale_step
 from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig
-from staleness import stale_step
 from torch import nn
 
 CONFIG = RoundPipeRunConfig(num_microbatch=2)

@@ -9,11 +9,11 @@ from collections.abc import Callable
 import pytest
 import roundpipe
 import torch
+from reference import MICROBATCHES, batches, master_step, mse, plain_grads, stale_step
 from roundpipe import OptimizerCtx, RoundPipe, RoundPipeRunConfig
-from staleness import stale_step
 from torch import nn
 
-CONFIG = RoundPipeRunConfig(num_microbatch=2)
+CONFIG = RoundPipeRunConfig(num_microbatch=MICROBATCHES)
 
 
 def mlp(dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Sequential:
@@ -21,28 +21,6 @@ def mlp(dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)
     ).to(dtype)
-
-
-def batches(
-    count: int, dtype: torch.dtype = torch.float64
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(7)
-    return [
-        (
-            torch.randn(6, 5, generator=generator).to(dtype),
-            torch.randn(6, 3, generator=generator).to(dtype),
-        )
-        for _ in range(count)
-    ]
-
-
-def mse(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-    return ((output.float() - label.float()) ** 2).sum()
-
-
-def plain_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-    for xm, ym in zip(x.tensor_split(2), y.tensor_split(2), strict=True):
-        mse(model(xm), ym).backward()
 
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -127,12 +105,7 @@ def test_bf16_model_with_fp32_optimizer_copies(num_devices: int, adam: type) -> 
         fused = len(masters) if adam is roundpipe.optim.Adam else 0
         assert len(model._steps._fused) == fused
         plain_grads(reference, x, y)
-        with torch.no_grad():
-            for master, p in zip(masters, reference.parameters(), strict=True):
-                master.grad, p.grad = p.grad.float(), None
-            theirs.step()
-            for master, p in zip(masters, reference.parameters(), strict=True):
-                p.copy_(master)
+        master_step(reference, masters, theirs)
         for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
             assert p.dtype == torch.bfloat16
             assert torch.equal(p, q)
