@@ -18,28 +18,17 @@ Run from the repository root: ``python benchmarks/step_cpu.py [--params 100M] [-
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import os
-import platform
-import sys
-import textwrap
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import roundpipe
 import torch
+from results import parse_count, record
 from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
 WIDTH = 2048
-
-
-def parse_count(text: str) -> int:
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1].upper(), 1)
-    return int(float(text.rstrip("KMGkmg")) * scale)
 
 
 Variant = tuple[Callable[[list[nn.Parameter]], torch.optim.Optimizer], bool]
@@ -86,18 +75,6 @@ def step_seconds(total: int, variant: Variant, steps: int) -> float:
     return min(times[1:])
 
 
-def machine() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", default="25M", help="comma-separated model sizes")
@@ -129,18 +106,8 @@ def main() -> None:
         printed = len(lines)
 
     if args.record:
-        entry = textwrap.dedent(
-            f"""
-            ## {datetime.date.today().isoformat()} — benchmarks/step_cpu.py
-
-            - machine: {machine()}
-            - torch {torch.__version__}, roundpipe {roundpipe._C.build_info()["version"]}
-            - command: `python benchmarks/step_cpu.py {" ".join(sys.argv[1:])}`
-
-            """
-        )
-        results = HERE / "RESULTS.md"
-        results.write_text(results.read_text() + entry + "\n".join(lines) + "\n")
+        version = roundpipe._C.build_info()["version"]
+        record("step_cpu.py", f"roundpipe {version}", "\n".join(lines))
 
 
 if __name__ == "__main__":
