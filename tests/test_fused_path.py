@@ -103,9 +103,13 @@ def test_asynchronous_fused_steps_equal_a_staleness_one_simulation(num_devices: 
 
 
 def _fp16_training(unscale_first: bool, steps: int, inf_at: int) -> list[torch.Tensor]:
-    """fp16 model, fp32 copies, GradScaler + our Adam; the loss of iteration ``inf_at`` is inf."""
+    """fp16 model, fp32 copies, GradScaler + our Adam + an LR schedule; the loss of iteration
+    ``inf_at`` is inf. Returns the weights, the scale and how often the step hook ran."""
     model = RoundPipe(mlp(torch.float16), optim_dtype=torch.float32)
     optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=0.01, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+    hook_calls = []
+    optimizer.register_step_post_hook(lambda *_: hook_calls.append(1))
     scaler = GradScaler(init_scale=2.0**12, growth_interval=2)
 
     def step_fn() -> None:
@@ -114,6 +118,7 @@ def _fp16_training(unscale_first: bool, steps: int, inf_at: int) -> list[torch.T
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
+        schedule.step()
 
     for index, (x, y) in enumerate(batches(steps, torch.float16)):
         if index == inf_at:
@@ -127,10 +132,12 @@ def _fp16_training(unscale_first: bool, steps: int, inf_at: int) -> list[torch.T
         model.step(step_fn)
     model.synchronize()
     return [p.detach().clone() for p in model.model.parameters()] + [
-        torch.tensor(scaler.get_scale(up_to_date=True))
+        torch.tensor(scaler.get_scale(up_to_date=True)),
+        torch.tensor(len(hook_calls)),
     ]
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # e.g. lr_scheduler.step() before a step
 def test_grad_scaler_with_our_adam_is_fused_and_identical_to_unscaling_first(
     num_devices: int, casts: list[torch.dtype]
 ) -> None:
@@ -142,7 +149,8 @@ def test_grad_scaler_with_our_adam_is_fused_and_identical_to_unscaling_first(
     for a, b in zip(fused, unfused, strict=True):
         assert torch.equal(a, b)
     # Grew after iterations 1 and 4 (growth_interval=2), backed off at the inf of iteration 2.
-    assert fused[-1] == 2.0**12 * 2 * 0.5 * 2
+    assert fused[-2] == 2.0**12 * 2 * 0.5 * 2
+    assert fused[-1] == 5  # optimizer.step() ran (hooks included) for every step not skipped
 
 
 def test_step_fn_reading_grads_sees_the_moved_gradients(num_devices: int) -> None:

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_map
 
 from roundpipe._native import _C
 from roundpipe.optim import Adam
+from roundpipe.optimizer_copy import gradient_of
 from roundpipe.step import current_iteration, drain_optimizer_thread, in_step_job
 
 
@@ -121,17 +122,19 @@ class GradScaler:
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step(*args, **kwargs)`` on unscaled gradients, skipped on inf/NaN.
 
-        With :class:`roundpipe.optim.Adam` (and no extra arguments) the gradients are unscaled
-        inside its update pass, after a read-only inf/NaN check, as torch's fused optimizers do:
-        ``.grad`` then stays scaled. Call :meth:`unscale_` first to get unscaled ``.grad``."""
+        With :class:`roundpipe.optim.Adam` the gradients are unscaled inside its update pass,
+        after a read-only inf/NaN check, as torch's fused optimizers do: ``.grad`` then stays
+        scaled. Call :meth:`unscale_` first to get unscaled ``.grad``."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        fused = isinstance(optimizer, Adam) and not args and not kwargs
-        if fused and id(optimizer) not in self._unscaled:
-            inverse = 1.0 / self._scale_of_gradients()
-            stepped = optimizer.step_fused(grad_scale_inv=inverse, check_finite=True)
-            self._unscaled[id(optimizer)] = not stepped
-            return None
+        if isinstance(optimizer, Adam) and id(optimizer) not in self._unscaled:
+            grads = [gradient_of(p) for group in optimizer.param_groups for p in group["params"]]
+            found_inf = not _all_finite([g for g in grads if g is not None])
+            self._unscaled[id(optimizer)] = found_inf
+            if found_inf:
+                return None
+            with optimizer.unscaling(1.0 / self._scale_of_gradients()):
+                return optimizer.step(*args, **kwargs)
         if id(optimizer) not in self._unscaled:
             self.unscale_(optimizer)
         if self._unscaled[id(optimizer)]:

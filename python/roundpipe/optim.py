@@ -8,10 +8,11 @@ within float rounding of torch. The update is one native pass per parameter grou
 thread pool, with the GIL released.
 
 For the RoundPipe runtime, the same pass reads low-precision gradients, unscales them
-(:meth:`Adam.step_fused`, which ``roundpipe.GradScaler.step`` uses), and writes the new weights as
+(:meth:`Adam.unscaling`, which ``roundpipe.GradScaler.step`` uses), and writes the new weights as
 bf16/fp16 into the model's parameter buffers (:func:`fused_writeback`, which the step pipeline
 activates around ``step_fn``). The pending gradients of RoundPipe's optimizer copies are read
-straight from the model's gradient arena, never cast into ``.grad`` first.
+straight from the model's gradient arena, never cast into ``.grad`` first. :meth:`Adam.step_fused`
+offers all of it explicitly, on gradients passed in.
 """
 
 from __future__ import annotations
@@ -197,8 +198,21 @@ class Adam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step(None, 1.0, None, check_finite=False)
+        self._step(None, getattr(self, "_grad_scale_inv", 1.0), None, check_finite=False)
         return loss
+
+    @contextmanager
+    def unscaling(self, grad_scale_inv: float) -> Iterator[None]:
+        """Within the context, :meth:`step` multiplies every gradient by ``grad_scale_inv`` as
+        it reads it (the gradients themselves are left scaled). ``GradScaler.step`` uses it so
+        that unscaling costs no pass of its own; the result is bit-identical to unscaling the
+        fp32 gradients first."""
+        previous = getattr(self, "_grad_scale_inv", 1.0)
+        self._grad_scale_inv = float(grad_scale_inv)
+        try:
+            yield
+        finally:
+            self._grad_scale_inv = previous
 
     @torch.no_grad()
     def step_fused(
