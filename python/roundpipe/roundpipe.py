@@ -347,16 +347,20 @@ class RoundPipe(OptimizerCopiesView):
             )
         self._drain()
         result = super().load_state_dict(state_dict, strict=strict)
+        self._refresh_copies()
+        return result
+
+    def _refresh_copies(self) -> None:
+        """After a load: optimizer copies from the checkpoint's ``_roundpipe.optim.*`` entries,
+        or from the loaded parameters (existing copies only, unless the checkpoint has some)."""
         state = self.__dict__
         saved_copies = state.pop("_loaded_copies", {})
-        steps = state["_steps"]
-        if saved_copies or steps.has_copies():
+        if saved_copies or state["_steps"].has_copies():
             with torch.no_grad():
                 for (name, copy), (_, param) in zip(
                     self.optim_named_parameters(), self._trainable_named_parameters(), strict=True
                 ):
                     copy.copy_(saved_copies.get(name, param))
-        return result
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)

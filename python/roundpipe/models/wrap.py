@@ -21,6 +21,8 @@ from roundpipe.context import OptimizerCopiesView, OptimizerCtx
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 
+_GLUE_KEYS = "_roundpipe.glue."  # state_dict prefix of the host glue's optimizer copies
+
 logger = logging.getLogger("roundpipe")
 
 SkipModules = Sequence[str | type[nn.Module]]
@@ -279,6 +281,64 @@ class AutoRoundPipe(OptimizerCopiesView):
         self._finish_step()
         for _, part in self.__dict__["parts"]:
             part.synchronize()
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped model's state (``model.<name>``) after draining pending work (every part's
+        and the glue's new weights written back), with each part's own entries and the glue's
+        optimizer copies (``_roundpipe.glue.<name>``), so a resumed run continues exactly."""
+        self._finish_step()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a ``state_dict()`` of this model; pending work is drained first. Optimizer
+        copies come from the checkpoint, else from the loaded parameters."""
+        if assign:
+            raise ValueError(
+                "assign=True would replace parameters that RoundPipe keeps in its host arenas; "
+                "load with assign=False"
+            )
+        self._finish_step()
+        result = super().load_state_dict(state_dict, strict=strict)
+        for _, part in self.__dict__["parts"]:
+            part._refresh_copies()
+        state = self.__dict__
+        saved_copies = state.pop("_loaded_glue", {})
+        if saved_copies or state["_glue_copies"] is not None:
+            copies = self._glue_copy_map()
+            with torch.no_grad():
+                for name, param in state["_glue"]:
+                    copies[id(param)].copy_(saved_copies.get(name, param))
+        return result
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        copies = self.__dict__["_glue_copies"]
+        if copies is not None:
+            for name, param in self.__dict__["_glue"]:
+                destination[f"{prefix}{_GLUE_KEYS}{name}"] = copies[id(param)].detach().clone()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict,
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        own = f"{prefix}{_GLUE_KEYS}"
+        unexpected_keys[:] = [key for key in unexpected_keys if not key.startswith(own)]
+        self.__dict__["_loaded_glue"] = {
+            key[len(own) :]: value for key, value in state_dict.items() if key.startswith(own)
+        }
+
+    # -- internals ---------------------------------------------------------------------------
 
     def _take_glue_grads(self) -> list[tuple[int, torch.Tensor]]:
         """The glue's gradients of this iteration, removed from the parameters so the next
