@@ -9,8 +9,9 @@
 //
 // The operation order mirrors torch.optim.Adam's single-tensor CPU path (lerp for the first
 // moment, mul + addcmul for the second, sqrt / bias correction + eps, addcdiv) so results stay
-// within float rounding of torch. No FMA: every Isa rounds each operation once, which keeps all
-// variants bit-identical to the scalar one.
+// within float rounding of torch; the one departure is a multiplication by the bias correction's
+// reciprocal in place of the division by it (one rounding apart). No FMA: every Isa rounds each
+// operation once, which keeps all variants bit-identical to the scalar one.
 #pragma once
 
 #include <cstdint>
@@ -55,7 +56,7 @@ std::int64_t adam_vectors(const AdamCoefficients& c, const AdamBuffers& b, std::
   const F lerp_weight = Isa::set1(small_lerp_weight ? c.lerp_weight : 1.0f - c.lerp_weight);
   const F beta2 = Isa::set1(c.beta2);
   const F one_minus_beta2 = Isa::set1(c.one_minus_beta2);
-  const F bias_correction2_sqrt = Isa::set1(c.bias_correction2_sqrt);
+  const F inv_bias_correction2_sqrt = Isa::set1(c.inv_bias_correction2_sqrt);
   const F eps = Isa::set1(c.eps);
   const F neg_step_size = Isa::set1(c.neg_step_size);
 
@@ -78,7 +79,9 @@ std::int64_t adam_vectors(const AdamCoefficients& c, const AdamBuffers& b, std::
       second_moment = Isa::max(Isa::load(max_exp_avg_sq_ptr + i), exp_avg_sq);
       Isa::store(max_exp_avg_sq_ptr + i, second_moment);
     }
-    const F denom = Isa::add(Isa::div(Isa::sqrt(second_moment), bias_correction2_sqrt), eps);
+    // torch divides by the bias correction here; multiplying by its reciprocal saves one of the
+    // two divisions, which with the sqrt bound the kernel while its data is in cache.
+    const F denom = Isa::add(Isa::mul(Isa::sqrt(second_moment), inv_bias_correction2_sqrt), eps);
     param = Isa::add(param, Isa::div(Isa::mul(neg_step_size, exp_avg), denom));
 
     Isa::store(param_ptr + i, param);
