@@ -36,7 +36,7 @@ AdamCoefficients adam_coefficients(const AdamHyper& hyper, double step, float gr
   c.l2_weight_decay = static_cast<float>(hyper.weight_decay);
   c.decay_factor = static_cast<float>(1.0 - hyper.lr * hyper.weight_decay);
   c.neg_step_size = static_cast<float>(-(hyper.lr / bias_correction1));
-  c.bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
+  c.inv_bias_correction2_sqrt = 1.0f / static_cast<float>(std::pow(bias_correction2, 0.5));
   c.eps = static_cast<float>(hyper.eps);
   c.amsgrad = hyper.amsgrad;
   c.maximize = hyper.maximize;

@@ -41,10 +41,10 @@ struct AdamCoefficients {
   float lerp_weight;  // 1 - beta1, the weight of the gradient in the first moment
   float beta2;
   float one_minus_beta2;
-  float l2_weight_decay;  // added to the gradient (Adam); 0 when decoupled or disabled
-  float decay_factor;     // 1 - lr * weight_decay (AdamW); 1 when coupled or disabled
-  float neg_step_size;    // -lr / (1 - beta1^step)
-  float bias_correction2_sqrt;
+  float l2_weight_decay;            // added to the gradient (Adam); 0 when decoupled or disabled
+  float decay_factor;               // 1 - lr * weight_decay (AdamW); 1 when coupled or disabled
+  float neg_step_size;              // -lr / (1 - beta1^step)
+  float inv_bias_correction2_sqrt;  // 1 / float(sqrt(1 - beta2^step)): torch's divisor, inverted
   float eps;
   bool amsgrad;
   bool maximize;
