@@ -10,6 +10,9 @@ like a model's layers) for
   roundpipe==0.1.1 beartype py-cpuinfo tqdm``);
 * the memory-bandwidth bound: measured memory bandwidth / bytes an Adam step moves per parameter.
 
+The contenders take turns (``--rounds``), each turn ``--steps`` timed steps, and the fastest step
+counts: on a shared machine a busy moment then slows every contender, not just one.
+
 Then the whole per-iteration host path of a bf16 model with fp32 master weights (bf16 gradients
 -> fp32 master .grad -> unscale + inf/NaN check -> Adam -> bf16 write-back), unfused with torch
 ops around either optimizer, and fused (our single-pass kernels).
@@ -20,21 +23,18 @@ Run from the repository root: ``python benchmarks/adam_cpu.py [--record]``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from results import parse_count, record
 
-HERE = Path(__file__).resolve().parent
 # Bytes per parameter of one fp32 Adam step: read param, grad, exp_avg, exp_avg_sq; write param,
 # exp_avg, exp_avg_sq.
 ADAM_BYTES = 7 * 4
@@ -42,11 +42,6 @@ ADAM_BYTES = 7 * 4
 # exp_avg, exp_avg_sq (14) and write param, exp_avg, exp_avg_sq, bf16 param (14).
 HOST_PATH_BYTES = 2 + 14 + 14
 INV_SCALE = 1.0 / 1024
-
-
-def parse_count(text: str) -> int:
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1].upper(), 1)
-    return int(float(text.rstrip("KMGkmg")) * scale)
 
 
 def best_seconds(step: Callable[[], object], steps: int) -> float:
@@ -60,6 +55,21 @@ def best_seconds(step: Callable[[], object], steps: int) -> float:
         step()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+# One turn of a contender: it runs a few timed steps and returns the fastest, in seconds.
+Turn = Callable[[], float]
+
+
+def interleaved_seconds(turns: dict[str, Turn], rounds: int) -> dict[str, float]:
+    """Fastest step of each contender over `rounds` rounds in which they take turns. Taking
+    turns spreads a busy moment of a shared machine over all of them instead of deciding the
+    comparison by which one happened to run during it."""
+    best = dict.fromkeys(turns, float("inf"))
+    for _ in range(rounds):
+        for name, turn in turns.items():
+            best[name] = min(best[name], turn())
+    return best
 
 
 def memory_bandwidth() -> float:
@@ -84,18 +94,25 @@ def make_model(
     return params
 
 
-def optimizer_rate(
-    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+def optimizer_rates(
+    factories: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]],
+    others: dict[str, Turn],
     total: int,
     tensor_size: int,
     steps: int,
-) -> float:
-    params = make_model(total, tensor_size)
-    optimizer = factory(params)
-    seconds = best_seconds(optimizer.step, steps)
-    del optimizer, params
+    rounds: int,
+) -> dict[str, float]:
+    """Params/s of each optimizer, each on its own model of `total` parameters, taking turns
+    with each other and with `others` (contenders that run elsewhere)."""
+    optimizers = {name: make(make_model(total, tensor_size)) for name, make in factories.items()}
+    turns: dict[str, Turn] = {
+        name: (lambda step=optimizer.step: best_seconds(step, steps))
+        for name, optimizer in optimizers.items()
+    }
+    seconds = interleaved_seconds({**turns, **others}, rounds)
+    del optimizers, turns
     gc.collect()
-    return total / seconds
+    return {name: total / s for name, s in seconds.items()}
 
 
 RP011_SCRIPT = """
@@ -119,31 +136,38 @@ for _ in range(steps):
     start = time.perf_counter()
     optimizer.step()
     times.append(time.perf_counter() - start)
-print(json.dumps(total / min(times)))
+print(json.dumps(min(times)))
 """
 
 
-def rp011_rate(folder: str, total: int, tensor_size: int, steps: int) -> tuple[float | None, str]:
+def rp011_turn(folder: str, total: int, tensor_size: int, steps: int) -> Turn | str:
+    """A turn of roundpipe 0.1.1's Adam (a fresh subprocess each), or why there is none."""
     if not (Path(folder) / "roundpipe").is_dir():
         return (
-            None,
             f"not found in {folder} (pip install --no-deps --target {folder} "
-            "roundpipe==0.1.1 beartype py-cpuinfo tqdm)",
+            "roundpipe==0.1.1 beartype py-cpuinfo tqdm)"
         )
-    env = {**os.environ, "PYTHONPATH": folder}
-    result = subprocess.run(
-        [sys.executable, "-c", RP011_SCRIPT, folder, str(total), str(tensor_size), str(steps)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1800,
-    )
-    if result.returncode != 0:
-        return None, "failed: " + result.stderr.strip().splitlines()[-1]
-    return float(json.loads(result.stdout.strip().splitlines()[-1])), ""
+    command = [sys.executable, "-c", RP011_SCRIPT, folder, str(total), str(tensor_size), str(steps)]
+
+    def turn() -> float:
+        result = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": folder},
+            timeout=1800,
+            check=True,
+        )
+        return float(json.loads(result.stdout.strip().splitlines()[-1]))
+
+    try:
+        turn()  # fails here, before any timing, if it cannot run on this machine
+    except subprocess.CalledProcessError as error:
+        return "failed: " + error.stderr.strip().splitlines()[-1]
+    return turn
 
 
-def host_path_rates(total: int, tensor_size: int, steps: int) -> dict[str, float]:
+def host_path_rates(total: int, tensor_size: int, steps: int, rounds: int) -> dict[str, float]:
     """Params/s of the whole host path of a bf16 model with fp32 master weights."""
     import roundpipe.optim
     from roundpipe import _C
@@ -154,7 +178,6 @@ def host_path_rates(total: int, tensor_size: int, steps: int) -> dict[str, float
     grads = [(torch.randn(p.shape) * 1e-3 / INV_SCALE).to(torch.bfloat16) for p in masters]
     lowp = [p.to(torch.bfloat16) for p in masters]
     master_grads = [p.grad for p in masters]
-    rates = {}
 
     def unfused(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
         found_inf = torch.zeros(())
@@ -170,47 +193,34 @@ def host_path_rates(total: int, tensor_size: int, steps: int) -> dict[str, float
 
         return step
 
-    for name, optimizer in (
-        ("unfused: torch ops + torch Adam foreach", torch.optim.Adam(masters, foreach=True)),
-        ("unfused: torch ops + our Adam", roundpipe.optim.Adam(masters)),
-    ):
-        rates[name] = total / best_seconds(unfused(optimizer), steps)
-        del optimizer
-        gc.collect()
-
     ours = roundpipe.optim.Adam(masters)
 
     def accumulated() -> None:
         if _C.grad_accumulate(master_grads, grads, True):
             ours.step_fused(grad_scale_inv=INV_SCALE, lowp_params=lowp, check_finite=False)
 
-    rates["fused: grad_accumulate pass + fused Adam pass"] = total / best_seconds(
-        accumulated, steps
+    contenders = {
+        "unfused: torch ops + torch Adam foreach": unfused(torch.optim.Adam(masters, foreach=True)),
+        "unfused: torch ops + our Adam": unfused(roundpipe.optim.Adam(masters)),
+        "fused: grad_accumulate pass + fused Adam pass": accumulated,
+        "fused: check pass + Adam pass on bf16 grads": lambda: ours.step_fused(
+            grads, grad_scale_inv=INV_SCALE, lowp_params=lowp
+        ),
+    }
+    seconds = interleaved_seconds(
+        {name: (lambda step=step: best_seconds(step, steps)) for name, step in contenders.items()},
+        rounds,
     )
-    rates["fused: check pass + Adam pass on bf16 grads"] = total / best_seconds(
-        lambda: ours.step_fused(grads, grad_scale_inv=INV_SCALE, lowp_params=lowp), steps
-    )
-    return rates
-
-
-def machine() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores"
+    return {name: total / s for name, s in seconds.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", default="10M,100M", help="comma-separated model sizes")
     parser.add_argument("--tensor-size", default="1M", help="elements per parameter tensor")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per turn")
     parser.add_argument(
-        "--steps", type=int, default=5, help="timed steps (the fastest is reported)"
+        "--rounds", type=int, default=3, help="turns each contender takes (fastest step reported)"
     )
     parser.add_argument("--rp011", default="/tmp/rp011", help="folder holding roundpipe==0.1.1")
     parser.add_argument("--record", action="store_true", help="append the table to RESULTS.md")
@@ -225,27 +235,30 @@ def main() -> None:
     lines = [
         f"threads {torch.get_num_threads()}, SIMD {info['simd_active']}, memory bandwidth "
         f"{bandwidth / 1e9:.1f} GB/s, tensors of {tensor_size:,} elements, "
-        f"best of {args.steps} steps",
+        f"contenders take {args.rounds} turns of {args.steps} steps, fastest step reported",
         "",
     ]
     printed = 0
     for total in map(parse_count, args.params.split(",")):
-        rates: dict[str, float | None] = {}
-        notes: dict[str, str] = {}
-        rates["ours: roundpipe.optim.Adam"] = optimizer_rate(
-            roundpipe.optim.Adam, total, tensor_size, args.steps
+        peer = "roundpipe 0.1.1 Adam (JIT C++)"
+        peer_turn = rp011_turn(args.rp011, total, tensor_size, args.steps)
+        rates: dict[str, float | None] = dict(
+            optimizer_rates(
+                {
+                    "ours: roundpipe.optim.Adam": roundpipe.optim.Adam,
+                    "torch.optim.Adam default (for-loop)": torch.optim.Adam,
+                    "torch.optim.Adam foreach=True": lambda p: torch.optim.Adam(p, foreach=True),
+                    "torch.optim.Adam fused=True": lambda p: torch.optim.Adam(p, fused=True),
+                },
+                {} if isinstance(peer_turn, str) else {peer: peer_turn},
+                total,
+                tensor_size,
+                args.steps,
+                args.rounds,
+            )
         )
-        rates["torch.optim.Adam default (for-loop)"] = optimizer_rate(
-            torch.optim.Adam, total, tensor_size, args.steps
-        )
-        rates["torch.optim.Adam foreach=True"] = optimizer_rate(
-            lambda p: torch.optim.Adam(p, foreach=True), total, tensor_size, args.steps
-        )
-        rates["torch.optim.Adam fused=True"] = optimizer_rate(
-            lambda p: torch.optim.Adam(p, fused=True), total, tensor_size, args.steps
-        )
-        name = "roundpipe 0.1.1 Adam (JIT C++)"
-        rates[name], notes[name] = rp011_rate(args.rp011, total, tensor_size, args.steps)
+        notes = {peer: peer_turn} if isinstance(peer_turn, str) else {}
+        rates.setdefault(peer, None)
         bound = bandwidth / ADAM_BYTES
         ours = rates["ours: roundpipe.optim.Adam"]
         assert ours is not None
@@ -264,7 +277,7 @@ def main() -> None:
         )
         lines.append("")
 
-        host = host_path_rates(total, tensor_size, args.steps)
+        host = host_path_rates(total, tensor_size, args.steps, args.rounds)
         best_fused = max(v for k, v in host.items() if k.startswith("fused"))
         host_bound = bandwidth / HOST_PATH_BYTES
         lines.append(
@@ -284,21 +297,13 @@ def main() -> None:
         print("\n".join(lines[printed:]), flush=True)
         printed = len(lines)
 
-    table = "\n".join(lines)
     if args.record:
-        entry = textwrap.dedent(
-            f"""
-            ## {datetime.date.today().isoformat()} — benchmarks/adam_cpu.py
-
-            - machine: {machine()}
-            - torch {torch.__version__}, roundpipe {info["version"]} """
-            f"""({info["simd_compiled"]} compiled, {info["simd_active"]} used)
-            - command: `python benchmarks/adam_cpu.py {" ".join(sys.argv[1:])}`
-
-            """
+        record(
+            "adam_cpu.py",
+            f"roundpipe {info['version']} ({info['simd_compiled']} compiled, "
+            f"{info['simd_active']} used)",
+            "\n".join(lines),
         )
-        results = HERE / "RESULTS.md"
-        results.write_text(results.read_text() + entry + table + "\n")
 
 
 if __name__ == "__main__":

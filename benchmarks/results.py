@@ -33,12 +33,15 @@ def machine() -> str:
 
 
 def record(script: str, versions: str, table: str) -> None:
-    """Append ``table`` to RESULTS.md under today's date, the machine, ``versions`` and the
-    command that produced it."""
+    """Add ``table`` to RESULTS.md as its newest entry, under today's date, the machine,
+    ``versions`` and the command that produced it."""
     entry = (
-        f"\n## {datetime.date.today().isoformat()} — benchmarks/{script}\n\n"
+        f"## {datetime.date.today().isoformat()} — benchmarks/{script}\n\n"
         f"- machine: {machine()}\n"
         f"- torch {torch.__version__}, {versions}\n"
         f"- command: `python benchmarks/{script} {' '.join(sys.argv[1:])}`\n\n"
+        f"{table.rstrip()}\n\n"
     )
-    RESULTS.write_text(RESULTS.read_text() + entry + table + "\n")
+    text = RESULTS.read_text()
+    first = text.find("\n## ") + 1  # entries are newest first, after the file's header
+    RESULTS.write_text(text[:first] + entry + text[first:] if first else text + "\n" + entry)

@@ -4,7 +4,8 @@ An fp16 model with fp32 optimizer copies and a ``roundpipe.GradScaler`` (the cas
 host work per parameter): the gradients in the model's fp16 arena go to the copies, are unscaled
 and checked for inf/NaN, Adam updates the copies, and the new fp16 weights are written back into
 the parameter arena. Timed: ``model.step(step_fn, is_async=False)`` from call to return, the
-``forward_backward`` that produces the gradients is not. Variants, each on a fresh model:
+``forward_backward`` that produces the gradients is not. Variants, each on a model of its own,
+taking turns (the fastest step counts):
 
 * fused: ``scaler.step(roundpipe.optim.Adam)``: a read-only inf/NaN check of the fp16 gradients,
   then one pass that reads them from the arena, unscales, updates and writes fp16 weights;
@@ -44,8 +45,9 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
-def step_seconds(total: int, variant: Variant, steps: int) -> float:
-    """Fastest ``model.step`` of ``steps`` iterations (after one warm-up iteration)."""
+def make_turn(total: int, variant: Variant, steps: int) -> Callable[[], float]:
+    """A fresh model and optimizer for ``variant``, and its turn: ``steps`` iterations, returning
+    the fastest ``model.step``. The first turn's first step (state allocation) is not counted."""
     factory, unscale_first = variant
     layers = max(1, total // (WIDTH * WIDTH))
     torch.manual_seed(0)
@@ -66,30 +68,42 @@ def step_seconds(total: int, variant: Variant, steps: int) -> float:
     def loss_fn(output: torch.Tensor, _: object) -> torch.Tensor:
         return scaler.scale(output.float().square().mean())
 
-    times = []
-    for _ in range(steps + 1):
+    def iteration() -> float:
         model.forward_backward(input_args=(x,), loss_fn=loss_fn, run_config=config)
         start = time.perf_counter()
         model.step(step_fn, is_async=False)
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
+        return time.perf_counter() - start
+
+    iteration()
+    return lambda: min(iteration() for _ in range(steps))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", default="25M", help="comma-separated model sizes")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (fastest reported)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per turn")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="turns each variant takes (fastest step reported)"
+    )
     parser.add_argument("--record", action="store_true", help="append the table to RESULTS.md")
     args = parser.parse_args()
 
-    lines = [f"threads {torch.get_num_threads()}, best of {args.steps} steps", ""]
+    lines = [
+        f"threads {torch.get_num_threads()}, variants take {args.rounds} turns of {args.steps} "
+        "steps, fastest step reported",
+        "",
+    ]
     printed = 0
     for total in map(parse_count, args.params.split(",")):
         total = max(1, total // (WIDTH * WIDTH)) * WIDTH * WIDTH
-        seconds = {}
-        for name, variant in VARIANTS.items():
-            seconds[name] = step_seconds(total, variant, args.steps)
-            gc.collect()  # the previous model's arenas and optimizer state
+        # The variants take turns, so a busy moment of a shared machine slows all of them.
+        turns = {name: make_turn(total, v, args.steps) for name, v in VARIANTS.items()}
+        seconds = dict.fromkeys(turns, float("inf"))
+        for _ in range(args.rounds):
+            for name, turn in turns.items():
+                seconds[name] = min(seconds[name], turn())
+        del turns
+        gc.collect()  # the models' arenas and optimizer state
         fused = seconds["fused: GradScaler.step + roundpipe.optim.Adam"]
         lines += [
             f"### {total:,} fp16 parameters, fp32 copies: `model.step` (sync) with GradScaler",
