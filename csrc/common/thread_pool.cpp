@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <memory>
 
 namespace roundpipe {
@@ -11,6 +12,11 @@ namespace {
 // Set while a thread executes tasks, so that a nested job runs inline instead of deadlocking on
 // the pool it is already part of.
 thread_local bool t_inside_job = false;
+
+// How long an idle worker polls for the next job before it sleeps. Jobs come in bursts (an
+// inf/NaN check, then the update, group after group, step after step) and waking a sleeping
+// thread can take tens of microseconds on a virtual machine, a sizeable part of a small job.
+constexpr auto kSpinBeforeSleep = std::chrono::microseconds(200);
 
 struct InsideJob {
   bool previous = t_inside_job;
@@ -47,8 +53,19 @@ void ThreadPool::start_workers(int count) {
 void ThreadPool::worker_loop(std::uint64_t seen_generation) {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    wake_.wait(lock,
-               [&] { return stopping_ || (generation_ != seen_generation && open_seats_ > 0); });
+    const auto job_waiting = [&] {
+      return stopping_ || (generation_ != seen_generation && open_seats_ > 0);
+    };
+    if (!job_waiting()) {
+      lock.unlock();
+      const auto deadline = std::chrono::steady_clock::now() + kSpinBeforeSleep;
+      while (published_.load(std::memory_order_acquire) == seen_generation &&
+             std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::yield();
+      }
+      lock.lock();
+    }
+    wake_.wait(lock, job_waiting);
     if (stopping_) return;
     seen_generation = generation_;
     --open_seats_;
@@ -94,6 +111,7 @@ void ThreadPool::run(std::int64_t num_tasks, int num_threads,
     next_task_.store(0);
     open_seats_ = static_cast<int>(helpers);
     ++generation_;
+    published_.store(generation_, std::memory_order_release);
   }
   wake_.notify_all();
   run_tasks(task, num_tasks);

@@ -2,9 +2,10 @@
 // kernels). Torch-free, so the kernels and their tests do not depend on ATen's thread pool.
 //
 // Workers are started lazily, on the first job that wants them, so importing roundpipe starts no
-// thread. A job is a number of independent tasks; the calling thread takes part, the remaining
-// tasks are shared out dynamically. One job runs at a time; a job submitted from inside a task
-// runs inline on that thread instead of waiting for the pool (which would deadlock).
+// thread. An idle worker polls for the next job for a short while before it sleeps, since jobs
+// come in bursts. A job is a number of independent tasks; the calling thread takes part, the
+// remaining tasks are shared out dynamically. One job runs at a time; a job submitted from inside a
+// task runs inline on that thread instead of waiting for the pool (which would deadlock).
 #pragma once
 
 #include <atomic>
@@ -55,7 +56,8 @@ class ThreadPool {
   const std::function<void(std::int64_t)>* task_ = nullptr;
   std::int64_t num_tasks_ = 0;
   std::uint64_t generation_ = 0;
-  int open_seats_ = 0;  // helpers that may still join the current job
+  std::atomic<std::uint64_t> published_{0};  // generation_, readable without the lock
+  int open_seats_ = 0;                       // helpers that may still join the current job
   int busy_helpers_ = 0;
   std::exception_ptr error_;
   std::atomic<std::int64_t> next_task_{0};
