@@ -300,8 +300,11 @@ class AutoRoundPipe(OptimizerCopiesView):
                 "load with assign=False"
             )
         self._finish_step()
+        parts = [part for _, part in self.__dict__["parts"]]
+        for part in parts:
+            part._drain()  # gradient transfers may still be landing in the arenas
         result = super().load_state_dict(state_dict, strict=strict)
-        for _, part in self.__dict__["parts"]:
+        for part in parts:
             part._refresh_copies()
         state = self.__dict__
         saved_copies = state.pop("_loaded_glue", {})
