@@ -41,7 +41,8 @@ def test_forward_backward_on_cuda_matches_pytorch(grain: str, pin_model: str) ->
     roundpipe.configure_devices(kind="cuda")
     reference = mlp().cuda()
     model = RoundPipe(copy.deepcopy(reference).cpu(), pin_model=pin_model)
-    assert _C.is_page_locked(model._memory.params) == (pin_model != "off")
+    for param in model.model.parameters():
+        assert _C.is_page_locked(param.detach()) == (pin_model != "off")
     x, y = torch.randn(10, 32), torch.randn(10, 32)
     config = RoundPipeRunConfig(num_microbatch=3, recompute_grain=grain)
     loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)

@@ -433,6 +433,31 @@ def test_parameters_live_in_the_arena_and_user_loads_take_effect() -> None:
     assert all(begin <= p.data_ptr() < end for p in model.model.parameters())
 
 
+def test_pin_off_trains_memory_mapped_weights_where_they_are(num_devices: int, tmp_path) -> None:
+    """pin_model="off" keeps every parameter in its own storage (here a memory-mapped checkpoint,
+    never read into memory as a whole) and trains like PyTorch."""
+    reference = mlp()
+    torch.save(reference.state_dict(), tmp_path / "weights.pt")
+    net = mlp(seed=5)
+    net.load_state_dict(torch.load(tmp_path / "weights.pt", mmap=True), assign=True)
+    storage = [p.data_ptr() for p in net.parameters()]
+    model = RoundPipe(net, pin_model="off")
+    ours = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(5, 6), torch.randn(5, 6)
+    for _ in range(3):
+        model.forward_backward(
+            input_args=(x,), label=y, loss_fn=mse, run_config=RoundPipeRunConfig(num_microbatch=2)
+        )
+        model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
+        plain_forward_backward(reference, x, y, 2)
+        theirs.step()
+        theirs.zero_grad()
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+    assert [p.data_ptr() for p in model.model.parameters()] == storage
+
+
 def test_attribute_forwarding_and_original_model() -> None:
     inner = mlp()
     inner.custom = "inner"
@@ -490,12 +515,13 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 
+@pytest.mark.parametrize("pin_model", ["alloc", "off"])
 @pytest.mark.parametrize("plan", [SEED_FUSED, None], ids=["seed", "auto"])
 def test_parameters_shared_across_layers_train_like_pytorch(
-    num_devices: int, plan: ModelExecutePlan | None
+    num_devices: int, plan: ModelExecutePlan | None, pin_model: str
 ) -> None:
     reference = tied_lm()
-    model = RoundPipe(copy.deepcopy(reference))
+    model = RoundPipe(copy.deepcopy(reference), pin_model=pin_model)
     ours = torch.optim.SGD(model.optim_parameters(), lr=0.1)
     theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
     assert len(list(model.optim_parameters())) == len(list(reference.parameters()))

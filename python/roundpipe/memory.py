@@ -6,6 +6,11 @@ loads parameters keeps working. A stage, being a contiguous range of layers, upl
 copy; its gradients come back in one accumulation per dtype run. Gradients of parameters that
 require grad live in a second flat arena with the same layer order.
 
+With ``pin_model="off"`` the parameters stay where they are (pageable memory, for example
+memory-mapped weights, which are then never read into anonymous memory as a whole): the arena
+layout still gives each one its place in a stage's device buffer, and a stage uploads one copy per
+parameter from its own storage.
+
 A parameter shared by several layers (tied embeddings) lives in its first layer; every later
 layer that uses it gets an *alias* slot, a copy in its own part of the arenas, so each stage
 still uploads in one copy. Aliases are refreshed from the parameter before each call and their
@@ -114,7 +119,10 @@ class ModelMemory:
             layer.end, layer.grad_end = param_cursor, grad_cursor
             self.layers.append(layer)
 
-        self.params = _C.allocate_host_arena(param_cursor, pin_model)
+        # None with pin_model="off": every parameter keeps its own storage.
+        self.params: torch.Tensor | None = (
+            None if pin_model == "off" else _C.allocate_host_arena(param_cursor, pin_model)
+        )
         self.grads = _C.allocate_host_arena(grad_cursor, pin_model)
         # Writes into the parameter arena queued on the weight writer: per layer, the sequence
         # number and event of the latest one. The writer is first in first out.
@@ -123,14 +131,29 @@ class ModelMemory:
         self._last_write: Any = None
         with torch.no_grad():
             for slot in self.slots():
+                if self.params is None:
+                    if not slot.param.is_contiguous():  # uploaded and written back flat
+                        slot.param.data = slot.param.data.contiguous()
+                    continue
                 view = typed_view(self.params, slot.offset, slot.param)
                 view.copy_(slot.param.data)
                 slot.param.data = view
-            for alias in self.aliases:
-                self.alias_view(alias).copy_(alias.param)
+            if self.params is not None:
+                for alias in self.aliases:
+                    self.alias_view(alias).copy_(alias.param)
 
     def alias_view(self, alias: ParamSlot) -> torch.Tensor:
+        assert self.params is not None
         return typed_view(self.params, alias.offset, alias.param)
+
+    def param_sources(self, layers: range) -> list[tuple[int, torch.Tensor]]:
+        """Without an arena: ``(byte offset in the arena layout, bytes)`` of every parameter of
+        ``layers``, aliases included (they read their parameter's own storage)."""
+        return [
+            (slot.offset, slot.param.detach().reshape(-1).view(torch.uint8))
+            for index in layers
+            for slot in self.layers[index].slots
+        ]
 
     def write_async(self, layer: int, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Any:
         """Queue ``dsts[i].copy_(srcs[i])`` into layer ``layer``'s parameters on the weight
@@ -158,7 +181,10 @@ class ModelMemory:
             last.synchronize()
 
     def sync_aliases(self) -> None:
-        """Queue a copy of each shared parameter into its aliases, after pending writes."""
+        """Queue a copy of each shared parameter into its aliases, after pending writes (without
+        an arena, aliases read the parameter itself)."""
+        if self.params is None:
+            return
         for alias in self.aliases:
             self.write_async(alias.layer, [self.alias_view(alias)], [alias.param.detach()])
 

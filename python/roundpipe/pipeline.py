@@ -138,9 +138,18 @@ class ResidentStage:
         device = devices()[device_index]
         begin, end = memory.param_range(layers)
         self.buffer = torch.empty(end - begin, dtype=torch.uint8, device=device)
-        self.uploaded = _C.copy_async(
-            device_index, self.buffer, memory.params[begin:end], "parameter", memory.fence(layers)
-        )
+        fence = memory.fence(layers)
+        if memory.params is not None:
+            self.uploaded = _C.copy_async(
+                device_index, self.buffer, memory.params[begin:end], "parameter", fence
+            )
+        else:
+            # One copy per parameter from its own storage, all on the parameter lane, which runs
+            # them in order: the last one's event covers the stage.
+            self.uploaded = _C.record_event(device_index)
+            for offset, source in memory.param_sources(layers):
+                target = self.buffer[offset - begin : offset - begin + source.numel()]
+                self.uploaded = _C.copy_async(device_index, target, source, "parameter", fence)
         self.grad_buffer: torch.Tensor | None = None
         grad_begin = 0
         if with_grads:

@@ -60,8 +60,9 @@ class RoundPipe(OptimizerCopiesView):
         name: shown in errors, logs and traces; default ``"<caller file>:<line>"``.
         model_run_config: model-level defaults for every call (see ``RoundPipeRunConfig``).
         pin_model: host memory for the parameters: ``"alloc"`` (exact-size pinned allocation),
-            ``"register"`` (page-locked in place, CUDA) or ``"off"`` (pageable). On virtual CPU
-            devices there is nothing to pin and all three give pageable memory.
+            ``"register"`` (page-locked in place, CUDA) or ``"off"`` (the parameters stay in
+            their own pageable storage, memory-mapped weights included, and upload one copy
+            each). On virtual CPU devices there is nothing to pin and all three are pageable.
     """
 
     def __init__(
