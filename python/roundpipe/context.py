@@ -121,8 +121,45 @@ def optimizer_context_active() -> bool:
 
 class OptimizerCopiesView(nn.Module):
     """``parameters()`` / ``named_parameters()`` that return the optimizer copies inside
-    :class:`OptimizerCtx` and the model's parameters otherwise. Subclasses define
-    ``optim_named_parameters(prefix, remove_duplicate)``."""
+    :class:`OptimizerCtx` and the model's parameters otherwise, and ``state_dict`` entries of the
+    runtime's own (the copies, for instance) under ``_own_state_prefix``. Subclasses define
+    ``optim_named_parameters(prefix, remove_duplicate)``, ``_own_state`` and
+    ``_load_own_state``."""
+
+    _own_state_prefix = "_roundpipe."
+
+    def _own_state(self) -> dict[str, Any]:
+        """Entries to save beside the module's own, keyed without the prefix."""
+        raise NotImplementedError
+
+    def _load_own_state(self, entries: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
+        """Take the checkpoint's entries under ``prefix`` (their keys without it)."""
+        raise NotImplementedError
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for key, value in self._own_state().items():
+            destination[f"{prefix}{self._own_state_prefix}{key}"] = value
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict,
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        own = f"{prefix}{self._own_state_prefix}"
+        unexpected_keys[:] = [key for key in unexpected_keys if not key.startswith(own)]
+        entries = {
+            key.removeprefix(own): value for key, value in state_dict.items() if key.startswith(own)
+        }
+        self._load_own_state(entries, own, error_msgs)
 
     def optim_named_parameters(
         self, prefix: str = "", remove_duplicate: bool = True

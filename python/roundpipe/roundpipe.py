@@ -30,7 +30,6 @@ from roundpipe.step import StepPipeline
 from roundpipe.timer import ModelTimer
 
 _PIN_MODES = ("alloc", "register", "off")
-_OWN_KEYS = "_roundpipe."  # state_dict prefix of RoundPipe's own entries
 
 
 def _default_name() -> str:
@@ -363,46 +362,36 @@ class RoundPipe(OptimizerCopiesView):
                 ):
                     copy.copy_(saved_copies.get(name, param))
 
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
+    def _own_state(self) -> dict[str, Any]:
+        """The optimizer copies (``optim.<name>``) and gradients accumulated but not yet stepped
+        (``grads``)."""
         state = self.__dict__
+        entries: dict[str, Any] = {}
         if state["_steps"].has_copies():
             for name, copy in self.optim_named_parameters():
-                destination[f"{prefix}{_OWN_KEYS}optim.{name}"] = copy.detach().clone()
+                entries[f"optim.{name}"] = copy.detach().clone()
         if state["_grads_dirty"]:
-            destination[f"{prefix}{_OWN_KEYS}grads"] = state["_memory"].grads.clone()
+            entries["grads"] = state["_memory"].grads.clone()
+        return entries
 
-    def _load_from_state_dict(
-        self,
-        state_dict: dict,
-        prefix: str,
-        local_metadata: dict,
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        own = f"{prefix}{_OWN_KEYS}"
-        unexpected_keys[:] = [key for key in unexpected_keys if not key.startswith(own)]
+    def _load_own_state(self, entries: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
         state = self.__dict__
-        grads = state_dict.get(f"{own}grads")
+        grads = entries.get("grads")
         arena = state["_memory"].grads
         if grads is not None:
             if grads.shape != arena.shape:
                 error_msgs.append(
-                    f"{own}grads holds {grads.numel()} bytes but this model's gradient arena "
+                    f"{prefix}grads holds {grads.numel()} bytes but this model's gradient arena "
                     f"{arena.numel()}: the checkpoint is of another model"
                 )
             else:
                 with torch.no_grad():
                     arena.copy_(grads)
                 state["_grads_dirty"] = True
-        optim = f"{own}optim."
         state["_loaded_copies"] = {
-            key[len(optim) :]: value for key, value in state_dict.items() if key.startswith(optim)
+            key.removeprefix("optim."): value
+            for key, value in entries.items()
+            if key.startswith("optim.")
         }
 
     def _trainable_named_parameters(

@@ -21,8 +21,6 @@ from roundpipe.context import OptimizerCopiesView, OptimizerCtx
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 
-_GLUE_KEYS = "_roundpipe.glue."  # state_dict prefix of the host glue's optimizer copies
-
 logger = logging.getLogger("roundpipe")
 
 SkipModules = Sequence[str | type[nn.Module]]
@@ -158,6 +156,8 @@ class AutoRoundPipe(OptimizerCopiesView):
 
     Attribute reads and writes the wrapper does not define go to the wrapped model.
     """
+
+    _own_state_prefix = "_roundpipe.glue."  # the host glue's optimizer copies
 
     def __init__(
         self,
@@ -315,31 +315,15 @@ class AutoRoundPipe(OptimizerCopiesView):
                     copies[id(param)].copy_(saved_copies.get(name, param))
         return result
 
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
+    def _own_state(self) -> dict[str, Any]:
+        """The host glue's optimizer copies, by parameter name (the parts save their own)."""
         copies = self.__dict__["_glue_copies"]
-        if copies is not None:
-            for name, param in self.__dict__["_glue"]:
-                destination[f"{prefix}{_GLUE_KEYS}{name}"] = copies[id(param)].detach().clone()
+        if copies is None:
+            return {}
+        return {name: copies[id(param)].detach().clone() for name, param in self.__dict__["_glue"]}
 
-    def _load_from_state_dict(
-        self,
-        state_dict: dict,
-        prefix: str,
-        local_metadata: dict,
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        own = f"{prefix}{_GLUE_KEYS}"
-        unexpected_keys[:] = [key for key in unexpected_keys if not key.startswith(own)]
-        self.__dict__["_loaded_glue"] = {
-            key[len(own) :]: value for key, value in state_dict.items() if key.startswith(own)
-        }
+    def _load_own_state(self, entries: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
+        self.__dict__["_loaded_glue"] = entries
 
     # -- internals ---------------------------------------------------------------------------
 
