@@ -1,0 +1,249 @@
+"""Host memory per parameter: peak and steady RSS of training with RoundPipe, beside the floor.
+
+Each case runs in a fresh subprocess (RSS is per process) on virtual CPU devices:
+
+1. the RSS after imports is the zero point; the kernel's peak-RSS mark is reset there;
+2. the plain model is built (its weights count: wrapping must not double them) and wrapped;
+3. the optimizer is built and ``--iters`` training iterations run (``forward_backward`` + ``step``).
+
+``peak`` is the kernel's high-water mark since the zero point (construction included), ``steady``
+the RSS after the last iteration, both in bytes per parameter. The floor counts only what the
+design must hold (one-layer stages keep the virtual devices' buffers, host memory here, to
+2/L of the model): the model's weights, the optimizer copies (when they cannot be the weights
+themselves), Adam's two moments and the gradient arena (two of them for asynchronous steps, one
+filling while the optimizer consumes the other); the breakdown table says where the rest goes.
+
+    python benchmarks/host_memory.py --params 200M --record
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results import parse_count, record  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    dtype: str  # model weights
+    optim_dtype: str | None  # optimizer copies (None: the weights' dtype)
+    is_async: bool
+    scaler: bool = False
+    lora: bool = False
+
+    def floor(self) -> float:
+        """Bytes per parameter the design must hold."""
+        weight = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+        if self.lora:
+            return float(weight)  # frozen base: only its weights (adapters are negligible)
+        master = torch.empty(0, dtype=getattr(torch, self.optim_dtype or self.dtype)).element_size()
+        return weight + master + 8 + weight * (2 if self.is_async else 1)
+
+
+CASES = [
+    Case("bf16 + fp32 Adam, async", "bfloat16", "float32", True),
+    Case("bf16 + fp32 Adam, sync", "bfloat16", "float32", False),
+    Case("fp32 + Adam, async", "float32", None, True),
+    Case("fp16 + fp32 Adam + GradScaler, async", "float16", "float32", True, scaler=True),
+    Case("LoRA r=8 on a frozen bf16 base, async", "bfloat16", "float32", True, lora=True),
+]
+
+
+# ------------------------------------------------------------------------------------------
+# The measured process
+# ------------------------------------------------------------------------------------------
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # resets VmHWM to the current RSS
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen ``width x width`` weight plus a trainable rank-``rank`` update ``B @ A``."""
+
+    def __init__(self, width: int, rank: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(width, width, bias=False, dtype=dtype).requires_grad_(False)
+        self.lora_a = torch.nn.Parameter(torch.randn(rank, width, dtype=dtype) / width**0.5)
+        self.lora_b = torch.nn.Parameter(torch.zeros(width, rank, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, float]:
+    import roundpipe
+    from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig
+
+    roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
+    # Many thin layers in one-layer stages: on virtual CPU devices the resident stages' buffers
+    # (at most two stages, 2/L of the model) are host memory too, and are counted.
+    width = 2048 if params >= 20 * 10**6 else 512
+    layers = max(2, round(params / width**2))
+    dtype = getattr(torch, case.dtype)
+    zero = _rss()
+    _reset_peak()
+
+    torch.manual_seed(0)
+    if case.lora:
+        net = torch.nn.Sequential(*[LoRALinear(width, 8, dtype) for _ in range(layers)])
+    else:
+        net = torch.nn.Sequential(
+            *[torch.nn.Linear(width, width, bias=False, dtype=dtype) for _ in range(layers)]
+        )
+    total = sum(p.numel() for p in net.parameters())
+    weights_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    model = RoundPipe(
+        net,
+        optim_dtype=None if case.optim_dtype is None else getattr(torch, case.optim_dtype),
+        pin_model="off" if case.lora else "alloc",
+    )
+    construction_peak = _peak_rss() - zero
+    optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-4)
+    scaler = GradScaler() if case.scaler else None
+
+    def step_fn() -> None:
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad()
+
+    def loss_fn(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        loss = ((out.float() - label) ** 2).mean()
+        return loss if scaler is None else scaler.scale(loss)
+
+    x, y = torch.randn(8, width, dtype=dtype), torch.randn(8, width)
+    plan = roundpipe.ModelExecutePlan()
+    plan.fwd_plan = [range(i, i + 1) for i in range(layers - 1)]
+    plan.bwd_plan = [range(i, i + 1) for i in reversed(range(layers))]
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+    for _ in range(iters):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=config)
+        model.step(step_fn, case.is_async)
+    steady = _rss() - zero
+    peak = _peak_rss() - zero
+    model.synchronize()
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.numel() > 1
+    )
+    copies_bytes = sum(p.numel() * p.element_size() for p in model.optim_parameters())
+    return {
+        "params": total,
+        "construction_peak": construction_peak / total,
+        "peak": peak / total,
+        "steady": steady / total,
+        "weights": weights_bytes / total,
+        "copies": copies_bytes / total,
+        "optimizer_state": state_bytes / total,
+    }
+
+
+# ------------------------------------------------------------------------------------------
+# The driver
+# ------------------------------------------------------------------------------------------
+
+
+def measure(case: Case, params: int, iters: int, devices: int) -> dict[str, float]:
+    """``run_case`` in a fresh interpreter."""
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        str(CASES.index(case)),
+        "--params",
+        str(params),
+        "--iters",
+        str(iters),
+        "--devices",
+        str(devices),
+    ]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def table(results: list[tuple[Case, dict[str, float]]]) -> str:
+    lines = [
+        "| case | floor | construction peak | peak | steady | peak - floor |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for case, r in results:
+        lines.append(
+            f"| {case.name} | {case.floor():.1f} | {r['construction_peak']:.2f} | "
+            f"{r['peak']:.2f} | {r['steady']:.2f} | {r['peak'] - case.floor():+.2f} |"
+        )
+    lines += [
+        "",
+        "Where the steady bytes go (per parameter):",
+        "",
+        "| case | weights | optimizer copies | Adam state | runtime (arenas, staging) and allocator |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for case, r in results:
+        rest = r["steady"] - r["weights"] - r["copies"] - r["optimizer_state"]
+        lines.append(
+            f"| {case.name} | {r['weights']:.2f} | {r['copies']:.2f} | "
+            f"{r['optimizer_state']:.2f} | {rest:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="200M", help="model size, e.g. 50M, 200M")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--devices", type=int, default=2, help="virtual CPU devices")
+    parser.add_argument("--cases", default="all", help="comma-separated case numbers (1-based)")
+    parser.add_argument("--record", action="store_true", help="append the table to RESULTS.md")
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    params = parse_count(str(args.params))
+    if args.child is not None:
+        print(json.dumps(run_case(CASES[args.child], params, args.iters, args.devices)))
+        return
+
+    chosen = (
+        CASES if args.cases == "all" else [CASES[int(i) - 1] for i in args.cases.split(",")]
+    )
+    results = [(case, measure(case, params, args.iters, args.devices)) for case in chosen]
+    header = (
+        f"{results[0][1]['params'] / 1e6:.0f}M parameters, {args.devices} CPU devices, "
+        f"{args.iters} iterations; bytes per parameter (RSS above the post-import baseline)"
+    )
+    text = f"{header}\n\n{table(results)}"
+    print(text)
+    if args.record:
+        import roundpipe
+
+        record("host_memory.py", f"roundpipe {roundpipe.__version__}", text)
+
+
+if __name__ == "__main__":
+    main()
