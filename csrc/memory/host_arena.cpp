@@ -44,9 +44,9 @@ void free_registered(void* data) {
 
 // A host allocation of `bytes` (> 0) bytes per `mode`, not yet initialised.
 at::Tensor allocate(std::int64_t bytes, PinMode mode) {
-  const auto size = static_cast<std::size_t>(bytes);
   if (mode != PinMode::kOff && cuda_in_use()) {
 #ifdef ROUNDPIPE_WITH_CUDA
+    const auto size = static_cast<std::size_t>(bytes);
     if (mode == PinMode::kAlloc)
       return wrap(cuda::allocate_pinned(size), bytes, &cuda::free_pinned);
     void* data = allocate_pageable(bytes);
