@@ -30,7 +30,6 @@ void bind_devices(py::module_& m) {
   m.def(
       "device_total_memory", [](int index) { return Registry::instance().total_memory(index); },
       py::arg("index"));
-  m.def("cuda_available", [] { return Registry::instance().cuda_available(); });
 }
 
 }  // namespace roundpipe::bindings

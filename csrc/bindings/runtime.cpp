@@ -4,6 +4,7 @@
 #include "bindings/bindings.h"
 #include "executor/copy_engine.h"
 #include "executor/event.h"
+#include "executor/jobs.h"
 #include "executor/optimizer_thread.h"
 #include "memory/host_arena.h"
 
@@ -27,6 +28,13 @@ std::exception_ptr capture_python_error(const py::error_already_set& error) {
     delete object;
   });
   return std::make_exception_ptr(PythonJobError(std::move(exception)));
+}
+
+// Between slices of a wait on an event: lets Python run its signal handlers (Ctrl-C raises
+// KeyboardInterrupt out of the wait). Called without the GIL.
+void check_signals() {
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
 }
 
 executor::Lane parse_lane(const std::string& lane) {
@@ -53,26 +61,21 @@ void bind_runtime(py::module_& m) {
 
   py::class_<Event, EventPtr>(m, "Event",
                               "Completion of an asynchronous copy, accumulation or compute step.")
-      .def("synchronize", &Event::synchronize, py::call_guard<py::gil_scoped_release>(),
-           "Block until the job finished; re-raise its error.")
+      .def(
+          "synchronize", [](Event& event) { event.synchronize(&check_signals); },
+          py::call_guard<py::gil_scoped_release>(),
+          "Block until the job finished (Ctrl-C interrupts the wait); re-raise its error.")
       .def("query", &Event::query, "True once the job finished.")
       .def(
           "block_current_stream",
           [](Event& event, int device_index) {
-            event.block(executor::current_stream(device_index));
+            event.block(executor::current_stream(device_index), &check_signals);
           },
           py::arg("device_index"), py::call_guard<py::gil_scoped_release>(),
           "Make later work on the device's current stream wait for the job.");
 
-  m.def(
-      "record_event",
-      [](int device_index) {
-        c10::Stream stream = executor::current_stream(device_index);
-        return stream.device_type() == c10::DeviceType::CPU ? Event::completed()
-                                                            : Event::recorded_on(stream);
-      },
-      py::arg("device_index"),
-      "An event that completes when the work issued so far to the device's current stream has.");
+  m.def("record_event", &executor::record_event, py::arg("device_index"),
+        "An event that completes when the work issued so far to the device's current stream has.");
   m.def(
       "copy_async",
       [](int device_index, const at::Tensor& dst, const at::Tensor& src, const std::string& lane,
@@ -84,75 +87,52 @@ void bind_runtime(py::module_& m) {
       "dst.copy_(src) on the device's copy engine once `after` completed.");
   m.def(
       "accumulate_async",
-      [](int device_index, const at::Tensor& dst, const at::Tensor& src, const EventPtr& after) {
-        return executor::copy_engine(device_index).accumulate(dst, src, after);
+      [](int device_index, const at::Tensor& dst, const at::Tensor& src, const EventPtr& after,
+         const std::optional<at::Tensor>& staging) {
+        return executor::copy_engine(device_index).accumulate(dst, src, after, staging);
       },
       py::arg("device_index"), py::arg("dst"), py::arg("src"), py::arg("after") = nullptr,
-      py::call_guard<py::gil_scoped_release>(),
-      "dst += src (dst on the host) on the device's copy engine once `after` completed.");
+      py::arg("staging") = py::none(), py::call_guard<py::gil_scoped_release>(),
+      "dst += src (dst on the host) on the device's copy engine once `after` completed; a CUDA "
+      "src is downloaded through `staging` when given.");
   m.def(
       "submit_optimizer_job",
       [](py::function job) {
-        auto done = std::make_shared<Event>();
-        // The callable is released on the worker with the GIL held, never without it.
-        auto holder = std::make_shared<py::object>(std::move(job));
-        executor::optimizer_thread().submit(0, [done, holder] {
-          std::exception_ptr error;
-          {
-            py::gil_scoped_acquire gil;
-            try {
-              (*holder)();
-            } catch (const py::error_already_set& python_error) {
-              error = capture_python_error(python_error);
-            } catch (...) {
-              error = std::current_exception();
-            }
-            *holder = py::object();
-          }
-          done->complete(error);
+        // Released with the GIL held wherever the last reference goes (normally on the worker
+        // right after the call; a job that never runs is released with its queue).
+        std::shared_ptr<py::object> holder(new py::object(std::move(job)), [](py::object* object) {
+          py::gil_scoped_acquire gil;
+          delete object;
         });
-        return done;
+        return executor::submit_job(executor::optimizer_thread(), 0, [holder](Event&) {
+          py::gil_scoped_acquire gil;
+          try {
+            (*holder)();
+          } catch (const py::error_already_set& python_error) {
+            *holder = py::object();
+            std::rethrow_exception(capture_python_error(python_error));
+          }
+          *holder = py::object();
+        });
       },
       py::arg("job"),
       "Run job() on the optimizer thread (FIFO); the event re-raises its exception.");
-  m.def(
-      "writeback_async",
-      [](std::vector<at::Tensor> dsts, std::vector<at::Tensor> srcs) {
-        TORCH_CHECK(dsts.size() == srcs.size(), "writeback_async: ", dsts.size(),
-                    " destinations for ", srcs.size(), " sources");
-        auto done = std::make_shared<Event>();
-        executor::writeback_thread().submit(
-            0, [done, dsts = std::move(dsts), srcs = std::move(srcs)]() mutable {
-              std::exception_ptr error;
-              try {
-                for (std::size_t i = 0; i < dsts.size(); ++i) dsts[i].copy_(srcs[i]);
-              } catch (...) {
-                error = std::current_exception();
-              }
-              dsts.clear();  // released before the caller can move on (see WorkQueue::submit)
-              srcs.clear();
-              done->complete(error);
-            });
-        return done;
-      },
-      py::arg("dsts"), py::arg("srcs"), py::call_guard<py::gil_scoped_release>(),
-      "dsts[i].copy_(srcs[i]) (casting) on the weight writer, first in first out.");
-  m.def(
-      "drain_workers",
-      [] {
-        executor::drain_copy_engines();
-        executor::writeback_thread().drain();
-        executor::optimizer_thread().drain();
-      },
-      py::call_guard<py::gil_scoped_release>(),
-      "Wait until every native worker ran the jobs submitted so far (called at exit).");
+  m.def("writeback_async", &executor::write_back, py::arg("dsts"), py::arg("srcs"),
+        py::call_guard<py::gil_scoped_release>(),
+        "dsts[i].copy_(srcs[i]) (casting) on the weight writer, first in first out.");
+  m.def("drain_workers", &executor::drain_all_workers, py::call_guard<py::gil_scoped_release>(),
+        "Wait until every native worker ran the jobs submitted so far (called at exit).");
   m.def(
       "allocate_host_arena",
-      [](std::int64_t bytes, const std::string& pin_model) {
-        return memory::allocate_host_arena(bytes, memory::parse_pin_mode(pin_model));
+      [](std::int64_t bytes, const std::string& pin_model, bool zero) {
+        return memory::allocate_host_arena(bytes, memory::parse_pin_mode(pin_model), zero);
       },
-      py::arg("bytes"), py::arg("pin_model"),
-      "A zeroed uint8 host tensor of exactly `bytes` bytes, pinned per `pin_model`.");
+      py::arg("bytes"), py::arg("pin_model"), py::kw_only(), py::arg("zero") = true,
+      "A uint8 host tensor of exactly `bytes` bytes, pinned per `pin_model` ('off': pageable on "
+      "every device kind); zero-filled unless zero=False.");
+  m.def("allocate_pinned_staging", &memory::allocate_pinned_staging, py::arg("bytes"),
+        "An uninitialised uint8 host tensor of exactly `bytes` bytes, page-locked when CUDA "
+        "devices are in use: a download staging area.");
   m.def("is_page_locked", &memory::is_page_locked, py::arg("tensor"));
 }
 

@@ -121,9 +121,4 @@ std::uint64_t Registry::total_memory(int index) {
   return kind_ == DeviceKind::kCuda ? cuda_->total_memory(index) : host_physical_memory();
 }
 
-bool Registry::cuda_available() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return cuda_ != nullptr && cuda_->device_count() > 0;
-}
-
 }  // namespace roundpipe::device

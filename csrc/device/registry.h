@@ -49,7 +49,6 @@ class Registry {
   // Total memory of device `index` in bytes: the GPU's memory, or the host's physical memory for
   // a virtual CPU device (they all share it).
   std::uint64_t total_memory(int index);
-  bool cuda_available();
 
  private:
   Registry() = default;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "device/registry.h"
+#include "executor/jobs.h"
 
 namespace roundpipe::executor {
 namespace {
@@ -30,25 +31,13 @@ void record_use(const at::Tensor& tensor, const c10::Stream& stream) {
       ->recordDataPtrOnStream(tensor.storage().data_ptr(), stream);
 }
 
-// Runs `work` on the worker once `after` completed, completing the returned event with its error.
-// The work (and the tensors it captured) is destroyed before the event completes (see WorkQueue).
-template <typename Work>
-EventPtr submit_host_job(WorkQueue& worker, Lane lane, EventPtr after, Work work) {
-  auto done = std::make_shared<Event>();
-  auto pending = std::make_shared<std::optional<Work>>(std::move(work));
-  worker.submit(static_cast<int>(lane), [done, after = std::move(after), pending]() mutable {
-    std::exception_ptr error;
-    try {
-      if (after) after->synchronize();
-      (**pending)();
-    } catch (...) {
-      error = std::current_exception();
-    }
-    pending->reset();
-    after.reset();
-    done->complete(error);
-  });
-  return done;
+// An event recorded now on the stream that compute on `device` is issued to from this thread. A
+// lane copy into a block the caching allocator handed out on that stream waits for it, so it never
+// overwrites memory that kernels queued there (before the block was freed and reused) still read.
+c10::Event compute_position(c10::Device device) {
+  c10::Event event(device.type());
+  event.record(c10::impl::getDeviceGuardImpl(device.type())->getStream(device));
+  return event;
 }
 
 std::mutex& engines_mutex() {
@@ -88,44 +77,86 @@ EventPtr CopyEngine::copy(const at::Tensor& dst, const at::Tensor& src, Lane lan
                           const EventPtr& after) {
   TORCH_CHECK(dst.numel() == src.numel(), "CopyEngine.copy: dst has ", dst.numel(),
               " elements but src has ", src.numel());
+  const int queue_lane = static_cast<int>(lane);
   if (!on_cuda()) {
-    return submit_host_job(worker_, lane, after, [dst, src] { dst.copy_(src); });
+    return submit_job(worker_, queue_lane, [dst, src, after](Event&) {
+      if (after) after->synchronize();
+      dst.copy_(src);
+    });
   }
-  c10::Stream stream = lane_stream(lane);
-  c10::StreamGuard guard(stream);
-  if (after) after->block(stream);
-  dst.copy_(src, /*non_blocking=*/true);
-  record_use(src, stream);
-  record_use(dst, stream);
-  return Event::recorded_on(stream);
+  auto issue = [dst, src, stream = lane_stream(lane)](
+                   const EventPtr& after, const std::optional<c10::Event>& compute, Event& done) {
+    c10::StreamGuard guard(stream);
+    if (after) after->block(stream);
+    if (compute) compute->block(stream);
+    dst.copy_(src, /*non_blocking=*/true);
+    record_use(src, stream);
+    record_use(dst, stream);
+    done.record_device(stream);
+  };
+  // Recorded here: the compute stream is the issuing thread's current stream.
+  std::optional<c10::Event> compute;
+  if (dst.is_cuda()) compute.emplace(compute_position(dst.device()));
+  if (after && !after->host_done()) {
+    // The host part (e.g. the weight writer) is still running: the engine worker waits for it and
+    // issues the copy then, so the calling thread goes on issuing compute meanwhile.
+    return submit_job(
+        worker_, queue_lane,
+        [issue, after, compute = std::make_shared<std::optional<c10::Event>>(std::move(compute))](
+            Event& done) { issue(after, *compute, done); });
+  }
+  auto done = std::make_shared<Event>();
+  issue(after, compute, *done);
+  done->complete();
+  return done;
 }
 
-EventPtr CopyEngine::accumulate(const at::Tensor& dst, const at::Tensor& src,
-                                const EventPtr& after) {
+EventPtr CopyEngine::accumulate(const at::Tensor& dst, const at::Tensor& src, const EventPtr& after,
+                                const std::optional<at::Tensor>& staging) {
   TORCH_CHECK(dst.device().is_cpu(), "CopyEngine.accumulate: dst must be a host tensor");
   TORCH_CHECK(dst.numel() == src.numel(), "CopyEngine.accumulate: dst has ", dst.numel(),
               " elements but src has ", src.numel());
+  if (staging) {
+    TORCH_CHECK(staging->device().is_cpu() && staging->numel() == src.numel() &&
+                    staging->scalar_type() == src.scalar_type(),
+                "CopyEngine.accumulate: staging must be a host tensor of src's dtype (",
+                src.scalar_type(), ") with ", src.numel(), " elements, got ",
+                staging->scalar_type(), " on ", staging->device(), " with ", staging->numel());
+  }
+  const int queue_lane = static_cast<int>(Lane::kGradient);
   if (!on_cuda()) {
-    return submit_host_job(worker_, Lane::kGradient, after, [dst, src] { dst.add_(src); });
+    return submit_job(worker_, queue_lane, [dst, src, after](Event&) {
+      if (after) after->synchronize();
+      dst.add_(src);
+    });
   }
   c10::Stream stream = lane_stream(Lane::kGradient);
-  at::Tensor staging;
+  at::Tensor host;
   {
     c10::StreamGuard guard(stream);
     if (after) after->block(stream);
-    staging = at::empty(src.sizes(), src.options().device(at::kCPU).pinned_memory(true));
-    staging.copy_(src, /*non_blocking=*/true);
+    host = staging ? staging->view(src.sizes())
+                   : at::empty(src.sizes(), src.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(src, /*non_blocking=*/true);
     record_use(src, stream);
   }
   EventPtr downloaded = Event::recorded_on(stream);
-  return submit_host_job(worker_, Lane::kGradient, downloaded,
-                         [dst, staging] { dst.add_(staging); });
+  return submit_job(worker_, queue_lane, [dst, host, downloaded](Event&) {
+    downloaded->synchronize();
+    dst.add_(host);
+  });
 }
 
 c10::Stream current_stream(int index) {
   c10::Device device = copy_engine(index).device();
   if (!device.is_cuda()) return c10::Stream(c10::Stream::DEFAULT, device);
   return c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
+}
+
+EventPtr record_event(int index) {
+  c10::Stream stream = current_stream(index);
+  return stream.device_type() == c10::DeviceType::CPU ? Event::completed()
+                                                      : Event::recorded_on(stream);
 }
 
 CopyEngine& copy_engine(int index) {

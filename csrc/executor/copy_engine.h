@@ -2,8 +2,12 @@
 // gradient downloads, each returning an Event.
 //
 // CUDA devices: one stream per lane (activations on a high-priority stream so they overtake
-// parameter prefetch); copies are issued from the calling thread and complete on the GPU; the
-// host-side gradient accumulation after a download runs on the engine's worker thread.
+// parameter prefetch); copies are issued from the calling thread and complete on the GPU, unless
+// `after` still has host work to finish, in which case the engine's worker waits for it and issues
+// the copy then. A copy into device memory first waits for the work issued so far to the calling
+// thread's current stream of that device (the caching allocator may have handed the block out on
+// it while kernels still read its previous contents). The host-side gradient accumulation after a
+// download runs on the engine's worker thread.
 // Virtual CPU devices: every copy runs on the engine's worker thread, activations first, so
 // transfers overlap the compute that the calling thread runs meanwhile.
 #pragma once
@@ -11,6 +15,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
+
+#include <optional>
 
 #include "executor/event.h"
 #include "executor/work_queue.h"
@@ -30,8 +36,12 @@ class CopyEngine {
 
   // dst.copy_(src) once `after` (may be null) has completed.
   EventPtr copy(const at::Tensor& dst, const at::Tensor& src, Lane lane, const EventPtr& after);
-  // dst += src once `after` has completed; dst is a host tensor, src may be on the device.
-  EventPtr accumulate(const at::Tensor& dst, const at::Tensor& src, const EventPtr& after);
+  // dst += src once `after` has completed; dst is a host tensor, src may be on the device. On
+  // CUDA, a device src is downloaded into `staging` (a page-locked host tensor of src's dtype and
+  // size, not reused by the caller before the returned event completed) or, without it, into a
+  // buffer of torch's caching host allocator.
+  EventPtr accumulate(const at::Tensor& dst, const at::Tensor& src, const EventPtr& after,
+                      const std::optional<at::Tensor>& staging = std::nullopt);
 
   // Returns once every host job submitted so far has run.
   void drain() { worker_.drain(); }
@@ -52,6 +62,10 @@ CopyEngine& copy_engine(int index);
 
 // Waits for the host jobs of every copy engine created so far (before interpreter shutdown).
 void drain_copy_engines();
+
+// An event that completes when the work issued so far to the device's current stream has
+// (already complete on virtual CPU devices).
+EventPtr record_event(int index);
 
 // The stream that compute on device `index` is currently issued to (the CPU pseudo-stream on
 // virtual CPU devices).

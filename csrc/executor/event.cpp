@@ -1,6 +1,16 @@
 #include "executor/event.h"
 
+#include <unistd.h>
+
+#include <stdexcept>
+
+#ifdef ROUNDPIPE_WITH_CUDA
+#include "executor/cuda_wait.h"
+#endif
+
 namespace roundpipe::executor {
+
+Event::Event() : owner_(getpid()) {}
 
 std::shared_ptr<Event> Event::completed() {
   auto event = std::make_shared<Event>();
@@ -10,8 +20,8 @@ std::shared_ptr<Event> Event::completed() {
 
 std::shared_ptr<Event> Event::recorded_on(const c10::Stream& stream) {
   auto event = std::make_shared<Event>();
-  event->complete();
   event->record_device(stream);
+  event->complete();
   return event;
 }
 
@@ -31,28 +41,80 @@ void Event::record_device(const c10::Stream& stream) {
   device_event_->record(stream);
 }
 
-void Event::wait_host() {
+template <typename Ready>
+void Event::wait_locked(std::unique_lock<std::mutex>& lock, const WaitCheck& check, Ready ready) {
+  if (!check) {
+    done_cv_.wait(lock, ready);
+    return;
+  }
+  while (!done_cv_.wait_for(lock, kWaitSlice, ready)) {
+    lock.unlock();
+    check();
+    lock.lock();
+  }
+}
+
+bool Event::host_done() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return host_done_;
+}
+
+void Event::wait_host(const WaitCheck& check) {
   std::unique_lock<std::mutex> lock(mutex_);
-  done_cv_.wait(lock, [this] { return host_done_; });
+  if (!host_done_ && owner_ != getpid()) {
+    // The job ran on a worker thread of the parent process; no thread of this forked child will
+    // ever complete it.
+    throw std::runtime_error(
+        "roundpipe: this event belongs to asynchronous work that was still running in the parent "
+        "process when it forked; that work does not run in the child (wait for it before "
+        "os.fork(), e.g. model.synchronize())");
+  }
+  wait_locked(lock, check, [this] { return host_done_; });
   if (error_) std::rethrow_exception(error_);
 }
 
-void Event::synchronize() {
-  wait_host();
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (device_event_) device_event_->synchronize();
+void Event::synchronize(const WaitCheck& check) {
+  wait_host(check);
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!device_event_ || device_done_) return;
+  if (device_event_->query()) {
+    device_done_ = true;
+    return;
+  }
+#ifdef ROUNDPIPE_WITH_CUDA
+  if (!device_watched_) {
+    device_watched_ = true;
+    std::weak_ptr<Event> self = weak_from_this();
+    cuda::notify_when_done(*device_event_, [self] {
+      if (auto event = self.lock()) {
+        {
+          std::lock_guard<std::mutex> notified(event->mutex_);
+          event->device_done_ = true;
+        }
+        event->done_cv_.notify_all();
+      }
+    });
+  }
+  wait_locked(lock, check, [this] { return device_done_; });
+#else
+  // Device parts exist only on CUDA streams, which a build without CUDA never has.
+  lock.unlock();
+  device_event_->synchronize();
+#endif
 }
 
-void Event::block(const c10::Stream& stream) {
-  wait_host();
+void Event::block(const c10::Stream& stream, const WaitCheck& check) {
+  wait_host(check);
   std::lock_guard<std::mutex> lock(mutex_);
-  if (device_event_) device_event_->block(stream);
+  if (device_event_ && !device_done_) device_event_->block(stream);
 }
 
 bool Event::query() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!host_done_) return false;
-  return !device_event_ || device_event_->query();
+  if (!device_event_ || device_done_) return true;
+  device_done_ = device_event_->query();
+  return device_done_;
 }
 
 }  // namespace roundpipe::executor

@@ -1,7 +1,13 @@
-// The process's one optimizer thread: a FIFO of host jobs (the user's step functions, gradient
-// hand-over and weight write-back) that runs beside the pipeline. Started on the first job.
+// The process's host worker threads beside the copy engines: the optimizer thread (a FIFO of the
+// user's step functions and the gradient hand-over) and the weight writer. Each starts on its first
+// job.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+#include "executor/event.h"
 #include "executor/work_queue.h"
 
 namespace roundpipe::executor {
@@ -11,5 +17,12 @@ WorkQueue& optimizer_thread();
 // The weight writer: copies new weights into the parameter arena layer by layer, first in first
 // out, beside the pipeline (uploads of a layer wait for its copy's event).
 WorkQueue& writeback_thread();
+
+// dsts[i].copy_(srcs[i]) (casting) on the weight writer; the event completes after the last one.
+EventPtr write_back(std::vector<at::Tensor> dsts, std::vector<at::Tensor> srcs);
+
+// Returns once every native worker (copy engines, weight writer, optimizer thread) ran the jobs
+// submitted before the call.
+void drain_all_workers();
 
 }  // namespace roundpipe::executor

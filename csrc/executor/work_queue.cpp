@@ -1,17 +1,37 @@
 #include "executor/work_queue.h"
 
+#include <unistd.h>
+
 #include <stdexcept>
 #include <string>
 
 namespace roundpipe::executor {
 
+WorkQueue::WorkQueue() : state_(new State(getpid())) {}
+
 WorkQueue::~WorkQueue() {
+  State* state = state_.load();
+  if (state->owner != getpid()) return;  // the parent's: leaked (see the header)
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+    std::lock_guard<std::mutex> lock(state->mutex);
+    state->stopping = true;
   }
-  ready_cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
+  state->ready_cv.notify_all();
+  if (state->worker.joinable()) state->worker.join();
+  delete state;
+}
+
+WorkQueue::State& WorkQueue::state() {
+  State* current = state_.load(std::memory_order_acquire);
+  const pid_t self = getpid();
+  while (current->owner != self) {
+    auto* fresh = new State(self);
+    if (state_.compare_exchange_strong(current, fresh, std::memory_order_acq_rel)) {
+      return *fresh;  // the parent's state is abandoned, never touched again
+    }
+    delete fresh;  // another thread of this child replaced it first; `current` is now that one
+  }
+  return *current;
 }
 
 void WorkQueue::submit(int lane, std::function<void()> job) {
@@ -19,18 +39,20 @@ void WorkQueue::submit(int lane, std::function<void()> job) {
     throw std::invalid_argument("WorkQueue lane must be in [0, " + std::to_string(kLanes) +
                                 "), got " + std::to_string(lane));
   }
+  State& s = state();
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    lanes_[lane].push_back(std::move(job));
-    if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.lanes[lane].push_back(std::move(job));
+    if (!s.worker.joinable()) s.worker = std::thread([&s] { run(s); });
   }
-  ready_cv_.notify_one();
+  s.ready_cv.notify_one();
 }
 
 void WorkQueue::drain() {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!worker_.joinable()) return;
+    State& s = state();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (!s.worker.joinable()) return;
   }
   std::mutex done_mutex;
   std::condition_variable done_cv;
@@ -45,19 +67,19 @@ void WorkQueue::drain() {
   done_cv.wait(lock, [&] { return done; });
 }
 
-void WorkQueue::run() {
+void WorkQueue::run(State& s) {
   for (;;) {
     std::function<void()> job;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      ready_cv_.wait(lock, [this] {
-        if (stopping_) return true;
-        for (const auto& lane : lanes_) {
+      std::unique_lock<std::mutex> lock(s.mutex);
+      s.ready_cv.wait(lock, [&s] {
+        if (s.stopping) return true;
+        for (const auto& lane : s.lanes) {
           if (!lane.empty()) return true;
         }
         return false;
       });
-      for (auto& lane : lanes_) {
+      for (auto& lane : s.lanes) {
         if (!lane.empty()) {
           job = std::move(lane.front());
           lane.pop_front();

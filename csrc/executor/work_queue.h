@@ -1,9 +1,16 @@
 // A host worker thread that runs jobs from prioritised lanes (lower lane index first), started
 // lazily on the first job so that creating a queue starts no thread. The destructor finishes the
 // queued jobs and joins the worker.
+//
+// Fork: a forked child inherits the queue but not its thread. The first use in the child abandons
+// the parent's state (its jobs, locks and thread handle are leaked, never run, locked or joined)
+// and starts afresh, so a child can use the queue and exit promptly.
 #pragma once
 
+#include <sys/types.h>
+
 #include <array>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -16,7 +23,7 @@ class WorkQueue {
  public:
   static constexpr int kLanes = 3;
 
-  WorkQueue() = default;
+  WorkQueue();
   ~WorkQueue();
   WorkQueue(const WorkQueue&) = delete;
   WorkQueue& operator=(const WorkQueue&) = delete;
@@ -30,13 +37,21 @@ class WorkQueue {
   void drain();
 
  private:
-  void run();
+  struct State {
+    explicit State(pid_t owner_pid) : owner(owner_pid) {}
+    const pid_t owner;
+    std::mutex mutex;
+    std::condition_variable ready_cv;
+    std::array<std::deque<std::function<void()>>, kLanes> lanes;
+    bool stopping = false;
+    std::thread worker;
+  };
 
-  std::mutex mutex_;
-  std::condition_variable ready_cv_;
-  std::array<std::deque<std::function<void()>>, kLanes> lanes_;
-  bool stopping_ = false;
-  std::thread worker_;
+  // This process's state (a fresh one in a forked child).
+  State& state();
+  static void run(State& state);
+
+  std::atomic<State*> state_;
 };
 
 }  // namespace roundpipe::executor

@@ -10,10 +10,8 @@
 #include <string>
 
 #include "device/registry.h"
-
 #ifdef ROUNDPIPE_WITH_CUDA
-#include <c10/cuda/CUDAException.h>
-#include <cuda_runtime_api.h>
+#include "memory/cuda_host.h"
 #endif
 
 namespace roundpipe::memory {
@@ -35,14 +33,34 @@ at::Tensor wrap(void* data, std::int64_t bytes, void (*deleter)(void*)) {
   return at::from_blob(data, {bytes}, deleter, at::TensorOptions().dtype(at::kByte));
 }
 
-#ifdef ROUNDPIPE_WITH_CUDA
 bool cuda_in_use() { return device::Registry::instance().kind() == device::DeviceKind::kCuda; }
-void free_pinned(void* data) { C10_CUDA_CHECK_WARN(cudaFreeHost(data)); }
+
+#ifdef ROUNDPIPE_WITH_CUDA
 void free_registered(void* data) {
-  C10_CUDA_CHECK_WARN(cudaHostUnregister(data));
+  cuda::unregister(data);
   std::free(data);
 }
 #endif
+
+// A host allocation of `bytes` (> 0) bytes per `mode`, not yet initialised.
+at::Tensor allocate(std::int64_t bytes, PinMode mode) {
+  if (mode != PinMode::kOff && cuda_in_use()) {
+#ifdef ROUNDPIPE_WITH_CUDA
+    const auto size = static_cast<std::size_t>(bytes);
+    if (mode == PinMode::kAlloc)
+      return wrap(cuda::allocate_pinned(size), bytes, &cuda::free_pinned);
+    void* data = allocate_pageable(bytes);
+    try {
+      cuda::register_pinned(data, size);
+    } catch (...) {
+      std::free(data);
+      throw;
+    }
+    return wrap(data, bytes, &free_registered);
+#endif
+  }
+  return wrap(allocate_pageable(bytes), bytes, &std::free);
+}
 
 }  // namespace
 
@@ -54,45 +72,25 @@ PinMode parse_pin_mode(std::string_view name) {
                               std::string(name) + "'");
 }
 
-at::Tensor allocate_host_arena(std::int64_t bytes, PinMode mode) {
+at::Tensor allocate_host_arena(std::int64_t bytes, PinMode mode, bool zero) {
   TORCH_CHECK(bytes >= 0, "allocate_host_arena: bytes must be >= 0, got ", bytes);
   if (bytes == 0) return at::empty({0}, at::TensorOptions().dtype(at::kByte));
-#ifdef ROUNDPIPE_WITH_CUDA
-  if (mode == PinMode::kAlloc && cuda_in_use()) {
-    void* data = nullptr;
-    C10_CUDA_CHECK(cudaHostAlloc(&data, static_cast<std::size_t>(bytes), cudaHostAllocDefault));
-    std::memset(data, 0, static_cast<std::size_t>(bytes));
-    return wrap(data, bytes, &free_pinned);
-  }
-  if (mode == PinMode::kRegister && cuda_in_use()) {
-    void* data = allocate_pageable(bytes);
-    std::memset(data, 0, static_cast<std::size_t>(bytes));
-    cudaError_t status =
-        cudaHostRegister(data, static_cast<std::size_t>(bytes), cudaHostRegisterDefault);
-    if (status != cudaSuccess) {
-      std::free(data);
-      C10_CUDA_CHECK(status);
-    }
-    return wrap(data, bytes, &free_registered);
-  }
-#else
-  (void)mode;  // virtual CPU devices: nothing to pin
-#endif
-  void* data = allocate_pageable(bytes);
-  std::memset(data, 0, static_cast<std::size_t>(bytes));
-  return wrap(data, bytes, &std::free);
+  at::Tensor arena = allocate(bytes, mode);
+  if (zero) std::memset(arena.data_ptr(), 0, static_cast<std::size_t>(bytes));
+  return arena;
+}
+
+at::Tensor allocate_pinned_staging(std::int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "allocate_pinned_staging: bytes must be >= 0, got ", bytes);
+  if (bytes == 0) return at::empty({0}, at::TensorOptions().dtype(at::kByte));
+  return allocate(bytes, PinMode::kAlloc);
 }
 
 bool is_page_locked(const at::Tensor& tensor) {
 #ifdef ROUNDPIPE_WITH_CUDA
-  cudaPointerAttributes attributes{};
-  if (cudaPointerGetAttributes(&attributes, tensor.data_ptr()) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky error of a foreign pointer
-    return false;
-  }
-  return attributes.type == cudaMemoryTypeHost;
+  return cuda::is_page_locked(tensor.data_ptr());
 #else
-  (void)tensor;
+  static_cast<void>(tensor);
   return false;
 #endif
 }

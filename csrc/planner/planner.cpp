@@ -28,38 +28,6 @@ std::vector<double> prefix_sums(const std::vector<double>& a, const std::vector<
   return sums;
 }
 
-// Per-layer sums of one kind of stage over one model's layers.
-struct Sums {
-  std::vector<double> time;
-  std::vector<double> memory;
-  std::vector<double> upload;  // parameter bytes, copied to the device once per stage
-
-  double time_of(int begin, int end) const { return time[end] - time[begin]; }
-  double memory_of(int begin, int end) const { return memory[end] - memory[begin]; }
-  int layers() const { return static_cast<int>(time.size()) - 1; }
-};
-
-// A run of one model's layers split into stages under the phase's bound.
-struct Chain {
-  int model = 0;
-  bool backward = false;       // its stages run from the top layer down
-  bool ends_at_fused = false;  // covers [0, k) where the fused stage starts at k
-  Sums sums;
-};
-
-// The last model's fused stage [k, L) of a "fused" phase.
-struct FusedStage {
-  int model = 0;
-  Sums sums;
-};
-
-struct Phase {
-  std::vector<Chain> chains;  // in execution order
-  std::optional<FusedStage> fused;
-  std::size_t fused_position = 0;  // the fused stage runs before chains[fused_position]
-  double cap = 0.0;
-};
-
 // Moves from `from` towards `limit` and returns the farthest point p with fits(p), given that
 // fits(from) holds and fits is monotone along the way. Galloping keeps it O(log distance).
 template <class Fits>
@@ -82,6 +50,64 @@ int reach(int from, int limit, const Fits& fits) {
   return from + direction * good;
 }
 
+// Per-layer sums of one kind of stage over one model's layers.
+struct Sums {
+  std::vector<double> time;
+  std::vector<double> memory;
+  std::vector<double> upload;  // parameter bytes, copied to the device once per stage
+
+  double time_of(int begin, int end) const { return time[end] - time[begin]; }
+  double memory_of(int begin, int end) const { return memory[end] - memory[begin]; }
+  int layers() const { return static_cast<int>(time.size()) - 1; }
+
+  // The one fit predicate: layers [begin, end) form a stage within the time bound and the cap.
+  bool fits(int begin, int end, double bound, double cap) const {
+    return time_of(begin, end) <= bound && memory_of(begin, end) <= cap;
+  }
+  // The farthest end in (begin, limit] of a fitting stage starting at `begin` (begin if none).
+  int stage_end(int begin, int limit, double bound, double cap) const {
+    return reach(begin, limit, [&](int j) { return fits(begin, j, bound, cap); });
+  }
+  // The lowest begin in [0, end) of a fitting stage ending at `end` (end if none).
+  int stage_begin(int end, double bound, double cap) const {
+    return reach(end, 0, [&](int i) { return fits(i, end, bound, cap); });
+  }
+};
+
+// The greedy plan of layers [0, length): stages packed from the bottom, each as long as it fits;
+// calls stage(begin, end) for each. Returns false when some layer fits in no stage.
+template <class Stage>
+bool pack_from_bottom(const Sums& sums, int length, double bound, double cap, const Stage& stage) {
+  for (int begin = 0; begin < length;) {
+    const int end = sums.stage_end(begin, length, bound, cap);
+    if (end == begin) return false;
+    stage(begin, end);
+    begin = end;
+  }
+  return true;
+}
+
+// A run of one model's layers split into stages under the phase's bound.
+struct Chain {
+  int model = 0;
+  bool backward = false;       // its stages run from the top layer down
+  bool ends_at_fused = false;  // covers [0, k) where the fused stage starts at k
+  Sums sums;
+};
+
+// The last model's fused stage [k, L) of a "fused" phase.
+struct FusedStage {
+  int model = 0;
+  Sums sums;
+};
+
+struct Phase {
+  std::vector<Chain> chains;  // in execution order
+  std::optional<FusedStage> fused;
+  std::size_t fused_position = 0;  // the fused stage runs before chains[fused_position]
+  double cap = 0.0;
+};
+
 // What one greedy probe at bound T learns.
 struct Probe {
   long count = 0;                  // fewest stages, kInfeasible when none fits
@@ -92,10 +118,7 @@ struct Probe {
 
 // Smallest k with the fused stage [k, L) within the bound and the cap; L when even [L-1, L) is not.
 int fused_begin(const FusedStage& fused, double bound, double cap) {
-  const int layers = fused.sums.layers();
-  return reach(layers, 0, [&](int k) {
-    return fused.sums.time_of(k, layers) <= bound && fused.sums.memory_of(k, layers) <= cap;
-  });
+  return fused.sums.stage_begin(fused.sums.layers(), bound, cap);
 }
 
 int chain_length(const Chain& chain, int fused_start) {
@@ -119,18 +142,14 @@ Probe probe(const Phase& phase, double bound) {
   for (const Chain& chain : phase.chains) {
     const Sums& sums = chain.sums;
     const int length = chain_length(chain, result.fused_begin);
-    for (int begin = 0; begin < length;) {
-      const int end = reach(begin, length, [&](int j) {
-        return sums.time_of(begin, j) <= bound && sums.memory_of(begin, j) <= phase.cap;
-      });
-      if (end == begin) return {kInfeasible};
+    const bool feasible = pack_from_bottom(sums, length, bound, phase.cap, [&](int begin, int end) {
       ++result.count;
       result.bottleneck = std::max(result.bottleneck, sums.time_of(begin, end));
       if (end < length && sums.memory_of(begin, end + 1) <= phase.cap) {
         result.next_change = std::min(result.next_change, sums.time_of(begin, end + 1));
       }
-      begin = end;
-    }
+    });
+    if (!feasible) return {kInfeasible};
   }
   return result;
 }
@@ -151,21 +170,14 @@ Partition partition(const Phase& phase, double bound, bool from_top) {
     std::vector<StageRange> stages;
     if (from_top) {
       for (int end = length; end > 0;) {
-        const int begin = reach(end, 0, [&](int i) {
-          return sums.time_of(i, end) <= bound && sums.memory_of(i, end) <= phase.cap;
-        });
+        const int begin = sums.stage_begin(end, bound, phase.cap);
         stages.push_back({begin, end});
         end = begin;
       }
       std::reverse(stages.begin(), stages.end());
     } else {
-      for (int begin = 0; begin < length;) {
-        const int end = reach(begin, length, [&](int j) {
-          return sums.time_of(begin, j) <= bound && sums.memory_of(begin, j) <= phase.cap;
-        });
-        stages.push_back({begin, end});
-        begin = end;
-      }
+      pack_from_bottom(sums, length, bound, phase.cap,
+                       [&](int begin, int end) { stages.push_back({begin, end}); });
     }
     result.chains.push_back(std::move(stages));
   }
@@ -303,9 +315,7 @@ class ChainJumps {
   ChainJumps(const Sums& sums, double bound, double cap)
       : next_(sums.layers()), hops_(sums.layers()), exit_(sums.layers()) {
     for (int i = 0; i < sums.layers(); ++i) {
-      next_[i] = reach(i, sums.layers(), [&](int j) {
-        return sums.time_of(i, j) <= bound && sums.memory_of(i, j) <= cap;
-      });
+      next_[i] = sums.stage_end(i, sums.layers(), bound, cap);
     }
     for (int block = 0; block * kBlock < sums.layers(); ++block) {
       rebuild(std::min((block + 1) * kBlock, sums.layers()) - 1);
@@ -545,10 +555,12 @@ Chain backward_chain(const LayerCosts& costs, int model) {
 
 std::vector<Phase> build_phases(RunType run_type, std::span<const LayerCosts> models, double cap) {
   const int count = static_cast<int>(models.size());
-  Phase forward{.cap = cap};
+  Phase forward;
+  forward.cap = cap;
   for (int m = 0; m < count; ++m) forward.chains.push_back(forward_chain(models[m], m));
   if (run_type == RunType::kInfer) return {std::move(forward)};
-  Phase backward{.cap = cap};
+  Phase backward;
+  backward.cap = cap;
   for (int m = count - 1; m >= 0; --m) backward.chains.push_back(backward_chain(models[m], m));
   if (run_type == RunType::kTrain) return {std::move(forward), std::move(backward)};
 

@@ -28,7 +28,8 @@ std::vector<SimdLevel> simd_levels_to_compare() {
 }
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 // Decodes a 16-bit float from its fields, as a double (brute force, independent of the kernels).

@@ -1,0 +1,16 @@
+// Host notification of a CUDA event without spinning. Compiled only when torch has CUDA.
+#pragma once
+
+#include <functional>
+
+#include <c10/core/Event.h>
+
+namespace roundpipe::executor::cuda {
+
+// Calls `notify` on a CUDA runtime thread once `event` (a recorded CUDA event) has completed.
+// The wait is queued on a private stream of the event's device, behind nothing but other such
+// waits, so no compute or copy stream is held up by the host function. `notify` must not call
+// CUDA.
+void notify_when_done(const c10::Event& event, std::function<void()> notify);
+
+}  // namespace roundpipe::executor::cuda
