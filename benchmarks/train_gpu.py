@@ -32,11 +32,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from results import parse_count, record
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import parse_count, record  # noqa: E402
 
 SYSTEMS = ("ours", "rp011", "resident")
 GIB = 2**30
@@ -325,7 +323,8 @@ def main() -> None:
             rows.append(
                 f"| {seq} | {system} | {cell(rate)} | {ratio_peer} | {ratio_bound} | "
                 f"{cell(median(system, seq, 'peak_rss'), GIB, 2)} | "
-                f"{cell(median(system, seq, 'peak_gpu'), GIB, 2)} | {notes.get((system, seq), '')} |"
+                f"{cell(median(system, seq, 'peak_gpu'), GIB, 2)} | "
+                f"{notes.get((system, seq), '')} |"
             )
     if args.fit_search:
         rows.append("")
