@@ -98,19 +98,8 @@ run_stage() {
 }
 
 # ---------------------------------------------------------------- environment
-find_nvcc() {
-  local candidate
-  for candidate in "${CUDACXX:-}" "${CUDA_PATH:+$CUDA_PATH/bin/nvcc}" \
-    "${CUDA_HOME:+$CUDA_HOME/bin/nvcc}" "$(command -v nvcc || true)" /usr/local/cuda/bin/nvcc \
-    /usr/local/cuda-*/bin/nvcc /opt/cuda/bin/nvcc \
-    "$("$python" -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)"/nvidia/cu*/bin/nvcc; do
-    if [ -n "$candidate" ] && [ -x "$candidate" ]; then
-      echo "$candidate"
-      return 0
-    fi
-  done
-  return 1
-}
+# shellcheck source=../../tools/cuda_env.sh
+source tools/cuda_env.sh
 
 describe_environment() {
   echo "python: $(command -v "$python") ($("$python" --version 2>&1))"
@@ -122,21 +111,8 @@ for i in range(torch.cuda.device_count()):
     print(f"GPU {i}: {p.name}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, "
           f"sm_{p.major}{p.minor}")
 PY
+  roundpipe_find_cuda "$python" || echo "CUDA toolkit: NOT usable (see above); set CUDA_PATH"
   if [ "$smoke" = 0 ]; then
-    local nvcc
-    if nvcc=$(find_nvcc); then
-      local home
-      home=$(cd "$(dirname "$nvcc")/.." && pwd)
-      echo "nvcc: $nvcc ($("$nvcc" --version | tail -n 2 | head -n 1))"
-      local header
-      for header in "$home/include/cuda_runtime_api.h" \
-        "$home/targets/x86_64-linux/include/cuda_runtime_api.h"; do
-        [ -f "$header" ] && echo "CUDA headers: $(dirname "$header")" && break
-      done
-      [ -f "$header" ] || echo "CUDA headers: cuda_runtime_api.h NOT found under $home"
-    else
-      echo "nvcc: NOT found (looked at CUDACXX, CUDA_PATH, CUDA_HOME, PATH, /usr/local/cuda*)"
-    fi
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem \
       --format=csv 2>&1 || echo "nvidia-smi failed"
     for tool in nsys ncu compute-sanitizer; do
@@ -167,13 +143,10 @@ stage_build() {
     check_built
     return
   fi
-  local nvcc home
-  nvcc=$(find_nvcc) || {
-    echo "no nvcc: set CUDA_PATH to the CUDA toolkit (with its headers) matching torch's CUDA"
+  roundpipe_find_cuda "$python" || {
+    echo "set CUDA_PATH to the CUDA toolkit (nvcc and headers) matching torch's CUDA"
     return 1
   }
-  home=$(cd "$(dirname "$nvcc")/.." && pwd)
-  export CUDACXX="$nvcc" CUDA_PATH="$home" CUDA_HOME="$home" PATH="$home/bin:$PATH"
   export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
   export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
   local build_dir="build/gpu-$("$python" -c 'import sys; print("py%d%d" % sys.version_info[:2])')"
