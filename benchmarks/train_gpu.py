@@ -285,8 +285,9 @@ def main() -> None:
 
     runs: dict[tuple[str, int], list[dict[str, object]]] = {}
     notes: dict[tuple[str, int], str] = {}
-    for seq in args.seqs:
-        for round_index in range(args.rounds):
+    # Round-major, so a budget that runs out still leaves every length measured once.
+    for round_index in range(args.rounds):
+        for seq in args.seqs:
             order = systems if round_index % 2 == 0 else systems[::-1]  # A/B then B/A
             for system in order:
                 if (system, seq) in notes or time.monotonic() > deadline:

@@ -14,8 +14,8 @@
 #   bench-micro  the C++ microbenchmarks of benchmarks/cpp when the build made them
 #   profile      the training benchmark, briefly, under nsys (else ncu on a few kernels)
 #   all          every stage above
-# A stage that needs the build and finds none usable runs `build` first. A failed build skips the
-# later stages; any other failure is recorded and the next stage still runs.
+# Without `build`, a call that finds no usable build, or sources changed since it, builds first.
+# A failed build skips the later stages; any other failure is recorded and the next stage runs.
 #
 # --cpu-smoke runs the same stages on virtual CPU devices with tiny sizes and no CUDA build (the
 # already-built roundpipe of the chosen python), so a typo cannot cost a GPU call.
@@ -71,6 +71,7 @@ else
   python=python3
 fi
 export PYTHONUNBUFFERED=1
+build_dir="build/gpu-$("$python" -c 'import sys; print("py%d%d" % sys.version_info[:2])')"
 
 stamp() { echo "=== $(date -u +%H:%M:%S) [+$((SECONDS - start))s] $*"; }
 note() { echo "$*" | tee -a "$summary"; }
@@ -135,6 +136,12 @@ if sys.argv[1] == "0" and not BUILD_INFO["cuda"]:
 PY
 }
 
+# The installed package is a copy: a later call with edited sources (C++ or Python) rebuilds.
+source_hash() {
+  find csrc python CMakeLists.txt pyproject.toml -type f ! -name '*.so' ! -name '*.pyc' -print0 |
+    sort -z | xargs -0 sha1sum | sha1sum | cut -d' ' -f1
+}
+
 # ---------------------------------------------------------------- stages
 stage_build() {
   describe_environment
@@ -149,12 +156,12 @@ stage_build() {
   }
   export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
   export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
-  local build_dir="build/gpu-$("$python" -c 'import sys; print("py%d%d" % sys.version_info[:2])')"
   echo "building in $build_dir with CUDA_PATH=$CUDA_PATH TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
   "$python" -m pip install --no-build-isolation --no-deps --no-index --disable-pip-version-check \
     --config-settings=build-dir="$build_dir" \
     --config-settings=cmake.define.ROUNDPIPE_BUILD_BENCHMARKS=ON . &&
-    check_built
+    check_built &&
+    source_hash >"$build_dir/source-hash"
 }
 
 stage_test() {
@@ -206,7 +213,7 @@ stage_bench_train() {
 
 stage_bench_micro() {
   local found=()
-  mapfile -t found < <(find build -type f -executable -name 'roundpipe_*bench*' 2>/dev/null)
+  mapfile -t found < <(find "$build_dir" -type f -executable -name 'roundpipe_*bench*' 2>/dev/null)
   if [ ${#found[@]} -eq 0 ]; then
     echo "no C++ microbenchmarks built (expected roundpipe_*bench* executables under build/," \
       "made by the build stage with ROUNDPIPE_BUILD_BENCHMARKS=ON once benchmarks/cpp exists)"
@@ -282,6 +289,9 @@ if wanted build; then
   run_stage build || build_ok=0
 elif ! check_built >/dev/null 2>&1; then
   note "no usable roundpipe build found: running the build stage first"
+  run_stage build || build_ok=0
+elif [ "$smoke" = 0 ] && [ "$(source_hash)" != "$(cat "$build_dir/source-hash" 2>/dev/null)" ]; then
+  note "sources changed since the last build: running the build stage first"
   run_stage build || build_ok=0
 fi
 for stage in test bench-train bench-micro profile; do
