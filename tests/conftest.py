@@ -1,8 +1,12 @@
 """Shared test conventions.
 
 * ``@pytest.mark.requires_cuda``: the test needs a CUDA device; it is skipped cleanly without one.
-* ``num_devices`` fixture: runs a test once on 1 and once on 3 virtual CPU devices (the registry is
-  restored afterwards). Tests that take it exercise the same scheduler and executors the GPUs use.
+* ``num_devices`` fixture: runs a test on 1 and on 3 virtual CPU devices and, when this build has
+  CUDA and a GPU is visible, once more on the CUDA devices (id ``cuda``; the value is then the
+  number of GPUs). The registry is restored afterwards. Tests that take it exercise the same
+  scheduler and executors on every device kind.
+* ``@pytest.mark.cpu_devices``: the test checks something true of virtual CPU devices only (their
+  count, host memory as device memory); ``num_devices`` then skips its ``cuda`` case.
 """
 
 from __future__ import annotations
@@ -12,26 +16,47 @@ from collections.abc import Iterator
 import pytest
 import roundpipe
 import torch
+from roundpipe._native import BUILD_INFO
+
+CUDA_USABLE = bool(BUILD_INFO["cuda"]) and torch.cuda.is_available()
+DEVICE_CASES = [pytest.param(1, id="1dev"), pytest.param(3, id="3dev")]
+if CUDA_USABLE:
+    DEVICE_CASES.append(pytest.param("cuda", id="cuda"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "cpu_devices: runs on virtual CPU devices only (no cuda case of num_devices)"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
+    if CUDA_USABLE:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    reason = (
+        "needs a CUDA device and a CUDA build (torch.cuda.is_available()="
+        f"{torch.cuda.is_available()}, roundpipe built with CUDA={BUILD_INFO['cuda']})"
+    )
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
         if "requires_cuda" in item.keywords:
             item.add_marker(skip)
 
 
-@pytest.fixture(params=[1, 3], ids=["1dev", "3dev"])
+@pytest.fixture(params=DEVICE_CASES)
 def num_devices(request: pytest.FixtureRequest) -> Iterator[int]:
-    """Virtual CPU devices for the test: 1, then 3."""
+    """The devices for the test: 1 virtual CPU device, 3, then the GPUs when usable."""
+    if request.param == "cuda" and request.node.get_closest_marker("cpu_devices"):
+        pytest.skip("checks virtual CPU devices only")
     previous_kind, previous_count = roundpipe.device_kind(), roundpipe.device_count()
-    roundpipe.configure_devices(kind="cpu", num_cpu_devices=request.param)
+    if request.param == "cuda":
+        roundpipe.configure_devices(kind="cuda")
+    else:
+        roundpipe.configure_devices(kind="cpu", num_cpu_devices=request.param)
     try:
-        yield request.param
+        yield roundpipe.device_count()
     finally:
         if previous_kind == "cpu":
-            roundpipe.configure_devices(kind="auto", num_cpu_devices=previous_count)
+            roundpipe.configure_devices(kind="cpu", num_cpu_devices=previous_count)
         else:
-            roundpipe.configure_devices(kind="auto")
+            roundpipe.configure_devices(kind="cuda")

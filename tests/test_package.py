@@ -106,6 +106,7 @@ def test_bad_environment_variable_names_itself() -> None:
     assert "ROUNDPIPE_CPU_DEVICES must be an integer" in result.stderr
 
 
+@pytest.mark.cpu_devices
 def test_num_devices_fixture_configures_virtual_cpu_devices(num_devices: int) -> None:
     assert roundpipe.device_kind() == "cpu"
     assert roundpipe.device_count() == num_devices

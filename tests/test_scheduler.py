@@ -224,6 +224,7 @@ def test_auto_plans_several_models_jointly() -> None:
         plan.validate(layers, "train")
 
 
+@pytest.mark.cpu_devices
 def test_predicted_time_is_the_simulated_schedule(num_devices: int) -> None:
     profile = LayerProfile(
         [1.0, 2.0, 1.5, 0.5], [1.0, 2.0, 1.5, 0.5], [2.0, 3.0, 2.0, 1.0],
@@ -245,6 +246,7 @@ def test_predicted_time_is_the_simulated_schedule(num_devices: int) -> None:
     assert plan.predicted_time == pytest.approx(expected)
 
 
+@pytest.mark.cpu_devices
 def test_defaults_are_read_at_call_time(num_devices: int) -> None:
     model = FakeModel(uniform_profile(7))
     assert ModelExecutePlan.auto("fused", model) == ModelExecutePlan.auto(
