@@ -1,0 +1,391 @@
+"""Checkpoint files that survive a crash: atomic, checksummed, loadable without running code.
+
+:func:`save_checkpoint` writes the model's, optimizer's and scaler's state dicts (and any
+``extra`` object) into one file and :func:`load_checkpoint` restores them, after checking every
+byte. A save never damages the checkpoint already at the path: it writes a temporary file in
+the same folder, flushes and fsyncs it, renames it over the path (atomic on POSIX) and fsyncs the
+folder, so a crash at any moment leaves either the old checkpoint or the new one.
+
+File format (version 1), one file::
+
+    payload     the bytes of torch.save({"model": ..., "optimizer": ..., "scaler": ..., "extra": x})
+    manifest    UTF-8 JSON: format, format_version, roundpipe_version, torch_version, entries,
+                payload bytes and the CRC-32 of every CHUNK_BYTES-long chunk of the payload
+    trailer     24 bytes: manifest length (u64 LE), CRC-32 of the manifest (u32 LE), 4 zero
+                bytes, magic b"RPCKPT01"
+
+The payload starts at offset 0 and PyTorch's zip reader ignores what follows the archive, so
+``torch.load(path, weights_only=True)`` also reads the file, unverified. Chunked checksums are
+computed by a thread pool while the payload is written and verified in parallel on load; a
+mismatch names the file and the byte range. A sharded checkpoint (one file per rank, for
+``torch.distributed``) extends this as a folder of such files plus a manifest of their
+checksums, committed last with the same atomic write.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import mmap
+import os
+import socket
+import struct
+import uuid
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from roundpipe._native import BUILD_INFO
+
+FORMAT = "roundpipe.checkpoint"
+FORMAT_VERSION = 1
+CHUNK_BYTES = 64 << 20
+MAGIC = b"RPCKPT01"
+_TRAILER = struct.Struct("<QII8s")
+_ENTRIES = ("model", "optimizer", "scaler", "extra")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is corrupt, truncated, or not a RoundPipe checkpoint."""
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: Any = None,
+    extra: Any = None,
+) -> None:
+    """Write a checkpoint of ``model`` (and ``optimizer``, ``scaler``, ``extra``) to ``path``.
+
+    ``model.state_dict()`` is taken first: for a ``RoundPipe`` or ``AutoRoundPipe`` it drains
+    pending transfers and the asynchronous optimizer, so the optimizer's and scaler's states
+    read afterwards belong to the same step. The write is atomic (a temporary file in the same
+    folder, fsync, rename over ``path``, fsync of the folder): a crash leaves the previous
+    checkpoint intact. Every chunk of the file is checksummed for :func:`load_checkpoint`.
+
+    Args:
+        path: the checkpoint file; its folder must exist.
+        model: any ``nn.Module``, ``RoundPipe`` and ``AutoRoundPipe`` included.
+        optimizer: a ``torch.optim.Optimizer`` (``roundpipe.optim.Adam`` included), or None.
+        scaler: a ``roundpipe.GradScaler`` or ``torch.amp.GradScaler``, or None.
+        extra: any object ``torch.load(..., weights_only=True)`` accepts (numbers, strings,
+            tensors, dicts, lists, tuples: epoch, step, RNG states).
+
+    Raises:
+        TypeError / ValueError: an invalid argument, before anything is drained or written.
+        FileNotFoundError: the folder of ``path`` does not exist.
+    """
+    target = _checked_path(path)
+    _check_parts(model, optimizer, scaler)
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"path: the folder {str(target.parent)!r} does not exist")
+    if target.is_dir():
+        raise ValueError(f"path {str(target)!r} is a folder; pass a file name")
+    _check_weights_only(extra)
+
+    state: dict[str, Any] = {"model": model.state_dict()}  # drains a RoundPipe first
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    if scaler is not None:
+        state["scaler"] = scaler.state_dict()
+    state["extra"] = extra
+
+    _remove_stale_temporaries(target)
+    temporary = target.with_name(
+        f".{target.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+    )
+    try:
+        with open(temporary, "wb") as file:
+            with ThreadPoolExecutor(_threads()) as pool:
+                writer = _ChecksummingWriter(file, pool)
+                torch.save(state, writer)
+                chunks = writer.finish()
+            manifest = json.dumps(
+                {
+                    "format": FORMAT,
+                    "format_version": FORMAT_VERSION,
+                    "roundpipe_version": str(BUILD_INFO["version"]),
+                    "torch_version": torch.__version__,
+                    "entries": [name for name in _ENTRIES if name in state],
+                    "payload_bytes": writer.written,
+                    "checksum": "crc32",
+                    "chunk_bytes": CHUNK_BYTES,
+                    "chunks": chunks,
+                }
+            ).encode()
+            file.write(manifest)
+            file.write(_TRAILER.pack(len(manifest), zlib.crc32(manifest), 0, MAGIC))
+            file.flush()
+            os.fsync(file.fileno())
+        _check_loadable(temporary)
+        os.replace(temporary, target)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync_folder(target.parent)
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: Any = None,
+    *,
+    strict: bool = True,
+) -> Any:
+    """Restore a checkpoint written by :func:`save_checkpoint` and return its ``extra``.
+
+    Every byte is checked against the file's checksums before anything is deserialised; the
+    payload is read with ``torch.load(..., weights_only=True)``, so a checkpoint cannot run
+    code. Then the model is loaded first (weights, optimizer copies, pending gradients), then
+    the optimizer, then the scaler. Nothing is changed when the file is bad or lacks a part
+    that was asked for. Optimizer or scaler state in the file is ignored when the argument is
+    None.
+
+    Args:
+        path: the checkpoint file.
+        model: the model to load into (the same architecture and wrapping as when saved).
+        optimizer: an optimizer built on ``model.optim_parameters()`` (or None).
+        scaler: a ``roundpipe.GradScaler`` or ``torch.amp.GradScaler`` (or None).
+        strict: passed to ``model.load_state_dict``.
+
+    Raises:
+        TypeError / ValueError: an invalid argument, before the file is opened.
+        FileNotFoundError: no file at ``path``.
+        CheckpointError: the file is corrupt or truncated, is not a RoundPipe checkpoint, or
+            lacks the optimizer or scaler state asked for.
+    """
+    target = _checked_path(path)
+    _check_parts(model, optimizer, scaler)
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    if not target.is_file():
+        raise FileNotFoundError(f"no checkpoint file at {str(target)!r}")
+
+    # One open file serves the check and the load, so a save replacing the path meanwhile
+    # cannot slip an unchecked file in between.
+    with open(target, "rb") as file:
+        manifest = _verified_manifest(file, target)
+        file.seek(0)
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+            if not isinstance(state, dict):
+                raise TypeError(f"the payload is a {type(state).__name__}, not a dict")
+        except Exception as error:
+            raise CheckpointError(
+                f"checkpoint {str(target)!r} cannot be loaded with weights_only=True (a "
+                f"checkpoint must not be able to run code): {error}"
+            ) from error
+    wanted = {"model": model, "optimizer": optimizer, "scaler": scaler}
+    missing = [name for name, part in wanted.items() if part is not None and name not in state]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {str(target)!r} holds no {' or '.join(missing) or 'model'} state "
+            f"(it holds: {', '.join(manifest['entries'])})"
+        )
+    model.load_state_dict(state["model"], strict=strict)
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if scaler is not None:
+        scaler.load_state_dict(state["scaler"])
+    return state.get("extra")
+
+
+class _ChecksummingWriter:
+    """The file object ``torch.save`` writes to: bytes go to ``file`` while a thread pool
+    computes the CRC-32 of each full chunk, so checksumming overlaps the write."""
+
+    def __init__(self, file: io.BufferedWriter, pool: ThreadPoolExecutor) -> None:
+        self._file = file
+        self._pool = pool
+        self._chunks: list[int | Future[int]] = []
+        self._crc = 0  # of the chunk being filled, ``_filled`` bytes so far
+        self._filled = 0
+        self.written = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        pending: list[Future[int]] = []
+        start = 0
+        while start < len(view):
+            piece = view[start : start + CHUNK_BYTES - self._filled]
+            if len(piece) == CHUNK_BYTES:
+                pending.append(self._pool.submit(zlib.crc32, piece))
+                self._chunks.append(pending[-1])
+            else:
+                self._crc = zlib.crc32(piece, self._crc)
+                self._filled += len(piece)
+                if self._filled == CHUNK_BYTES:
+                    self._chunks.append(self._crc)
+                    self._crc = self._filled = 0
+            start += len(piece)
+        self._file.write(view)
+        for future in pending:  # ``data`` may be reused once this returns
+            future.result()
+        self.written += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def finish(self) -> list[int]:
+        """The CRC-32 of every chunk, the last one partial."""
+        if self._filled:
+            self._chunks.append(self._crc)
+            self._crc = self._filled = 0
+        return [c if isinstance(c, int) else c.result() for c in self._chunks]
+
+
+def _verified_manifest(file: io.BufferedReader, target: Path) -> dict[str, Any]:
+    """The manifest of an open checkpoint file, after checking the trailer, the manifest and
+    every payload chunk; ``CheckpointError`` naming the file otherwise."""
+    name = str(target)
+    size = os.fstat(file.fileno()).st_size
+    if size < _TRAILER.size:
+        raise CheckpointError(f"checkpoint {name!r} is truncated ({size} bytes)")
+    file.seek(size - _TRAILER.size)
+    length, manifest_crc, _, magic = _TRAILER.unpack(file.read(_TRAILER.size))
+    if magic != MAGIC:
+        file.seek(0)
+        hint = (
+            "; it looks like a plain torch.save file: load it with torch.load"
+            if file.read(4) == b"PK\x03\x04"
+            else ""
+        )
+        raise CheckpointError(
+            f"checkpoint {name!r} is truncated, corrupt or not a RoundPipe checkpoint "
+            f"(no trailer){hint}"
+        )
+    if length > size - _TRAILER.size:
+        raise CheckpointError(f"checkpoint {name!r} is corrupt (manifest length {length})")
+    file.seek(size - _TRAILER.size - length)
+    raw = file.read(length)
+    if zlib.crc32(raw) != manifest_crc:
+        raise CheckpointError(f"checkpoint {name!r} is corrupt: its manifest fails its checksum")
+    manifest = json.loads(raw)
+    if manifest.get("format") != FORMAT or manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {name!r} has format {manifest.get('format')!r} version "
+            f"{manifest.get('format_version')} (written by roundpipe "
+            f"{manifest.get('roundpipe_version')}); this roundpipe reads {FORMAT!r} up to "
+            f"version {FORMAT_VERSION}: upgrade roundpipe"
+        )
+    payload = manifest["payload_bytes"]
+    chunk = manifest["chunk_bytes"]
+    expected_chunks = -(-payload // chunk)
+    if payload + length + _TRAILER.size != size or len(manifest["chunks"]) != expected_chunks:
+        raise CheckpointError(f"checkpoint {name!r} is truncated or corrupt (size {size} bytes)")
+    if payload:
+        with mmap.mmap(file.fileno(), payload, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                with ThreadPoolExecutor(_threads()) as pool:
+                    crcs = list(
+                        pool.map(
+                            lambda start: zlib.crc32(view[start : start + chunk]),
+                            range(0, payload, chunk),
+                        )
+                    )
+            finally:
+                view.release()
+        for index, (actual, expected) in enumerate(zip(crcs, manifest["chunks"], strict=True)):
+            if actual != expected:
+                start = index * chunk
+                raise CheckpointError(
+                    f"checkpoint {name!r} is corrupt: bytes {start}..{min(start + chunk, payload)} "
+                    "fail their checksum"
+                )
+    return manifest
+
+
+def _checked_path(path: Any) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    target = Path(path)
+    if not target.name:
+        raise ValueError(f"path {str(path)!r} names no file")
+    return target
+
+
+def _check_parts(model: Any, optimizer: Any, scaler: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+    if scaler is not None and not (
+        callable(getattr(scaler, "state_dict", None))
+        and callable(getattr(scaler, "load_state_dict", None))
+    ):
+        raise TypeError(
+            "scaler must be a roundpipe.GradScaler or torch.amp.GradScaler (with state_dict and "
+            f"load_state_dict) or None, got {type(scaler).__name__}"
+        )
+
+
+def _check_weights_only(extra: Any) -> None:
+    """``ValueError`` unless ``extra`` survives ``torch.load(..., weights_only=True)``."""
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except Exception as error:
+        raise ValueError(
+            "extra must be loadable with torch.load(..., weights_only=True) (numbers, strings, "
+            "tensors, dicts, lists, tuples; convert numpy arrays with torch.from_numpy): "
+            f"{error}"
+        ) from error
+
+
+def _check_loadable(file: Path) -> None:
+    """``ValueError`` unless the written file loads with ``weights_only=True``; memory-mapped,
+    so only the pickled structure is read, not the tensors."""
+    try:
+        torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:
+        raise ValueError(
+            "the model's, optimizer's or scaler's state holds objects that "
+            f"torch.load(..., weights_only=True) refuses, so it could not be loaded: {error}"
+        ) from error
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Delete temporary files that saves to ``target`` from dead processes of this host left."""
+    host = socket.gethostname()
+    for stale in target.parent.glob(f".{target.name}.{host}.*.tmp"):
+        pid = stale.name[len(f".{target.name}.{host}.") :].split(".")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the rename durable: the folder's entry, not only the file's bytes."""
+    descriptor = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
