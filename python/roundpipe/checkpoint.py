@@ -16,8 +16,8 @@ File format (version 1), one file::
 
 The payload starts at offset 0 and PyTorch's zip reader ignores what follows the archive, so
 ``torch.load(path, weights_only=True)`` also reads the file, unverified. Chunked checksums are
-computed by a thread pool while the payload is written and verified in parallel on load; a
-mismatch names the file and the byte range. A sharded checkpoint (one file per rank, for
+computed by a thread pool while the payload is flushed to disk and verified in parallel on
+load; a mismatch names the file and the byte range. A sharded checkpoint (one file per rank, for
 ``torch.distributed``) extends this as a folder of such files plus a manifest of their
 checksums, committed last with the same atomic write.
 """
@@ -32,7 +32,7 @@ import socket
 import struct
 import uuid
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +100,13 @@ def save_checkpoint(
         f".{target.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
     )
     try:
-        with open(temporary, "wb") as file:
-            with ThreadPoolExecutor(_threads()) as pool:
-                writer = _ChecksummingWriter(file, pool)
-                torch.save(state, writer)
-                chunks = writer.finish()
+        _save_without_record_crcs(state, temporary)
+        with open(temporary, "r+b") as file:
+            payload = os.fstat(file.fileno()).st_size
+            with ThreadPoolExecutor(_threads() + 1) as pool:
+                flushed = pool.submit(os.fsync, file.fileno())
+                chunks = _chunk_crcs(file, payload, CHUNK_BYTES, pool)
+                flushed.result()
             manifest = json.dumps(
                 {
                     "format": FORMAT,
@@ -112,12 +114,13 @@ def save_checkpoint(
                     "roundpipe_version": str(BUILD_INFO["version"]),
                     "torch_version": torch.__version__,
                     "entries": [name for name in _ENTRIES if name in state],
-                    "payload_bytes": writer.written,
+                    "payload_bytes": payload,
                     "checksum": "crc32",
                     "chunk_bytes": CHUNK_BYTES,
                     "chunks": chunks,
                 }
             ).encode()
+            file.seek(payload)
             file.write(manifest)
             file.write(_TRAILER.pack(len(manifest), zlib.crc32(manifest), 0, MAGIC))
             file.flush()
@@ -196,49 +199,36 @@ def load_checkpoint(
     return state.get("extra")
 
 
-class _ChecksummingWriter:
-    """The file object ``torch.save`` writes to: bytes go to ``file`` while a thread pool
-    computes the CRC-32 of each full chunk, so checksumming overlaps the write."""
+def _save_without_record_crcs(state: dict[str, Any], file: Path) -> None:
+    """``torch.save`` to a path: its native writer is far faster than a Python file object.
+    Our chunk checksums cover every byte, so torch's own CRC-32 of each zip record (a second
+    pass as slow as ours, and never checked by ``torch.load``) is switched off meanwhile; a
+    ``torch.save`` in another thread at that moment also writes none."""
+    compute_crc32 = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(state, file)
+    finally:
+        torch.serialization.set_crc32_options(compute_crc32)
 
-    def __init__(self, file: io.BufferedWriter, pool: ThreadPoolExecutor) -> None:
-        self._file = file
-        self._pool = pool
-        self._chunks: list[int | Future[int]] = []
-        self._crc = 0  # of the chunk being filled, ``_filled`` bytes so far
-        self._filled = 0
-        self.written = 0
 
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        pending: list[Future[int]] = []
-        start = 0
-        while start < len(view):
-            piece = view[start : start + CHUNK_BYTES - self._filled]
-            if len(piece) == CHUNK_BYTES:
-                pending.append(self._pool.submit(zlib.crc32, piece))
-                self._chunks.append(pending[-1])
-            else:
-                self._crc = zlib.crc32(piece, self._crc)
-                self._filled += len(piece)
-                if self._filled == CHUNK_BYTES:
-                    self._chunks.append(self._crc)
-                    self._crc = self._filled = 0
-            start += len(piece)
-        self._file.write(view)
-        for future in pending:  # ``data`` may be reused once this returns
-            future.result()
-        self.written += len(view)
-        return len(view)
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def finish(self) -> list[int]:
-        """The CRC-32 of every chunk, the last one partial."""
-        if self._filled:
-            self._chunks.append(self._crc)
-            self._crc = self._filled = 0
-        return [c if isinstance(c, int) else c.result() for c in self._chunks]
+def _chunk_crcs(
+    file: io.BufferedIOBase, size: int, chunk: int, pool: ThreadPoolExecutor
+) -> list[int]:
+    """The CRC-32 of every ``chunk``-long piece of the file's first ``size`` bytes, computed in
+    parallel (zlib releases the GIL) on a read-only mapping."""
+    if not size:
+        return []
+    with mmap.mmap(file.fileno(), size, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            return list(
+                pool.map(
+                    lambda start: zlib.crc32(view[start : start + chunk]), range(0, size, chunk)
+                )
+            )
+        finally:
+            view.release()
 
 
 def _verified_manifest(file: io.BufferedReader, target: Path) -> dict[str, Any]:
