@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import signal
 import struct
 import subprocess
@@ -341,7 +342,7 @@ KILLED_SAVER = textwrap.dedent(
 def test_killed_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
     script = tmp_path / "saver.py"
     script.write_text(KILLED_SAVER)
-    path = tmp_path / "ckpt.rp"
+    path = tmp_path / "ckpt[1].rp"  # glob characters: the clean-up must match names literally
     env = {**os.environ, "PYTHONPATH": str(Path(roundpipe.__file__).parents[1])}
     rng = random.Random(1)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(12)])
@@ -351,6 +352,8 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
         )
         try:
             assert child.stdout is not None
+            ready, _, _ = select.select([child.stdout], [], [], 120)
+            assert ready, "the saver wrote no checkpoint within 120 s"
             first = child.stdout.readline()  # a complete checkpoint exists from here on
             assert first.strip().isdigit(), first
             time.sleep(rng.uniform(0.0, 1.5))
@@ -365,4 +368,4 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
     # a later save works whatever the killed ones left, and clears their temporary files
     save_checkpoint(path, model, extra={"generation": -1})
     assert load_checkpoint(path, model)["generation"] == -1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.rp", "saver.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt[1].rp", "saver.py"]

@@ -24,15 +24,17 @@ checksums, committed last with the same atomic write.
 
 from __future__ import annotations
 
+import errno
+import glob
 import io
 import json
-import mmap
 import os
 import socket
 import struct
+import threading
 import uuid
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,7 @@ FORMAT = "roundpipe.checkpoint"
 FORMAT_VERSION = 1
 CHUNK_BYTES = 64 << 20
 MAGIC = b"RPCKPT01"
+_READ_BYTES = 8 << 20
 _TRAILER = struct.Struct("<QII8s")
 _ENTRIES = ("model", "optimizer", "scaler", "extra")
 
@@ -100,13 +103,22 @@ def save_checkpoint(
         f".{target.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
     )
     try:
-        _save_without_record_crcs(state, temporary)
-        with open(temporary, "r+b") as file:
+        with open(temporary, "x+b") as file:
+            with ThreadPoolExecutor(_threads()) as pool, ThreadPoolExecutor(1) as follower:
+                # Checksum each chunk as soon as torch.save has written it (from the page
+                # cache), while later chunks are still being written and flushed.
+                written = threading.Event()
+                following = follower.submit(_follow, file.fileno(), written, pool)
+                try:
+                    _save_without_record_crcs(state, temporary)
+                finally:
+                    written.set()
+                crcs = following.result()
+                if os.stat(temporary).st_ino != os.fstat(file.fileno()).st_ino:
+                    raise RuntimeError("torch.save replaced the file instead of writing it")
+                os.fsync(file.fileno())
+                chunks = [crc.result() for crc in crcs]
             payload = os.fstat(file.fileno()).st_size
-            with ThreadPoolExecutor(_threads() + 1) as pool:
-                flushed = pool.submit(os.fsync, file.fileno())
-                chunks = _chunk_crcs(file, payload, CHUNK_BYTES, pool)
-                flushed.result()
             manifest = json.dumps(
                 {
                     "format": FORMAT,
@@ -177,18 +189,18 @@ def load_checkpoint(
         file.seek(0)
         try:
             state = torch.load(file, map_location="cpu", weights_only=True)
-            if not isinstance(state, dict):
-                raise TypeError(f"the payload is a {type(state).__name__}, not a dict")
         except Exception as error:
             raise CheckpointError(
                 f"checkpoint {str(target)!r} cannot be loaded with weights_only=True (a "
                 f"checkpoint must not be able to run code): {error}"
             ) from error
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {str(target)!r} holds a {type(state).__name__}")
     wanted = {"model": model, "optimizer": optimizer, "scaler": scaler}
     missing = [name for name, part in wanted.items() if part is not None and name not in state]
     if missing:
         raise CheckpointError(
-            f"checkpoint {str(target)!r} holds no {' or '.join(missing) or 'model'} state "
+            f"checkpoint {str(target)!r} holds no {' or '.join(missing)} state "
             f"(it holds: {', '.join(manifest['entries'])})"
         )
     model.load_state_dict(state["model"], strict=strict)
@@ -212,23 +224,34 @@ def _save_without_record_crcs(state: dict[str, Any], file: Path) -> None:
         torch.serialization.set_crc32_options(compute_crc32)
 
 
-def _chunk_crcs(
-    file: io.BufferedIOBase, size: int, chunk: int, pool: ThreadPoolExecutor
-) -> list[int]:
-    """The CRC-32 of every ``chunk``-long piece of the file's first ``size`` bytes, computed in
-    parallel (zlib releases the GIL) on a read-only mapping."""
-    if not size:
-        return []
-    with mmap.mmap(file.fileno(), size, access=mmap.ACCESS_READ) as mapped:
-        view = memoryview(mapped)
-        try:
-            return list(
-                pool.map(
-                    lambda start: zlib.crc32(view[start : start + chunk]), range(0, size, chunk)
-                )
-            )
-        finally:
-            view.release()
+def _follow(
+    descriptor: int, written: threading.Event, pool: ThreadPoolExecutor
+) -> list[Future[int]]:
+    """While a writer appends to the file, queue the CRC-32 of each chunk once it is complete,
+    and of the last, partial one once ``written`` is set. torch.save writes sequentially and
+    never goes back, so a complete chunk is final."""
+    crcs: list[Future[int]] = []
+    offset = 0
+    while True:
+        finished = written.is_set()  # before the size, so that no byte can be missed
+        size = os.fstat(descriptor).st_size
+        while size - offset >= CHUNK_BYTES or (finished and offset < size):
+            length = min(CHUNK_BYTES, size - offset)
+            crcs.append(pool.submit(_crc_at, descriptor, offset, length))
+            offset += length
+        if finished:
+            return crcs
+        written.wait(0.005)
+
+
+def _crc_at(descriptor: int, offset: int, length: int) -> int:
+    """CRC-32 of ``length`` bytes of the file at ``offset``, read in pieces to bound memory."""
+    crc = 0
+    for start in range(offset, offset + length, _READ_BYTES):
+        crc = zlib.crc32(
+            os.pread(descriptor, min(_READ_BYTES, offset + length - start), start), crc
+        )
+    return crc
 
 
 def _verified_manifest(file: io.BufferedReader, target: Path) -> dict[str, Any]:
@@ -257,39 +280,37 @@ def _verified_manifest(file: io.BufferedReader, target: Path) -> dict[str, Any]:
     raw = file.read(length)
     if zlib.crc32(raw) != manifest_crc:
         raise CheckpointError(f"checkpoint {name!r} is corrupt: its manifest fails its checksum")
-    manifest = json.loads(raw)
-    if manifest.get("format") != FORMAT or manifest.get("format_version", 0) > FORMAT_VERSION:
+    try:
+        manifest = json.loads(raw)
+        payload, chunk = int(manifest["payload_bytes"]), int(manifest["chunk_bytes"])
+        if payload < 0 or chunk <= 0:
+            raise ValueError(f"payload_bytes {payload}, chunk_bytes {chunk}")
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"checkpoint {name!r} has a malformed manifest: {error}") from error
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {name!r} has format {manifest.get('format')!r} version "
             f"{manifest.get('format_version')} (written by roundpipe "
-            f"{manifest.get('roundpipe_version')}); this roundpipe reads {FORMAT!r} up to "
-            f"version {FORMAT_VERSION}: upgrade roundpipe"
+            f"{manifest.get('roundpipe_version')}); this roundpipe reads {FORMAT!r} "
+            f"version {FORMAT_VERSION}"
         )
-    payload = manifest["payload_bytes"]
-    chunk = manifest["chunk_bytes"]
     expected_chunks = -(-payload // chunk)
     if payload + length + _TRAILER.size != size or len(manifest["chunks"]) != expected_chunks:
         raise CheckpointError(f"checkpoint {name!r} is truncated or corrupt (size {size} bytes)")
-    if payload:
-        with mmap.mmap(file.fileno(), payload, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                with ThreadPoolExecutor(_threads()) as pool:
-                    crcs = list(
-                        pool.map(
-                            lambda start: zlib.crc32(view[start : start + chunk]),
-                            range(0, payload, chunk),
-                        )
-                    )
-            finally:
-                view.release()
-        for index, (actual, expected) in enumerate(zip(crcs, manifest["chunks"], strict=True)):
-            if actual != expected:
-                start = index * chunk
-                raise CheckpointError(
-                    f"checkpoint {name!r} is corrupt: bytes {start}..{min(start + chunk, payload)} "
-                    "fail their checksum"
-                )
+    with ThreadPoolExecutor(_threads()) as pool:
+        crcs = list(
+            pool.map(
+                lambda start: _crc_at(file.fileno(), start, min(chunk, payload - start)),
+                range(0, payload, chunk),
+            )
+        )
+    for index, (actual, expected) in enumerate(zip(crcs, manifest["chunks"], strict=True)):
+        if actual != expected:
+            start = index * chunk
+            raise CheckpointError(
+                f"checkpoint {name!r} is corrupt: bytes {start}..{min(start + chunk, payload)} "
+                "fail their checksum"
+            )
     return manifest
 
 
@@ -349,7 +370,7 @@ def _check_loadable(file: Path) -> None:
 def _remove_stale_temporaries(target: Path) -> None:
     """Delete temporary files that saves to ``target`` from dead processes of this host left."""
     host = socket.gethostname()
-    for stale in target.parent.glob(f".{target.name}.{host}.*.tmp"):
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.{glob.escape(host)}.*.tmp"):
         pid = stale.name[len(f".{target.name}.{host}.") :].split(".")[0]
         if pid.isdigit() and not _alive(int(pid)):
             stale.unlink(missing_ok=True)
@@ -370,6 +391,9 @@ def _fsync_folder(folder: Path) -> None:
     descriptor = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(descriptor)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP):  # filesystems without folder fsync
+            raise
     finally:
         os.close(descriptor)
 
