@@ -15,11 +15,13 @@ File format (version 1), one file::
                 bytes, magic b"RPCKPT01"
 
 The payload starts at offset 0 and PyTorch's zip reader ignores what follows the archive, so
-``torch.load(path, weights_only=True)`` also reads the file, unverified. Chunked checksums are
-computed by a thread pool while the payload is flushed to disk and verified in parallel on
-load; a mismatch names the file and the byte range. A sharded checkpoint (one file per rank, for
-``torch.distributed``) extends this as a folder of such files plus a manifest of their
-checksums, committed last with the same atomic write.
+``torch.load(path, weights_only=True)`` also reads the file, unverified. Each chunk's checksum
+is computed as soon as torch.save has written it, while later chunks are still being written,
+and all are verified in parallel on load; a mismatch names the file and the byte range. A
+sharded checkpoint (one file per rank, for ``torch.distributed``) extends this as a folder of
+such files, each with its own manifest, plus a top-level manifest of the shards (names, sizes,
+manifest checksums) written last with the same atomic write, so the folder is complete exactly
+when that manifest exists.
 """
 
 from __future__ import annotations
