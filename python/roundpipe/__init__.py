@@ -10,6 +10,7 @@ from __future__ import annotations
 from roundpipe import optim
 from roundpipe._native import BUILD_INFO
 from roundpipe.batch import RoundPipePackedData
+from roundpipe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from roundpipe.context import (
     OptimizerCtx,
     doing_recompute,
@@ -26,6 +27,7 @@ from roundpipe.scheduler import ModelExecutePlan
 __version__: str = str(BUILD_INFO["version"])
 
 __all__ = [
+    "CheckpointError",
     "GradScaler",
     "ModelExecutePlan",
     "OptimizerCtx",
@@ -39,7 +41,9 @@ __all__ = [
     "devices",
     "doing_recompute",
     "get_recompute_data",
+    "load_checkpoint",
     "optim",
+    "save_checkpoint",
     "save_for_recompute",
     "wrap_model_to_roundpipe",
 ]
