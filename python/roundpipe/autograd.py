@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from roundpipe.gradients import GradientState
-from roundpipe.pipeline import Call, to_output_device
+from roundpipe.pipeline import Call
 
 
 def input_grads(
@@ -58,13 +58,13 @@ class PipelineNode:
         self.output_leaves: list[list[Any]] = []
 
     def run_forward(self) -> list[torch.Tensor]:
-        outputs = self.call.forward(self.inputs)
-        flat: list[torch.Tensor] = []
-        for value in outputs:
-            moved, event = to_output_device(value, self.output_device)
+        outputs, events = self.call.forward(self.inputs, self.output_device)
+        for event in events:
             if event is not None:
                 event.synchronize()
-            leaves, spec = tree_flatten(moved)
+        flat: list[torch.Tensor] = []
+        for value in outputs:
+            leaves, spec = tree_flatten(value)
             self.output_specs.append(spec)
             # Tensors are replaced by a marker: the node must not keep its own outputs alive.
             self.output_leaves.append(

@@ -125,14 +125,24 @@ def to_host(tree: Any, device_index: int) -> tuple[Any, Any]:
     return tree_map(move, tree), last[0]
 
 
-def to_output_device(value: Any, device: torch.device) -> tuple[Any, Any]:
-    """``value`` (a stage output) moved to the call's ``output_device``, and the event of the
-    copies (None when nothing is left in flight)."""
-    if device.type == "cpu":
-        return to_host(value, _device_of(value))
-    return tree_map(
-        lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, value
-    ), None
+def _to_output_device(values: list[Any], device: torch.device) -> tuple[list[Any], list[Any]]:
+    """Per-microbatch ``values`` moved to the call's ``output_device``, and the event of each
+    one's copies (None when nothing is left in flight)."""
+    moved, events = [], []
+    for value in values:
+        if device.type == "cpu":
+            value, event = to_host(value, _device_of(value))
+        else:
+            value, event = (
+                tree_map(
+                    lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t,
+                    value,
+                ),
+                None,
+            )
+        moved.append(value)
+        events.append(event)
+    return moved, events
 
 
 def _device_of(value: Any) -> int:
@@ -314,7 +324,9 @@ class Call:
     # Transfer events of inputs packed by an upstream RoundPipe, per microbatch.
     input_events: list[list[Any]] = field(default_factory=list)
     losses: list[Any] = field(default_factory=list)
+    # The fused stage's outputs (if kept) on the output device, and the events of their copies.
     outputs: list[Any] = field(default_factory=list)
+    output_events: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.saving = self.run_type != "infer"
@@ -325,24 +337,33 @@ class Call:
 
     # -- running the stages ------------------------------------------------------------------
 
-    def forward(self, inputs: list[Any]) -> list[Any]:
-        """The forward stages over the per-microbatch ``(args, kwargs)``; returns the outputs."""
-        return self.run([Stage("forward", layers) for layers in self.plan.fwd_plan], inputs)
+    def forward(
+        self, inputs: list[Any], output_device: torch.device
+    ) -> tuple[list[Any], list[Any]]:
+        """The forward stages over the per-microbatch ``(args, kwargs)``; returns the outputs on
+        ``output_device`` and the events of their copies (None where nothing is in flight)."""
+        outputs = self.run([Stage("forward", layers) for layers in self.plan.fwd_plan], inputs)
+        return _to_output_device(outputs, output_device)
 
     def backward(self, grads: list[Any]) -> list[Any]:
         """Recompute + backward stages from the output gradients (one list of leaf gradients per
         microbatch); returns the input gradients in the same form."""
         return self.run([Stage("backward", layers) for layers in self.plan.bwd_plan], grads)
 
-    def forward_backward(self, inputs: list[Any], loss: LossSpec) -> list[Any]:
+    def forward_backward(
+        self, inputs: list[Any], loss: LossSpec, output_device: torch.device
+    ) -> list[Any]:
         """Forward, fused loss + backward, then backward stages; returns the input gradients and
-        leaves the losses (and outputs, if kept) in ``losses`` / ``outputs``."""
+        leaves the losses (and the outputs on ``output_device``, if kept) in ``losses`` /
+        ``outputs``."""
         stages = (
             [Stage("forward", layers) for layers in self.plan.fwd_plan]
             + [Stage("fused", self.plan.bwd_plan[0])]
             + [Stage("backward", layers) for layers in self.plan.bwd_plan[1:]]
         )
-        return self.run(stages, inputs, loss)
+        grads = self.run(stages, inputs, loss)
+        self.outputs, self.output_events = _to_output_device(self.outputs, output_device)
+        return grads
 
     def run(
         self, stages: Sequence[Stage], values: list[Any], loss: LossSpec | None = None
@@ -650,5 +671,4 @@ __all__ = [
     "annotate",
     "to_device",
     "to_host",
-    "to_output_device",
 ]

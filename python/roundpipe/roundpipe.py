@@ -25,7 +25,7 @@ from roundpipe.device import device_count
 from roundpipe.forwarding import ForwardingModule
 from roundpipe.gradients import GradientState
 from roundpipe.memory import ModelMemory
-from roundpipe.pipeline import Call, LayerRunner, LossSpec, to_output_device
+from roundpipe.pipeline import Call, LayerRunner, LossSpec
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, resolve_run_config
 from roundpipe.scheduler import LayerProfile, ModelExecutePlan, RunType
 from roundpipe.step import StepPipeline
@@ -181,8 +181,8 @@ class RoundPipe(ForwardingModule):
         call.input_events = packed_events((args, kwargs), n)
         if not config.requires_grad:
             with torch.no_grad():
-                outputs = call.forward(inputs)
-            return _finish_outputs(outputs, config)
+                outputs, events = call.forward(inputs, config.output_device)
+            return _merge_or_pack(outputs, events, config)
         runtime.gradients.begin_call()
         # Inputs that require grad become inputs of the autograd node, so their gradients flow.
         input_leaves = [
@@ -193,9 +193,7 @@ class RoundPipe(ForwardingModule):
         node = PipelineNode(call, runtime.gradients, inputs, config.output_device)
         flat_outputs = connect(node, runtime.anchor, input_leaves)
         per_microbatch = node.rebuild_outputs(flat_outputs)
-        if config.merge_output is False:
-            return pack_output(per_microbatch, [None] * len(per_microbatch))
-        return merge_output(per_microbatch, config.merge_output)
+        return _merge_or_pack(per_microbatch, [None] * len(per_microbatch), config)
 
     def forward_backward(
         self,
@@ -238,9 +236,13 @@ class RoundPipe(ForwardingModule):
         call = self._new_call(config, "fused")
         call.input_events = packed_events((input_args, input_kwargs), n)
         with runtime.gradients.accumulating(call):
-            grads = call.forward_backward(inputs, LossSpec(labels, loss_fn, return_outputs))
+            grads = call.forward_backward(
+                inputs, LossSpec(labels, loss_fn, return_outputs), config.output_device
+            )
             loss = _sum_losses(call.losses)
-            outputs = _finish_outputs(call.outputs, config) if return_outputs else None
+            outputs = (
+                _merge_or_pack(call.outputs, call.output_events, config) if return_outputs else None
+            )
             backward_into_inputs(inputs, grads)
         return (loss, outputs) if return_outputs else loss
 
@@ -423,19 +425,15 @@ class RoundPipe(ForwardingModule):
         )
 
 
-def _finish_outputs(outputs: list[Any], config: ResolvedRunConfig) -> Any:
-    """Move per-microbatch outputs to ``output_device``, then merge or pack them."""
-    moved, events = [], []
-    for value in outputs:
-        value, event = to_output_device(value, config.output_device)
-        moved.append(value)
-        events.append(event)
+def _merge_or_pack(outputs: list[Any], events: list[Any], config: ResolvedRunConfig) -> Any:
+    """Per-microbatch outputs (on ``output_device``, their copies' events) merged, or packed
+    with the events for a downstream RoundPipe to wait on."""
     if config.merge_output is False:
-        return pack_output(moved, events)
+        return pack_output(outputs, events)
     for event in events:
         if event is not None:
             event.synchronize()
-    return merge_output(moved, config.merge_output)
+    return merge_output(outputs, config.merge_output)
 
 
 def __getattr__(name: str) -> Any:
