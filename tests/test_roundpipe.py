@@ -428,7 +428,7 @@ def test_parameters_live_in_the_arena_and_user_loads_take_effect() -> None:
     single = RoundPipeRunConfig(num_microbatch=1)
     with torch.no_grad():
         assert torch.equal(model(x, roundpipe_run_config=single), replacement(x))
-    arena = model._memory.params
+    arena = model._runtime.memory.params
     begin, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
     assert all(begin <= p.data_ptr() < end for p in model.model.parameters())
 
@@ -456,6 +456,16 @@ def test_pin_off_trains_memory_mapped_weights_where_they_are(num_devices: int, t
     for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
     assert [p.data_ptr() for p in model.model.parameters()] == storage
+
+
+def test_models_without_a_run_config_do_not_share_one() -> None:
+    first, second = RoundPipe(mlp()), RoundPipe(mlp())
+    first.model_run_config.num_microbatch = 2
+    assert second.model_run_config.num_microbatch is None
+    x = torch.randn(6, 6)
+    with torch.no_grad():
+        expected = second.model(x)
+        assert torch.allclose(second(x), expected)
 
 
 def test_attribute_forwarding_and_original_model() -> None:

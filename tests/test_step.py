@@ -103,7 +103,7 @@ def test_bf16_model_with_fp32_optimizer_copies(num_devices: int, adam: type) -> 
         model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
         model.step(step_fn, is_async=False)
         fused = len(masters) if adam is roundpipe.optim.Adam else 0
-        assert len(model._steps._fused) == fused
+        assert len(model._runtime.steps._fused) == fused
         plain_grads(reference, x, y)
         master_step(reference, masters, theirs)
         for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):

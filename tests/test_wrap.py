@@ -130,6 +130,33 @@ def test_skip_modules_and_override_config(num_devices: int) -> None:
         make_pair(override_config={"nope": {}})
 
 
+def test_attribute_forwarding_and_original_model_as_on_a_roundpipe() -> None:
+    _, wrapped = make_pair()
+    inner = wrapped.model
+    wrapped.custom = "set"
+    assert inner.custom == "set" and wrapped.custom == "set"
+    original = nn.Module()
+    original.config = {"hidden": 6}
+    wrapped.set_original_model(original)
+    assert wrapped.config == {"hidden": 6}
+    wrapped.flag = True
+    assert original.flag is True and inner.flag is True
+    del wrapped.flag
+    assert not hasattr(original, "flag") and not hasattr(inner, "flag")
+    wrapped.eval()
+    assert not inner.training and not wrapped.training
+
+
+def test_parts_built_without_a_run_config_do_not_share_one() -> None:
+    torch.manual_seed(0)
+    wrapped = wrap_model_to_roundpipe(Net(), lower_threshold=500)
+    assert isinstance(wrapped, AutoRoundPipe)
+    configs = [part.model_run_config for _, part in wrapped.parts]
+    assert len(configs) >= 2
+    configs[0].num_microbatch = 2
+    assert all(config.num_microbatch is None for config in configs[1:])
+
+
 def test_sequential_root_becomes_one_roundpipe() -> None:
     wrapped = wrap_model_to_roundpipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
     assert isinstance(wrapped, RoundPipe) and len(wrapped.layers) == 2

@@ -8,18 +8,14 @@ Its backward runs the pipelined recompute + backward stages and returns the inpu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from roundpipe.pipeline import Call, ResidentStage, Step, run_steps
-from roundpipe.run_config import ResolvedRunConfig
-from roundpipe.scheduler import ModelExecutePlan
-
-if TYPE_CHECKING:
-    from roundpipe.roundpipe import RoundPipe
+from roundpipe.gradients import GradientState
+from roundpipe.pipeline import Call
 
 
 def input_grads(
@@ -46,30 +42,29 @@ _TENSOR = object()  # marks where an output leaf was a tensor
 
 
 class PipelineNode:
-    """What the autograd node of one ``forward()`` call keeps for its backward."""
+    """What the autograd node of one ``forward()`` call keeps for its backward: the call, the
+    model's gradient state it accumulates into, and the shape of its outputs."""
 
     def __init__(
         self,
-        model: RoundPipe,
         call: Call,
-        plan: ModelExecutePlan,
-        steps: list[Step],
+        gradients: GradientState,
         inputs: list[Any],
-        config: ResolvedRunConfig,
+        output_device: torch.device,
     ) -> None:
-        self.model, self.call, self.plan, self.steps = model, call, plan, steps
-        self.inputs, self.config = inputs, config
+        self.call, self.gradients = call, gradients
+        self.inputs, self.output_device = inputs, output_device
         self.output_specs: list[Any] = []
         self.output_leaves: list[list[Any]] = []
 
     def run_forward(self) -> list[torch.Tensor]:
-        outputs = self.model._run_forward(self.call, self.steps, self.inputs)
-        flat: list[torch.Tensor] = []
-        for value in outputs:
-            moved, event = self.model._to_output_device(value, self.config.output_device)
+        outputs, events = self.call.forward(self.inputs, self.output_device)
+        for event in events:
             if event is not None:
                 event.synchronize()
-            leaves, spec = tree_flatten(moved)
+        flat: list[torch.Tensor] = []
+        for value in outputs:
+            leaves, spec = tree_flatten(value)
             self.output_specs.append(spec)
             # Tensors are replaced by a marker: the node must not keep its own outputs alive.
             self.output_leaves.append(
@@ -96,23 +91,22 @@ class PipelineNode:
             [next(iterator) if leaf is _TENSOR else None for leaf in leaves]
             for leaves in self.output_leaves
         ]
-        steps = [Step("backward", stage) for stage in self.plan.bwd_plan]
-        values = {"grads": grads}
+        with self.gradients.accumulating(self.call):
+            return self.call.backward(grads)
 
-        def body(step: Step, stage: ResidentStage) -> None:
-            values["grads"] = self.call.backward_step(stage, values["grads"])
 
-        self.model._begin_gradient_call()
-        with self.model._gradient_transaction(self.call):
-            run_steps(self.call, steps, body)
-        return values["grads"]
+def connect(node: PipelineNode, anchor: torch.Tensor, inputs: list[torch.Tensor]) -> Any:
+    """Run ``node``'s forward as one autograd node over ``anchor`` and the user's ``inputs``
+    that require grad; returns its flat output tensors."""
+    apply: Callable[..., tuple[torch.Tensor, ...]] = PipelineFunction.apply
+    return apply(node, anchor, *inputs)
 
 
 class PipelineFunction(torch.autograd.Function):
     """The autograd node of a ``forward()`` call: backward runs the pipelined backward stages."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, node: PipelineNode, anchor: torch.Tensor, *input_leaves: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.node = node
@@ -128,4 +122,4 @@ class PipelineFunction(torch.autograd.Function):
         return (None, None, *(grad for _, grad in input_grads(node.inputs, grads)))
 
 
-__all__ = ["PipelineFunction", "PipelineNode", "backward_into_inputs", "input_grads"]
+__all__ = ["PipelineFunction", "PipelineNode", "backward_into_inputs", "connect", "input_grads"]

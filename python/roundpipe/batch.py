@@ -37,13 +37,16 @@ from typing import Any, Literal, Protocol
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from typing_extensions import TypeIs
 
 # Importing torch.distributed.pipelining costs over a second, so it is never imported here: a spec
 # can only hold its markers if the user imported this module already, and otherwise none is one.
 _MICROBATCH_MODULE = "torch.distributed.pipelining.microbatch"
 
 MarkerKind = Literal["chunk", "replicate", "reduce"]
-SplitInputFn = Callable[[tuple, dict[str, Any], int], tuple[list[tuple], list[dict[str, Any]]]]
+SplitInputFn = Callable[
+    [tuple[Any, ...], dict[str, Any], int], tuple[list[tuple[Any, ...]], list[dict[str, Any]]]
+]
 SplitLabelFn = Callable[[Any, int], list[Any]]
 MergeOutputFn = Callable[[list[Any]], Any]
 
@@ -54,7 +57,7 @@ class Event(Protocol):
     def synchronize(self) -> None: ...
 
 
-class RoundPipePackedData(list):
+class RoundPipePackedData(list[Any]):
     """Per-microbatch values of one output leaf, returned when ``merge_output=False``.
 
     A plain ``list`` of the microbatch values (element ``m`` belongs to microbatch ``m``) plus
@@ -101,7 +104,7 @@ def marker_kind(obj: Any) -> MarkerKind | None:
     return None
 
 
-def is_user_function(obj: Any) -> bool:
+def is_user_function(obj: Any) -> TypeIs[Callable[..., Any]]:
     """True for a user's split/merge function (``_Replicate`` is a class, hence callable)."""
     return callable(obj) and marker_kind(obj) is None
 
@@ -137,7 +140,7 @@ def _expand(value: Any) -> _Node | None:
         labels = [f".{field}" for field in value._fields]
     else:
         labels = [f"[{i}]" for i in positions]
-    kind = "sequence" if isinstance(value, (list, tuple)) else "other"
+    kind: Literal["sequence", "other"] = "sequence" if isinstance(value, (list, tuple)) else "other"
     return _Node(children, positions, labels, kind, treespec, type(value).__name__)
 
 
@@ -163,7 +166,7 @@ def _align(node: _Node, other: Any, path: str, what: str, reference: str) -> lis
             )
         )
     )
-    if mismatch:
+    if mismatch or other_node is None:
         raise ValueError(
             f"{path}: {what} is {_describe(other)} but {reference} is a {node.type_name}; "
             "make the structures match"
@@ -291,7 +294,7 @@ def _split_leaf(
         raise ValueError(f"{path}: _CustomReducer only applies to merge_output")
     if kind == "replicate" or n == 1 or not is_tensor or value.dim() == 0:
         return [value] * n
-    if batch.matches(value):
+    if batch.rows is not None and batch.matches(value):
         return list(torch.split(value, batch.rows, 0))
     if batch_only and batch.rows is not None:
         return [value] * n
@@ -343,11 +346,11 @@ def _check_list(result: Any, n: int, what: str) -> list[Any]:
 
 
 def split_input(
-    args: tuple,
+    args: tuple[Any, ...],
     kwargs: dict[str, Any],
     num_microbatch: int,
     spec: tuple[Any, Any] | SplitInputFn | None,
-) -> tuple[list[tuple], list[dict[str, Any]]]:
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
     """Split a call's ``(args, kwargs)`` into per-microbatch ``(args_list, kwargs_list)``.
 
     ``spec`` is ``None`` (automatic), ``(args_spec, kwargs_spec)`` (either part ``None`` for

@@ -8,12 +8,10 @@ rebuilding them (and, on GPUs, without a host synchronisation).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_leaves
 
 
@@ -119,75 +117,7 @@ def optimizer_context_active() -> bool:
     return _state.optimizer_depth > 0
 
 
-class OptimizerCopiesView(nn.Module):
-    """``parameters()`` / ``named_parameters()`` that return the optimizer copies inside
-    :class:`OptimizerCtx` and the model's parameters otherwise, and ``state_dict`` entries of the
-    runtime's own (the copies, for instance) under ``_own_state_prefix``. Subclasses define
-    ``optim_named_parameters(prefix, remove_duplicate)``, ``_own_state`` and
-    ``_load_own_state``."""
-
-    _own_state_prefix = "_roundpipe."
-
-    def _own_state(self) -> dict[str, Any]:
-        """Entries to save beside the module's own, keyed without the prefix."""
-        raise NotImplementedError
-
-    def _load_own_state(self, entries: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
-        """Take the checkpoint's entries under ``prefix`` (their keys without it)."""
-        raise NotImplementedError
-
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        for key, value in self._own_state().items():
-            destination[f"{prefix}{self._own_state_prefix}{key}"] = value
-
-    def _load_from_state_dict(
-        self,
-        state_dict: dict,
-        prefix: str,
-        local_metadata: dict,
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        own = f"{prefix}{self._own_state_prefix}"
-        unexpected_keys[:] = [key for key in unexpected_keys if not key.startswith(own)]
-        entries = {
-            key.removeprefix(own): value for key, value in state_dict.items() if key.startswith(own)
-        }
-        self._load_own_state(entries, own, error_msgs)
-
-    def optim_named_parameters(
-        self, prefix: str = "", remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        raise NotImplementedError
-
-    def optim_parameters(self) -> Iterator[nn.Parameter]:
-        """The optimizer copies of every parameter that requires grad."""
-        for _, param in self.optim_named_parameters():
-            yield param
-
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Named optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
-        if optimizer_context_active():
-            yield from self.optim_named_parameters(prefix, remove_duplicate)
-        else:
-            yield from super().named_parameters(prefix, recurse, remove_duplicate)
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """Optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
-        for _, param in self.named_parameters(recurse=recurse):
-            yield param
-
-
 __all__ = [
-    "OptimizerCopiesView",
     "OptimizerCtx",
     "doing_recompute",
     "get_recompute_data",

@@ -50,7 +50,7 @@ def configure_devices(kind: DeviceKind | None = None, num_cpu_devices: int | Non
 
 def device_kind() -> Literal["cpu", "cuda"]:
     """The kind of device stages run on: ``"cuda"`` or ``"cpu"`` (virtual CPU devices)."""
-    return _C.device_kind()
+    return "cuda" if _C.device_kind() == "cuda" else "cpu"
 
 
 def device_count() -> int:

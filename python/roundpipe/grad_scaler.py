@@ -11,7 +11,8 @@ skipped and the scale backs off; ``growth_interval`` clean steps in a row grow i
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch.utils._pytree import tree_map
@@ -20,6 +21,8 @@ from roundpipe._native import _C
 from roundpipe.optim import Adam
 from roundpipe.optimizer_copy import gradient_of
 from roundpipe.step import current_iteration, drain_optimizer_thread, in_step_job
+
+_T = TypeVar("_T")
 
 
 def _positive(name: str, value: Any, above_one: bool = False) -> float:
@@ -181,7 +184,7 @@ class GradScaler:
 
     # -- getters and setters -------------------------------------------------------------------
 
-    def _read(self, value: Any, up_to_date: bool) -> Any:
+    def _read(self, value: Callable[[], _T], up_to_date: bool) -> _T:
         if up_to_date:
             drain_optimizer_thread()
         return value()

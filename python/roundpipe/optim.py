@@ -146,8 +146,8 @@ class Adam(torch.optim.Optimizer):
                     f"roundpipe.optim.Adam does not support {option}=True: it updates fp32 "
                     f"parameters on the host outside autograd; use torch.optim.Adam for that"
                 )
-        for option, value in (("foreach", foreach), ("fused", fused)):
-            if value is not None:
+        for option, choice in (("foreach", foreach), ("fused", fused)):
+            if choice is not None:
                 _warn_once(option)
         defaults = {
             "lr": lr,

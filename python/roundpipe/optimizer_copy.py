@@ -9,15 +9,32 @@ our Adam moves every gradient byte once: from the arena straight into the fused 
 
 A pending gradient lives only while the step that handed it over runs; the step pipeline
 resolves what is left when ``step_fn`` returns (:meth:`OptimizerCopy.resolve_grad`).
+
+:class:`OptimizerCopiesView` is how a model shows its optimizer copies: as its parameters inside
+``OptimizerCtx``, and in its ``state_dict``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
-# The gradient slot torch keeps for every tensor; the property below wraps it.
-_grad_slot = torch._C.TensorBase.grad
+from roundpipe.context import optimizer_context_active
+
+# The gradient slot torch keeps for every tensor (a descriptor); the property below wraps it.
+_grad_slot: Any = torch._C.TensorBase.grad
+
+
+def _slot_grad(tensor: Tensor) -> Tensor | None:
+    grad: Tensor | None = _grad_slot.__get__(tensor)
+    return grad
+
+
+def _set_slot_grad(tensor: Tensor, grad: Tensor | None) -> None:
+    _grad_slot.__set__(tensor, grad)
 
 
 class OptimizerCopy(nn.Parameter):
@@ -30,7 +47,7 @@ class OptimizerCopy(nn.Parameter):
     def hand_over_grad(self, grad: Tensor) -> None:
         """Make ``grad`` (any floating dtype, same shape) this copy's pending gradient; the copy
         must hold no gradient yet."""
-        assert self._pending_grad is None and _grad_slot.__get__(self) is None
+        assert self._pending_grad is None and _slot_grad(self) is None
         self._pending_grad = grad
 
     def resolve_grad(self) -> None:
@@ -39,27 +56,27 @@ class OptimizerCopy(nn.Parameter):
         pending, self._pending_grad = self._pending_grad, None
         if pending is None:
             return
-        current = _grad_slot.__get__(self)
+        current = _slot_grad(self)
         with torch.no_grad():
             if current is None:
-                _grad_slot.__set__(self, pending.to(self.dtype, copy=True))
+                _set_slot_grad(self, pending.to(self.dtype, copy=True))
             else:
                 current.add_(pending)
 
     def drop_grad(self) -> None:
         """``.grad = None`` without casting a pending gradient first."""
         self._pending_grad = None
-        _grad_slot.__set__(self, None)
+        _set_slot_grad(self, None)
 
-    @property  # type: ignore[override]
+    @property
     def grad(self) -> Tensor | None:
         self.resolve_grad()
-        return _grad_slot.__get__(self)
+        return _slot_grad(self)
 
     @grad.setter
     def grad(self, value: Tensor | None) -> None:
         self._pending_grad = None
-        _grad_slot.__set__(self, value)
+        _set_slot_grad(self, value)
 
     @grad.deleter
     def grad(self) -> None:
@@ -71,9 +88,78 @@ def gradient_of(param: Tensor) -> Tensor | None:
     not cast); it holds the same values."""
     if isinstance(param, OptimizerCopy):
         pending = param._pending_grad
-        if pending is not None and _grad_slot.__get__(param) is None:
+        if pending is not None and _slot_grad(param) is None:
             return pending
     return param.grad
 
 
-__all__ = ["OptimizerCopy", "gradient_of"]
+class OptimizerCopiesView(nn.Module):
+    """``parameters()`` / ``named_parameters()`` that return the optimizer copies inside
+    :class:`OptimizerCtx` and the model's parameters otherwise, and ``state_dict`` entries of the
+    runtime's own (the copies, for instance) under ``_own_state_prefix``. Subclasses define
+    ``optim_named_parameters(prefix, remove_duplicate)``, ``_own_state`` and
+    ``_load_own_state``."""
+
+    _own_state_prefix = "_roundpipe."
+
+    def _own_state(self) -> dict[str, Any]:
+        """Entries to save beside the module's own, keyed without the prefix."""
+        raise NotImplementedError
+
+    def _load_own_state(self, entries: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
+        """Take the checkpoint's entries under ``prefix`` (their keys without it)."""
+        raise NotImplementedError
+
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for key, value in self._own_state().items():
+            destination[f"{prefix}{self._own_state_prefix}{key}"] = value
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        own = f"{prefix}{self._own_state_prefix}"
+        unexpected_keys[:] = [key for key in unexpected_keys if not key.startswith(own)]
+        entries = {
+            key.removeprefix(own): value for key, value in state_dict.items() if key.startswith(own)
+        }
+        self._load_own_state(entries, own, error_msgs)
+
+    def optim_named_parameters(
+        self, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        raise NotImplementedError
+
+    def optim_parameters(self) -> Iterator[nn.Parameter]:
+        """The optimizer copies of every parameter that requires grad."""
+        for _, param in self.optim_named_parameters():
+            yield param
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Named optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
+        if optimizer_context_active():
+            yield from self.optim_named_parameters(prefix, remove_duplicate)
+        else:
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """Optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
+        for _, param in self.named_parameters(recurse=recurse):
+            yield param
+
+
+__all__ = ["OptimizerCopiesView", "OptimizerCopy", "gradient_of"]

@@ -1,13 +1,14 @@
 """The pipelined execution of one call of one model.
 
-A call is a sequence of *steps*: forward stages, then (for ``forward_backward``) the fused last
-stage that runs forward + loss + backward without recompute, then backward stages that recompute
-their layers from saved inputs and backpropagate. Every step runs all microbatches on one device
-taken round-robin from the pool (the cursor continues across calls and models); while a step
-computes, the next step's parameters are already being uploaded to its device by that device's
-copy engine. Stage ``s`` of microbatch ``m`` starts once stage ``s - 1`` of microbatch ``m`` is
-ready (CUDA: a device-side event wait; CPU devices: compute runs in issue order on one thread,
-which also keeps the shared CPU generator's draws in forward order, so recompute replays them).
+A call (:class:`Call`) runs a sequence of *stages* itself: forward stages, then (for
+``forward_backward``) the fused last stage that runs forward + loss + backward without recompute,
+then backward stages that recompute their layers from saved inputs and backpropagate. Every stage
+runs all microbatches on one device taken round-robin from the pool (the cursor continues across
+calls and models); while a stage computes, the next stage's parameters are already being uploaded
+to its device by that device's copy engine. Stage ``s`` of microbatch ``m`` starts once stage
+``s - 1`` of microbatch ``m`` is ready (CUDA: a device-side event wait; CPU devices: compute runs
+in issue order on one thread, which also keeps the shared CPU generator's draws in forward order,
+so recompute replays them).
 
 Activations that a backward stage recomputes from are kept in host memory; gradients of a
 backward stage accumulate in a flat device buffer and go back to the host arena in one
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -31,12 +32,13 @@ from roundpipe import context
 from roundpipe._native import _C
 from roundpipe.device import device_count, devices
 from roundpipe.memory import ModelMemory, typed_view
+from roundpipe.scheduler import ModelExecutePlan, RunType
 
 if TYPE_CHECKING:
     from roundpipe.timer import ModelTimer
 
 Phase = Literal["forward", "recompute", "backward", "loss"]
-StepKind = Literal["forward", "fused", "backward"]
+StageKind = Literal["forward", "fused", "backward"]
 
 _round_robin = itertools.count()
 
@@ -123,6 +125,33 @@ def to_host(tree: Any, device_index: int) -> tuple[Any, Any]:
     return tree_map(move, tree), last[0]
 
 
+def _to_output_device(values: list[Any], device: torch.device) -> tuple[list[Any], list[Any]]:
+    """Per-microbatch ``values`` moved to the call's ``output_device``, and the event of each
+    one's copies (None when nothing is left in flight)."""
+    moved, events = [], []
+    for value in values:
+        if device.type == "cpu":
+            value, event = to_host(value, _device_of(value))
+        else:
+            value, event = (
+                tree_map(
+                    lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t,
+                    value,
+                ),
+                None,
+            )
+        moved.append(value)
+        events.append(event)
+    return moved, events
+
+
+def _device_of(value: Any) -> int:
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+            return leaf.device.index
+    return 0
+
+
 # --------------------------------------------------------------------------------------------
 # Stage residency
 # --------------------------------------------------------------------------------------------
@@ -184,7 +213,8 @@ class ResidentStage:
                 layer = self.memory.layers[index]
                 for slot, view in zip(layer.slots, self.views[index], strict=True):
                     for owner, name in slot.owners:
-                        owner._parameters[name] = view
+                        # The device copy (a plain tensor) stands in for the parameter.
+                        owner._parameters[name] = cast(torch.nn.Parameter, view)
                 for owner, name in layer.buffers:
                     host = owner._buffers[name]
                     assert host is not None
@@ -223,9 +253,21 @@ class ResidentStage:
 
 
 @dataclass(frozen=True)
-class Step:
-    kind: StepKind
+class Stage:
+    """One stage of a call: what it runs (``kind``) over which layers."""
+
+    kind: StageKind
     layers: range
+
+
+@dataclass
+class LossSpec:
+    """The fused stage's loss: per-microbatch labels, the loss function, and whether the
+    outputs are kept for the caller."""
+
+    labels: list[Any]
+    loss_fn: Callable[[Any, Any], Any]
+    keep_outputs: bool
 
 
 def _grads_of(tree: Any) -> list[torch.Tensor | None]:
@@ -262,13 +304,17 @@ class LayerRunner:
 
 @dataclass
 class Call:
-    """The state of one pipelined call: saved inputs, RNG states and per-microbatch values."""
+    """One pipelined call of one model: it runs its stages (:meth:`forward`, :meth:`backward`,
+    :meth:`forward_backward`) and holds their state: saved inputs, RNG states, the transfers in
+    flight (``pending``) and the fused stage's losses and outputs."""
 
     runner: LayerRunner
+    plan: ModelExecutePlan
+    run_type: RunType
     num_microbatch: int
     recompute_grain: str
     preserve_rng_state: bool
-    saving: bool  # keep what backward stages need (grads on)
+    saving: bool = field(init=False)  # keep what backward stages need (grads on)
     backward_starts: set[int] = field(default_factory=set)
     rng_points: set[int] = field(default_factory=set)
     saved_inputs: dict[tuple[int, int], Any] = field(default_factory=dict)
@@ -277,8 +323,75 @@ class Call:
     pending: list[Any] = field(default_factory=list)
     # Transfer events of inputs packed by an upstream RoundPipe, per microbatch.
     input_events: list[list[Any]] = field(default_factory=list)
+    losses: list[Any] = field(default_factory=list)
+    # The fused stage's outputs (if kept) on the output device, and the events of their copies.
+    outputs: list[Any] = field(default_factory=list)
+    output_events: list[Any] = field(default_factory=list)
 
-    def plan_saving(
+    def __post_init__(self) -> None:
+        self.saving = self.run_type != "infer"
+        if self.run_type == "train":
+            self._plan_saving(self.plan.fwd_plan, self.plan.bwd_plan)
+        elif self.run_type == "fused":
+            self._plan_saving(self.plan.fwd_plan, self.plan.bwd_plan[1:])
+
+    # -- running the stages ------------------------------------------------------------------
+
+    def forward(
+        self, inputs: list[Any], output_device: torch.device
+    ) -> tuple[list[Any], list[Any]]:
+        """The forward stages over the per-microbatch ``(args, kwargs)``; returns the outputs on
+        ``output_device`` and the events of their copies (None where nothing is in flight)."""
+        outputs = self.run([Stage("forward", layers) for layers in self.plan.fwd_plan], inputs)
+        return _to_output_device(outputs, output_device)
+
+    def backward(self, grads: list[Any]) -> list[Any]:
+        """Recompute + backward stages from the output gradients (one list of leaf gradients per
+        microbatch); returns the input gradients in the same form."""
+        return self.run([Stage("backward", layers) for layers in self.plan.bwd_plan], grads)
+
+    def forward_backward(
+        self, inputs: list[Any], loss: LossSpec, output_device: torch.device
+    ) -> list[Any]:
+        """Forward, fused loss + backward, then backward stages; returns the input gradients and
+        leaves the losses (and the outputs on ``output_device``, if kept) in ``losses`` /
+        ``outputs``."""
+        stages = (
+            [Stage("forward", layers) for layers in self.plan.fwd_plan]
+            + [Stage("fused", self.plan.bwd_plan[0])]
+            + [Stage("backward", layers) for layers in self.plan.bwd_plan[1:]]
+        )
+        grads = self.run(stages, inputs, loss)
+        self.outputs, self.output_events = _to_output_device(self.outputs, output_device)
+        return grads
+
+    def run(
+        self, stages: Sequence[Stage], values: list[Any], loss: LossSpec | None = None
+    ) -> list[Any]:
+        """Run ``stages`` in order, each with its parameters resident on its device and the next
+        one's upload already issued; ``values`` are the per-microbatch inputs of the first.
+
+        Every upload issued is waited for before returning (also on errors), so no copy into or
+        out of a freed buffer is left in flight.
+        """
+        with _Uploads(self.runner.memory, stages) as uploads:
+            for stage in stages:
+                # No reference to a stage outlives its turn: its device buffers are freed before
+                # the upload after next is allocated.
+                values = self._run_stage(stage.kind, uploads.next(), values, loss)
+        return values
+
+    def _run_stage(
+        self, kind: StageKind, resident: ResidentStage, values: list[Any], loss: LossSpec | None
+    ) -> list[Any]:
+        if kind == "forward":
+            return self.forward_stage(resident, values)
+        if kind == "fused":
+            assert loss is not None
+            return self.fused_stage(resident, values, loss)
+        return self.backward_stage(resident, values)
+
+    def _plan_saving(
         self, forward_stages: Sequence[range], backward_stages: Sequence[range]
     ) -> None:
         """Decide which layer inputs and RNG states the backward stages will need."""
@@ -339,9 +452,9 @@ class Call:
                 event.synchronize()
         return to_device(value, device_index)
 
-    # -- steps -------------------------------------------------------------------------------
+    # -- stages ------------------------------------------------------------------------------
 
-    def forward_step(self, stage: ResidentStage, activations: list[Any]) -> list[Any]:
+    def forward_stage(self, stage: ResidentStage, activations: list[Any]) -> list[Any]:
         outputs = []
         with stage.bound(keep_buffer_updates=True), torch.no_grad():
             for m, value in enumerate(activations):
@@ -362,16 +475,12 @@ class Call:
                 outputs.append(value)
         return outputs
 
-    def fused_step(
-        self,
-        stage: ResidentStage,
-        activations: list[Any],
-        labels: list[Any],
-        loss_fn: Callable[[Any, Any], Any],
-        keep_outputs: bool,
-    ) -> tuple[list[Any], list[Any], list[Any]]:
-        """Forward + loss + backward of the last stage; returns (losses, outputs, input grads)."""
-        losses, outputs, grads = [], [], []
+    def fused_stage(
+        self, stage: ResidentStage, activations: list[Any], loss_spec: LossSpec
+    ) -> list[Any]:
+        """Forward + loss + backward of the last stage; returns the input grads and appends to
+        ``losses`` (and ``outputs``, if kept)."""
+        grads = []
         with stage.bound(keep_buffer_updates=True), torch.enable_grad():
             for m, value in enumerate(activations):
                 first, device = stage.layers.start, stage.device_index
@@ -379,9 +488,9 @@ class Call:
                 result = inputs
                 for layer in stage.layers:
                     result = self.call_layer(layer, m, result, stage.device_index, recompute=False)
-                label = to_device(labels[m], stage.device_index)
+                label = to_device(loss_spec.labels[m], stage.device_index)
                 try:
-                    loss = loss_fn(result, label)
+                    loss = loss_spec.loss_fn(result, label)
                 except Exception as error:
                     where = (
                         f"RoundPipe model '{self.runner.name}': loss_fn failed on the output "
@@ -400,14 +509,14 @@ class Call:
                         error, self._where(stage.layers.stop - 1, "backward", m)
                     ) from error
                 self._record_backward(stage.layers, time.perf_counter() - start)
-                losses.append(tree_map(lambda t: t.detach(), loss))
-                if keep_outputs:
-                    outputs.append(tree_map(_detach_leaf, result))
+                self.losses.append(tree_map(lambda t: t.detach(), loss))
+                if loss_spec.keep_outputs:
+                    self.outputs.append(tree_map(_detach_leaf, result))
                 grads.append(_grads_of(inputs))
         self.pending.extend(stage.download_grads())
-        return losses, outputs, grads
+        return grads
 
-    def backward_step(self, stage: ResidentStage, grads: list[Any]) -> list[Any]:
+    def backward_stage(self, stage: ResidentStage, grads: list[Any]) -> list[Any]:
         """Recompute + backward of one backward stage for every microbatch; returns input grads."""
         with stage.bound(keep_buffer_updates=False):
             new_grads = []
@@ -517,37 +626,49 @@ def _rng_fork(enabled: bool, device_index: int) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------------------------
-# Driving a sequence of steps
+# Stage uploads
 # --------------------------------------------------------------------------------------------
 
 
-def run_steps(
-    call: Call, steps: Sequence[Step], body: Callable[[Step, ResidentStage], None]
-) -> None:
-    """Run ``body`` for every step with its stage resident, prefetching the next step's upload.
+class _Uploads:
+    """The stages of one run made resident in order, each next one's upload issued before the
+    current one computes; on exit every upload issued has landed."""
 
-    Every upload issued is waited for before returning (also on errors), so no copy into or out
-    of a freed buffer is left in flight.
-    """
-    memory = call.runner.memory
-    resident: list[ResidentStage] = []
+    def __init__(self, memory: ModelMemory, stages: Sequence[Stage]) -> None:
+        self.memory, self.stages = memory, stages
+        self.issued: list[ResidentStage] = []
+        self.index = 0
 
-    def upload(step: Step) -> ResidentStage:
-        stage = ResidentStage(memory, step.layers, _next_device(), step.kind != "forward")
-        resident.append(stage)
-        return stage
+    def __enter__(self) -> _Uploads:
+        return self
 
-    try:
-        upcoming = upload(steps[0]) if steps else None
-        for index, step in enumerate(steps):
-            current = upcoming
-            assert current is not None
-            upcoming = upload(steps[index + 1]) if index + 1 < len(steps) else None
-            body(step, current)
-            resident.remove(current)
-    finally:
-        for stage in resident:
-            stage.uploaded.synchronize()
+    def __exit__(self, *exc: object) -> None:
+        for resident in self.issued:
+            resident.uploaded.synchronize()
+
+    def _upload(self, stage: Stage) -> None:
+        resident = ResidentStage(self.memory, stage.layers, _next_device(), stage.kind != "forward")
+        self.issued.append(resident)
+
+    def next(self) -> ResidentStage:
+        """The next stage, resident; issues the upload of the one after it."""
+        if self.index == 0 and self.stages:
+            self._upload(self.stages[0])
+        if self.index > 0:
+            self.issued.pop(0)  # the previous stage is done with its upload
+        self.index += 1
+        if self.index < len(self.stages):
+            self._upload(self.stages[self.index])
+        return self.issued[0]
 
 
-__all__ = ["Call", "LayerRunner", "ResidentStage", "Step", "annotate", "run_steps"]
+__all__ = [
+    "Call",
+    "LayerRunner",
+    "LossSpec",
+    "ResidentStage",
+    "Stage",
+    "annotate",
+    "to_device",
+    "to_host",
+]

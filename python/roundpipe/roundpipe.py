@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
-from roundpipe.autograd import PipelineFunction, PipelineNode, backward_into_inputs
+from roundpipe.autograd import PipelineNode, backward_into_inputs, connect
 from roundpipe.batch import (
     RoundPipePackedData,
     merge_output,
@@ -20,12 +21,13 @@ from roundpipe.batch import (
     split_input,
     split_label,
 )
-from roundpipe.context import OptimizerCopiesView
 from roundpipe.device import device_count
+from roundpipe.forwarding import ForwardingModule
+from roundpipe.gradients import GradientState
 from roundpipe.memory import ModelMemory
-from roundpipe.pipeline import Call, LayerRunner, ResidentStage, Step, run_steps, to_host
+from roundpipe.pipeline import Call, LayerRunner, LossSpec
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, resolve_run_config
-from roundpipe.scheduler import LayerProfile, ModelExecutePlan
+from roundpipe.scheduler import LayerProfile, ModelExecutePlan, RunType
 from roundpipe.step import StepPipeline
 from roundpipe.timer import ModelTimer
 
@@ -47,7 +49,25 @@ def _sum_losses(losses: list[Any]) -> Any:
     return [_sum_losses([loss[i] for loss in losses]) for i in range(len(losses[0]))]
 
 
-class RoundPipe(OptimizerCopiesView):
+@dataclass
+class _Runtime:
+    """Everything a RoundPipe keeps behind its public attributes."""
+
+    memory: ModelMemory
+    timer: ModelTimer
+    runner: LayerRunner
+    gradients: GradientState
+    steps: StepPipeline
+    param_names: list[tuple[str, nn.Parameter]]
+    # The autograd node's input that ties a forward() with gradients into the graph.
+    anchor: torch.Tensor = field(default_factory=lambda: torch.empty(0, requires_grad=True))
+    # Automatic plans by (run type, device count): (timer version, plan).
+    plans: dict[tuple[str, int], tuple[int, ModelExecutePlan]] = field(default_factory=dict)
+    # Optimizer copies read by load_state_dict, applied once the parameters are loaded.
+    loaded_copies: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class RoundPipe(ForwardingModule):
     """Pipelined execution of ``model`` with its state in host memory.
 
     Args:
@@ -57,19 +77,27 @@ class RoundPipe(OptimizerCopiesView):
         optim_dtype: dtype of the optimizer copies of the parameters (default: each parameter's
             own dtype), e.g. ``torch.float32`` for a bf16 model.
         name: shown in errors, logs and traces; default ``"<caller file>:<line>"``.
-        model_run_config: model-level defaults for every call (see ``RoundPipeRunConfig``).
+        model_run_config: model-level defaults for every call (see ``RoundPipeRunConfig``);
+            default: a new, empty ``RoundPipeRunConfig()`` of this model's own.
         pin_model: host memory for the parameters: ``"alloc"`` (exact-size pinned allocation),
             ``"register"`` (page-locked in place, CUDA) or ``"off"`` (the parameters stay in
             their own pageable storage, memory-mapped weights included, and upload one copy
             each). On virtual CPU devices there is nothing to pin and all three are pageable.
     """
 
+    name: str
+    optim_dtype: torch.dtype | None
+    model_run_config: RoundPipeRunConfig
+    pin_model: str
+    layers: list[nn.Module]
+    _runtime: _Runtime
+
     def __init__(
         self,
         model: nn.Module,
         optim_dtype: torch.dtype | None = None,
         name: str | None = None,
-        model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),  # noqa: B008
+        model_run_config: RoundPipeRunConfig | None = None,
         pin_model: str = "alloc",
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -82,6 +110,8 @@ class RoundPipe(OptimizerCopiesView):
             )
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+        if model_run_config is None:
+            model_run_config = RoundPipeRunConfig()
         if not isinstance(model_run_config, RoundPipeRunConfig):
             raise TypeError(
                 "model_run_config must be a RoundPipeRunConfig, got "
@@ -89,74 +119,30 @@ class RoundPipe(OptimizerCopiesView):
             )
         if pin_model not in _PIN_MODES:
             raise ValueError(f"pin_model must be one of {_PIN_MODES}, got {pin_model!r}")
-        super().__init__()
-        # `training` is read from and written to the wrapped model like any other attribute.
-        del self.__dict__["training"]
         # list(Sequential) keeps a module that appears twice (children() would drop the repeat).
         layers = list(model) if isinstance(model, nn.Sequential) else [model]
         if not layers:
             raise ValueError("model is an empty nn.Sequential; give it at least one layer")
-        state = self.__dict__
-        state["model"] = model
-        self._modules["model"] = model
-        state["name"] = name if name is not None else _default_name()
-        state["optim_dtype"] = optim_dtype
-        state["model_run_config"] = model_run_config
-        state["pin_model"] = pin_model
-        state["layers"] = layers
-        state["original_model"] = None
-        state["_param_names"] = list(model.named_parameters(remove_duplicate=False))
+        name = name if name is not None else _default_name()
         memory = ModelMemory(layers, pin_model)
-        state["_memory"] = memory
-        state["_timer"] = ModelTimer(
-            len(layers), [layer.param_bytes for layer in memory.layers], state["name"]
+        timer = ModelTimer(len(layers), [layer.param_bytes for layer in memory.layers], name)
+        runtime = _Runtime(
+            memory=memory,
+            timer=timer,
+            runner=LayerRunner(name, layers, memory, timer),
+            gradients=GradientState(memory),
+            steps=StepPipeline(memory, optim_dtype),
+            param_names=list(model.named_parameters(remove_duplicate=False)),
         )
-        state["_runner"] = LayerRunner(state["name"], layers, memory, state["_timer"])
-        state["_plans"] = {}
-        state["_pending"] = []
-        state["_grads_dirty"] = False
-        state["_grads_published"] = False
-        state["_steps"] = StepPipeline(state["_memory"], optim_dtype)
-        state["_anchor"] = torch.empty(0, requires_grad=True)
-        state["_constructed"] = True
-
-    # -- attribute forwarding ----------------------------------------------------------------
-
-    def set_original_model(self, original_model: nn.Module) -> None:
-        """Forward attribute reads and writes to ``original_model`` (e.g. the Hugging Face model
-        that a preset turned into a Sequential)."""
-        self.__dict__["original_model"] = original_model
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            pass
-        state = self.__dict__
-        target = state.get("original_model") or state.get("model")
-        if target is None:
-            raise AttributeError(name)
-        return getattr(target, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if not self.__dict__.get("_constructed"):
-            super().__setattr__(name, value)
-            return
-        for target in self._forwarding_targets():
-            setattr(target, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if not self.__dict__.get("_constructed"):
-            super().__delattr__(name)
-            return
-        for target in self._forwarding_targets():
-            if hasattr(target, name):
-                delattr(target, name)
-
-    def _forwarding_targets(self) -> list[nn.Module]:
-        original = self.__dict__["original_model"]
-        model = self.__dict__["model"]
-        return [model] if original is None or original is model else [original, model]
+        super().__init__(
+            model,
+            name=name,
+            optim_dtype=optim_dtype,
+            model_run_config=model_run_config,
+            pin_model=pin_model,
+            layers=layers,
+            _runtime=runtime,
+        )
 
     # -- parameters --------------------------------------------------------------------------
 
@@ -167,7 +153,7 @@ class RoundPipe(OptimizerCopiesView):
 
         Safe on the optimizer thread while a call runs (the names were recorded at
         construction; the module tree is bound to device copies during a stage)."""
-        copies = self.__dict__["_steps"].copies()
+        copies = self._runtime.steps.copies()
         dotted = f"{prefix}." if prefix else ""
         for name, param in self._trainable_named_parameters(remove_duplicate):
             yield f"{dotted}model.{name}", copies[id(param)]
@@ -177,7 +163,7 @@ class RoundPipe(OptimizerCopiesView):
     def forward(
         self,
         *args: Any,
-        roundpipe_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),  # noqa: B008
+        roundpipe_run_config: RoundPipeRunConfig | None = None,
         **kwargs: Any,
     ) -> Any:
         """Pipelined forward of the batch; the merged output lands on ``output_device``.
@@ -186,32 +172,28 @@ class RoundPipe(OptimizerCopiesView):
         the pipelined recompute + backward, accumulating parameter gradients in host memory.
         """
         config = self._resolve(roundpipe_run_config)
-        self.__dict__["_steps"].raise_if_failed()
+        runtime = self._runtime
+        runtime.steps.raise_if_failed()
         n = config.num_microbatch
         args_list, kwargs_list = split_input(args, kwargs, n, config.split_input)
         inputs = list(zip(args_list, kwargs_list, strict=True))
-        run_type = "train" if config.requires_grad else "infer"
-        plan = self._plan(config, run_type)
-        call = self._new_call(config, saving=config.requires_grad)
+        call = self._new_call(config, "train" if config.requires_grad else "infer")
         call.input_events = packed_events((args, kwargs), n)
-        if config.requires_grad:
-            call.plan_saving(plan.fwd_plan, plan.bwd_plan)
-            self._begin_gradient_call()
-        steps = [Step("forward", stage) for stage in plan.fwd_plan]
         if not config.requires_grad:
             with torch.no_grad():
-                outputs = self._run_forward(call, steps, inputs)
-            return self._finish_outputs(outputs, config)
+                outputs, events = call.forward(inputs, config.output_device)
+            return _merge_or_pack(outputs, events, config)
+        runtime.gradients.begin_call()
         # Inputs that require grad become inputs of the autograd node, so their gradients flow.
         input_leaves = [
             leaf
             for leaf in tree_flatten(inputs)[0]
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad
         ]
-        node = PipelineNode(self, call, plan, steps, inputs, config)
-        flat_outputs = PipelineFunction.apply(node, self.__dict__["_anchor"], *input_leaves)
+        node = PipelineNode(call, runtime.gradients, inputs, config.output_device)
+        flat_outputs = connect(node, runtime.anchor, input_leaves)
         per_microbatch = node.rebuild_outputs(flat_outputs)
-        return self._merge(per_microbatch, config)
+        return _merge_or_pack(per_microbatch, [None] * len(per_microbatch), config)
 
     def forward_backward(
         self,
@@ -220,7 +202,7 @@ class RoundPipe(OptimizerCopiesView):
         label: Any = None,
         loss_fn: Callable[[Any, Any], Any] = lambda outputs, labels: outputs,
         return_outputs: bool = False,
-        run_config: RoundPipeRunConfig = RoundPipeRunConfig(),  # noqa: B008
+        run_config: RoundPipeRunConfig | None = None,
     ) -> Any:
         """Forward, loss and backward of every microbatch, fused into one pipeline.
 
@@ -240,7 +222,8 @@ class RoundPipe(OptimizerCopiesView):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         config = self._resolve(run_config)
-        self.__dict__["_steps"].raise_if_failed()
+        runtime = self._runtime
+        runtime.steps.raise_if_failed()
         if not config.requires_grad:
             raise RuntimeError(
                 "forward_backward computes gradients but requires_grad resolved to False; call it "
@@ -250,34 +233,17 @@ class RoundPipe(OptimizerCopiesView):
         args_list, kwargs_list = split_input(input_args, input_kwargs, n, config.split_input)
         labels = split_label(label, n, config.split_label)
         inputs = list(zip(args_list, kwargs_list, strict=True))
-        plan = self._plan(config, "fused")
-        call = self._new_call(config, saving=True)
+        call = self._new_call(config, "fused")
         call.input_events = packed_events((input_args, input_kwargs), n)
-        call.plan_saving(plan.fwd_plan, plan.bwd_plan[1:])
-        steps = (
-            [Step("forward", stage) for stage in plan.fwd_plan]
-            + [Step("fused", plan.bwd_plan[0])]
-            + [Step("backward", stage) for stage in plan.bwd_plan[1:]]
-        )
-        results: dict[str, Any] = {"values": inputs}
-
-        def body(step: Step, stage: ResidentStage) -> None:
-            if step.kind == "forward":
-                results["values"] = call.forward_step(stage, results["values"])
-            elif step.kind == "fused":
-                losses, outputs, grads = call.fused_step(
-                    stage, results["values"], labels, loss_fn, return_outputs
-                )
-                results.update(losses=losses, outputs=outputs, values=grads)
-            else:
-                results["values"] = call.backward_step(stage, results["values"])
-
-        self._begin_gradient_call()
-        with self._gradient_transaction(call):
-            run_steps(call, steps, body)
-            loss = _sum_losses(results["losses"])
-            outputs = self._finish_outputs(results["outputs"], config) if return_outputs else None
-            backward_into_inputs(inputs, results["values"])
+        with runtime.gradients.accumulating(call):
+            grads = call.forward_backward(
+                inputs, LossSpec(labels, loss_fn, return_outputs), config.output_device
+            )
+            loss = _sum_losses(call.losses)
+            outputs = (
+                _merge_or_pack(call.outputs, call.output_events, config) if return_outputs else None
+            )
+            backward_into_inputs(inputs, grads)
         return (loss, outputs) if return_outputs else loss
 
     def step(
@@ -295,11 +261,9 @@ class RoundPipe(OptimizerCopiesView):
             raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
         if not isinstance(is_async, bool):
             raise TypeError(f"is_async must be a bool, got {type(is_async).__name__}")
-        self._wait_pending()
-        self._absorb_user_grads()
-        self.__dict__["_memory"].fold_alias_grads()
-        self.__dict__["_steps"].step(step_fn, is_async, args, kwargs)
-        self.__dict__["_grads_dirty"] = False
+        runtime = self._runtime
+        with runtime.gradients.handing_over():
+            runtime.steps.step(step_fn, is_async, args, kwargs)
 
     def synchronize(self) -> None:
         """Wait for pending work and publish the accumulated gradients into ``param.grad``.
@@ -307,19 +271,22 @@ class RoundPipe(OptimizerCopiesView):
         Also waits for the optimizer thread and writes the newest weights into the model. The
         gradients stay in the host arena too, so a following ``step()`` still sees them.
         """
-        self._wait_pending()
-        self.__dict__["_steps"].finish()
-        memory = self.__dict__["_memory"]
-        memory.wait_writes()
-        memory.fold_alias_grads()
-        for slot in memory.slots():
-            if slot.grad_offset is not None:
-                slot.param.grad = memory.grad_view(slot)
-        self.__dict__["_grads_published"] = True
+        runtime = self._runtime
+        runtime.gradients.wait_pending()
+        runtime.steps.finish()
+        runtime.gradients.publish()
+
+    def drain(self) -> None:
+        """Finish every pending gradient transfer and optimizer step (new weights written back),
+        without publishing gradients into ``param.grad``."""
+        runtime = self._runtime
+        runtime.gradients.wait_pending()
+        runtime.steps.finish()
+        runtime.memory.wait_writes()
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The model's state after draining pending work (the optimizer thread included), plus
         RoundPipe's own: the optimizer copies (``_roundpipe.optim.<name>``) and gradients
         accumulated but not yet stepped (``_roundpipe.grads``).
@@ -332,7 +299,7 @@ class RoundPipe(OptimizerCopiesView):
             model.load_state_dict(state["model"])  # before creating or loading the optimizer
             optimizer.load_state_dict(state["optimizer"])
         """
-        self._drain()
+        self.drain()
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -345,17 +312,18 @@ class RoundPipe(OptimizerCopiesView):
                 "assign=True would replace the parameters that RoundPipe keeps in its host arena; "
                 "load with assign=False"
             )
-        self._drain()
+        self.drain()
         result = super().load_state_dict(state_dict, strict=strict)
-        self._refresh_copies()
+        self.refresh_copies()
         return result
 
-    def _refresh_copies(self) -> None:
-        """After a load: optimizer copies from the checkpoint's ``_roundpipe.optim.*`` entries,
-        or from the loaded parameters (existing copies only, unless the checkpoint has some)."""
-        state = self.__dict__
-        saved_copies = state.pop("_loaded_copies", {})
-        if saved_copies or state["_steps"].has_copies():
+    def refresh_copies(self) -> None:
+        """Set the optimizer copies after the parameters were loaded: from the checkpoint's
+        ``_roundpipe.optim.*`` entries, or from the loaded parameters (existing copies only,
+        unless the checkpoint has some)."""
+        runtime = self._runtime
+        saved_copies, runtime.loaded_copies = runtime.loaded_copies, {}
+        if saved_copies or runtime.steps.has_copies():
             with torch.no_grad():
                 for (name, copy), (_, param) in zip(
                     self.optim_named_parameters(), self._trainable_named_parameters(), strict=True
@@ -365,19 +333,19 @@ class RoundPipe(OptimizerCopiesView):
     def _own_state(self) -> dict[str, Any]:
         """The optimizer copies (``optim.<name>``) and gradients accumulated but not yet stepped
         (``grads``)."""
-        state = self.__dict__
+        runtime = self._runtime
         entries: dict[str, Any] = {}
-        if state["_steps"].has_copies():
+        if runtime.steps.has_copies():
             for name, copy in self.optim_named_parameters():
                 entries[f"optim.{name}"] = copy.detach().clone()
-        if state["_grads_dirty"]:
-            entries["grads"] = state["_memory"].grads.clone()
+        if runtime.gradients.dirty:
+            entries["grads"] = runtime.memory.grads.clone()
         return entries
 
     def _load_own_state(self, entries: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
-        state = self.__dict__
+        runtime = self._runtime
         grads = entries.get("grads")
-        arena = state["_memory"].grads
+        arena = runtime.memory.grads
         if grads is not None:
             if grads.shape != arena.shape:
                 error_msgs.append(
@@ -387,8 +355,8 @@ class RoundPipe(OptimizerCopiesView):
             else:
                 with torch.no_grad():
                     arena.copy_(grads)
-                state["_grads_dirty"] = True
-        state["_loaded_copies"] = {
+                runtime.gradients.dirty = True
+        runtime.loaded_copies = {
             key.removeprefix("optim."): value
             for key, value in entries.items()
             if key.startswith("optim.")
@@ -399,177 +367,73 @@ class RoundPipe(OptimizerCopiesView):
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """(name, parameter) of every parameter that requires grad, recorded at construction."""
         seen: set[int] = set()
-        for name, param in self.__dict__["_param_names"]:
+        for name, param in self._runtime.param_names:
             if param.requires_grad and not (remove_duplicate and id(param) in seen):
                 seen.add(id(param))
                 yield name, param
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _drain(self) -> None:
-        """Finish every pending transfer and optimizer step (weights written back)."""
-        self._wait_pending()
-        self.__dict__["_steps"].finish()
-        self.__dict__["_memory"].wait_writes()
-
-    def _resolve(self, call_config: RoundPipeRunConfig) -> ResolvedRunConfig:
+    def _resolve(self, call_config: RoundPipeRunConfig | None) -> ResolvedRunConfig:
+        if call_config is None:
+            call_config = RoundPipeRunConfig()
         if not isinstance(call_config, RoundPipeRunConfig):
             raise TypeError(
                 f"run config must be a RoundPipeRunConfig, got {type(call_config).__name__}"
             )
-        return resolve_run_config(call_config, self.__dict__["model_run_config"])
+        return resolve_run_config(call_config, self.model_run_config)
 
-    def _plan(self, config: ResolvedRunConfig, run_type: str) -> ModelExecutePlan:
+    def _plan(self, config: ResolvedRunConfig, run_type: RunType) -> ModelExecutePlan:
         """The call's plan: the explicit one (validated), or an automatic one that is re-planned
         only when the layer timings or the device pool changed."""
-        state = self.__dict__
+        runtime = self._runtime
         plan = config.execute_plan
         if plan is not None:
-            plan.validate(len(state["layers"]), run_type)  # type: ignore[arg-type]
+            plan.validate(len(self.layers), run_type)
             return plan
         key = (run_type, device_count())
-        version = state["_timer"].version
-        cached = state["_plans"].get(key)
+        version = runtime.timer.version
+        cached = runtime.plans.get(key)
         if cached is None or cached[0] != version:
-            cached = (version, ModelExecutePlan.auto(run_type, self))
-            state["_plans"][key] = cached
+            auto = ModelExecutePlan.auto(run_type, self)
+            assert isinstance(auto, ModelExecutePlan)  # one model, one plan
+            cached = (version, auto)
+            runtime.plans[key] = cached
         return cached[1]
 
     def _layer_profile(self) -> LayerProfile:
         """Per-layer time estimates and device memory, for ``ModelExecutePlan.auto``."""
-        layers = self.__dict__["_memory"].layers
-        return self.__dict__["_timer"].profile(
+        runtime = self._runtime
+        layers = runtime.memory.layers
+        return runtime.timer.profile(
             [layer.param_bytes for layer in layers],
             [layer.param_bytes + layer.grad_bytes for layer in layers],
         )
 
-    def _new_call(self, config: ResolvedRunConfig, saving: bool) -> Call:
-        """A call about to run (arguments validated): shared parameters are refreshed first."""
-        self.__dict__["_memory"].sync_aliases()
+    def _new_call(self, config: ResolvedRunConfig, run_type: RunType) -> Call:
+        """A call about to run (arguments validated, plan chosen); shared parameters are
+        refreshed first."""
+        plan = self._plan(config, run_type)
+        self._runtime.memory.sync_aliases()
         return Call(
-            self.__dict__["_runner"],
+            self._runtime.runner,
+            plan,
+            run_type,
             config.num_microbatch,
             config.recompute_grain,
             config.preserve_rng_state,
-            saving,
         )
 
-    def _run_forward(self, call: Call, steps: list[Step], inputs: list[Any]) -> list[Any]:
-        values: dict[str, list[Any]] = {"values": inputs}
 
-        def body(step: Step, stage: ResidentStage) -> None:
-            values["values"] = call.forward_step(stage, values["values"])
-
-        run_steps(call, steps, body)
-        return values["values"]
-
-    def _finish_outputs(self, outputs: list[Any], config: ResolvedRunConfig) -> Any:
-        """Move per-microbatch outputs to ``output_device``, then merge or pack them."""
-        moved, events = [], []
-        for value in outputs:
-            value, event = self._to_output_device(value, config.output_device)
-            moved.append(value)
-            events.append(event)
-        if config.merge_output is False:
-            return pack_output(moved, events)
-        for event in events:
-            if event is not None:
-                event.synchronize()
-        return merge_output(moved, config.merge_output)
-
-    def _merge(self, outputs: list[Any], config: ResolvedRunConfig) -> Any:
-        if config.merge_output is False:
-            return pack_output(outputs, [None] * len(outputs))
-        return merge_output(outputs, config.merge_output)
-
-    @staticmethod
-    def _to_output_device(value: Any, device: torch.device) -> tuple[Any, Any]:
-        if device.type == "cpu":
-            return to_host(value, _device_of(value))
-        return tree_map(
-            lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, value
-        ), None
-
-    def _begin_gradient_call(self) -> None:
-        """Before a call that accumulates gradients: finish the previous call's accumulation and
-        take over gradients the user changed after ``synchronize()``."""
-        self._wait_pending()
-        self._absorb_user_grads()
-
-    def _absorb_user_grads(self) -> None:
-        """Gradients published by ``synchronize()`` go back into the arena as the user left them:
-        cleared (``None``) means zero, a replaced tensor is copied in, views are kept."""
-        state = self.__dict__
-        if not state["_grads_published"]:
-            return
-        memory = state["_memory"]
-        dirty = False
-        with torch.no_grad():
-            for slot in memory.slots():
-                if slot.grad_offset is None:
-                    continue
-                view = memory.grad_view(slot)
-                grad = slot.param.grad
-                if grad is None:
-                    view.zero_()
-                elif grad.data_ptr() != view.data_ptr():
-                    view.copy_(grad)
-                    dirty = True
-                else:
-                    dirty = True
-                slot.param.grad = None
-        state["_grads_published"] = False
-        state["_grads_dirty"] = dirty
-
-    def _gradient_transaction(self, call: Call) -> _GradientTransaction:
-        return _GradientTransaction(self, call)
-
-    def _wait_pending(self) -> None:
-        pending = self.__dict__["_pending"]
-        try:
-            while pending:
-                pending[0].synchronize()
-                pending.pop(0)
-        finally:
-            pending.clear()
-
-
-def _device_of(value: Any) -> int:
-    for leaf in tree_flatten(value)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
-            return leaf.device.index
-    return 0
-
-
-class _GradientTransaction:
-    """Keeps the host gradients consistent when a call fails half-way: the gradients it already
-    accumulated are rolled back, so the next call trains as if the failed one never ran."""
-
-    def __init__(self, model: RoundPipe, call: Call) -> None:
-        self.model, self.call = model, call
-        state = model.__dict__
-        self.backup = state["_memory"].grads.clone() if state["_grads_dirty"] else None
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, error_type: type[BaseException] | None, *exc: object) -> None:
-        state = self.model.__dict__
-        pending = self.call.pending
-        if error_type is None:
-            state["_pending"].extend(pending)
-            state["_grads_dirty"] = True
-            return
-        for event in pending:
-            try:
-                event.synchronize()
-            except Exception:  # the call's own error is what the caller needs
-                pass
-        grads = state["_memory"].grads
-        if self.backup is None:
-            grads.zero_()
-        else:
-            grads.copy_(self.backup)
+def _merge_or_pack(outputs: list[Any], events: list[Any], config: ResolvedRunConfig) -> Any:
+    """Per-microbatch outputs (on ``output_device``, their copies' events) merged, or packed
+    with the events for a downstream RoundPipe to wait on."""
+    if config.merge_output is False:
+        return pack_output(outputs, events)
+    for event in events:
+        if event is not None:
+            event.synchronize()
+    return merge_output(outputs, config.merge_output)
 
 
 def __getattr__(name: str) -> Any:

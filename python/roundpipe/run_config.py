@@ -46,7 +46,8 @@ def _check_output_device(value: Any) -> torch.device | None:
 def _check_recompute_grain(value: Any) -> RecomputeGrain | None:
     if value is not None and value not in _RECOMPUTE_GRAINS:
         raise ValueError(f"recompute_grain must be 'stage', 'layer' or None, got {value!r}")
-    return value
+    grain: RecomputeGrain | None = value
+    return grain
 
 
 def _check_num_microbatch(value: Any) -> int | None:
@@ -174,7 +175,8 @@ class RoundPipeRunConfig:
         execute_plan: ModelExecutePlan | None = None,
     ) -> None:
         self.requires_grad = requires_grad
-        self.output_device = output_device
+        # Normalised here already (to a torch.device) so the field has its stored type.
+        self.output_device = _check_output_device(output_device)
         self.preserve_rng_state = preserve_rng_state
         self.recompute_grain = recompute_grain
         self.num_microbatch = num_microbatch

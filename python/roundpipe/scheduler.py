@@ -72,13 +72,13 @@ class ModelExecutePlan:
             return NotImplemented
         return self.fwd_plan == other.fwd_plan and self.bwd_plan == other.bwd_plan
 
-    __hash__ = None  # type: ignore[assignment]  # mutable
+    # Defining __eq__ leaves __hash__ None: a plan is mutable, hence unhashable.
 
     def validate(self, num_layers: int, run_type: RunType) -> None:
         """Check that this plan can run a model of ``num_layers`` layers as ``run_type``.
 
-        Rules (SPEC 2.4): stages are non-empty ranges with step 1; forward stages ascend
-        contiguously from layer 0 and backward stages descend contiguously. ``"infer"`` and
+        Rules (docs/guide.md, section 5): stages are non-empty ranges with step 1; forward stages
+        ascend contiguously from layer 0 and backward stages descend contiguously. ``"infer"`` and
         ``"train"`` forward stages cover every layer; ``"train"`` backward stages cover every layer
         from the top down (``"infer"`` may leave ``bwd_plan`` empty). A ``"fused"`` plan's forward
         stages cover ``[0, k)``, ``bwd_plan[0]`` is exactly ``range(k, num_layers)`` and the other
@@ -193,36 +193,64 @@ class ModelExecutePlan:
         profiles = [_checked_profile(model, index) for index, model in enumerate(models)]
         limit = _fit_memory_limit(run_type, models, profiles, float(model_memory_limit))
         num_devices = device.device_count()
-        result = _C.plan_stages(
-            run_type,
-            [
-                (
-                    [float(x) for x in p.forward_seconds],
-                    [float(x) for x in p.recompute_seconds],
-                    [float(x) for x in p.backward_seconds],
-                    [float(x) for x in p.forward_bytes],
-                    [float(x) for x in p.backward_bytes],
-                )
-                for p in profiles
-            ],
-            min_stages,
-            float(upper_threshold),
-            limit * GIB / 2,
-            num_devices,
-            num_devices + 1,
-            ASSUMED_UPLOAD_BYTES_PER_SECOND[device.device_kind()],
+        result = _parse_planner_result(
+            _C.plan_stages(
+                run_type,
+                [
+                    (
+                        [float(x) for x in p.forward_seconds],
+                        [float(x) for x in p.recompute_seconds],
+                        [float(x) for x in p.backward_seconds],
+                        [float(x) for x in p.forward_bytes],
+                        [float(x) for x in p.backward_bytes],
+                    )
+                    for p in profiles
+                ],
+                min_stages,
+                float(upper_threshold),
+                limit * GIB / 2,
+                num_devices,
+                num_devices + 1,
+                ASSUMED_UPLOAD_BYTES_PER_SECOND[device.device_kind()],
+            )
         )
         plans: list[ModelExecutePlan] = []
-        for index, (forward, backward) in enumerate(result["plans"]):  # type: ignore[misc]
+        for index, (forward, backward) in enumerate(result.stages):
             plan = cls()
-            plan.fwd_plan = [range(begin, end) for begin, end in forward]
-            plan.bwd_plan = [range(begin, end) for begin, end in backward]
-            plan.predicted_time = float(result["predicted_seconds"])  # type: ignore[arg-type]
+            plan.fwd_plan = forward
+            plan.bwd_plan = backward
+            plan.predicted_time = result.predicted_seconds
             is_last = index == len(models) - 1
             model_run_type: RunType = "train" if run_type == "fused" and not is_last else run_type
             plan.validate(len(profiles[index].forward_seconds), model_run_type)
             plans.append(plan)
         return plans[0] if len(plans) == 1 else plans
+
+
+@dataclass(frozen=True)
+class _PlannerResult:
+    """The native planner's answer: per model, its forward and backward stages, and the
+    simulated seconds of one iteration of all the models."""
+
+    stages: list[tuple[list[range], list[range]]]
+    predicted_seconds: float
+
+
+def _parse_planner_result(result: dict[str, object]) -> _PlannerResult:
+    """Type the dictionary ``_C.plan_stages`` returns (its layout is in ``_C.pyi``)."""
+    plans = result["plans"]
+    predicted = result["predicted_seconds"]
+    assert isinstance(plans, list) and isinstance(predicted, (int, float))
+    return _PlannerResult(
+        [
+            (
+                [range(begin, end) for begin, end in forward],
+                [range(begin, end) for begin, end in backward],
+            )
+            for forward, backward in plans
+        ],
+        float(predicted),
+    )
 
 
 def default_model_memory_limit() -> float:

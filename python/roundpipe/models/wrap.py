@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from roundpipe.context import OptimizerCopiesView, OptimizerCtx
+from roundpipe.context import OptimizerCtx
+from roundpipe.forwarding import ForwardingModule
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 
@@ -34,9 +36,10 @@ def _has_own_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-def _chained_config(config: RoundPipeRunConfig) -> RoundPipeRunConfig:
+def _chained_config(config: RoundPipeRunConfig | None) -> RoundPipeRunConfig:
     """``config`` with ``merge_output=False`` (unless set): the output of a chained ModuleList
     element stays packed per microbatch and goes straight into the next element's pipeline."""
+    config = RoundPipeRunConfig() if config is None else config
     fields = {name: getattr(config, name) for name in RoundPipeRunConfig.__slots__}
     if fields["merge_output"] is None:
         fields["merge_output"] = False
@@ -52,7 +55,7 @@ class _Converter:
         upper_threshold: int | None,
         skip_modules: SkipModules,
         override_config: dict[str, dict[str, Any]],
-        model_run_config: RoundPipeRunConfig,
+        model_run_config: RoundPipeRunConfig | None,
         name: str,
         roundpipe_kwargs: dict[str, Any],
     ) -> None:
@@ -142,7 +145,20 @@ def _no_step() -> None:
     """The step of a part whose optimizer copies the shared ``step_fn`` updates."""
 
 
-class AutoRoundPipe(OptimizerCopiesView):
+@dataclass
+class _GlueState:
+    """The runtime of an AutoRoundPipe: the host glue's parameters and their optimizer copies,
+    and whether a step carried by the last part is still to be finished."""
+
+    params: list[tuple[str, nn.Parameter]]
+    optim_dtype: torch.dtype | None
+    copies: dict[int, nn.Parameter] | None = None
+    step_due: bool = False
+    # The glue's optimizer copies read by load_state_dict, applied once the parameters are loaded.
+    loaded: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class AutoRoundPipe(ForwardingModule):
     """A model whose large parts run as RoundPipes while its own ``forward`` runs on the host.
 
     Built by :func:`wrap_model_to_roundpipe` for models that cannot be one ``nn.Sequential``.
@@ -154,8 +170,12 @@ class AutoRoundPipe(OptimizerCopiesView):
     There is no ``forward_backward``: the host code between the parts separates their
     pipelines, so there is no single pipeline to fuse (see the error it raises).
 
-    Attribute reads and writes the wrapper does not define go to the wrapped model.
+    Attribute reads and writes the wrapper does not define go to the wrapped model (and to the
+    one given to ``set_original_model``), as on a ``RoundPipe``.
     """
+
+    parts: list[tuple[str, RoundPipe]]
+    _runtime: _GlueState
 
     _own_state_prefix = "_roundpipe.glue."  # the host glue's optimizer copies
 
@@ -165,39 +185,17 @@ class AutoRoundPipe(OptimizerCopiesView):
         parts: Sequence[tuple[str, RoundPipe]],
         optim_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        del self.__dict__["training"]  # read from and written to the wrapped model
-        state = self.__dict__
-        state["model"] = model
-        self._modules["model"] = model
-        state["parts"] = list(parts)
         part_params = {id(p) for _, part in parts for p in part.model.parameters()}
-        state["_glue"] = [
+        glue = [
             (name, param)
             for name, param in model.named_parameters()
             if id(param) not in part_params and param.requires_grad
         ]
-        state["_optim_dtype"] = optim_dtype
-        state["_glue_copies"] = None
-        state["_step_due"] = False
-        state["_constructed"] = True
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            pass
-        return getattr(self.__dict__["model"], name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if self.__dict__.get("_constructed"):
-            setattr(self.__dict__["model"], name, value)
-        else:
-            super().__setattr__(name, value)
+        super().__init__(model, parts=list(parts), _runtime=_GlueState(glue, optim_dtype))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward (its RoundPipe parts run pipelined)."""
-        return self.__dict__["model"](*args, **kwargs)
+        return self.model(*args, **kwargs)
 
     def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
         """Not available on an AutoRoundPipe; raises ``NotImplementedError`` saying why."""
@@ -211,14 +209,14 @@ class AutoRoundPipe(OptimizerCopiesView):
     # -- parameters --------------------------------------------------------------------------
 
     def _glue_copy_map(self) -> dict[int, nn.Parameter]:
-        state = self.__dict__
-        if state["_glue_copies"] is None:
-            dtype = state["_optim_dtype"]
-            state["_glue_copies"] = {
+        glue = self._runtime
+        if glue.copies is None:
+            dtype = glue.optim_dtype
+            glue.copies = {
                 id(param): nn.Parameter(param.detach().to(dtype or param.dtype, copy=True))
-                for _, param in state["_glue"]
+                for _, param in glue.params
             }
-        return state["_glue_copies"]
+        return glue.copies
 
     def optim_named_parameters(
         self, prefix: str = "", remove_duplicate: bool = True
@@ -226,10 +224,10 @@ class AutoRoundPipe(OptimizerCopiesView):
         """Named optimizer copies of every trainable parameter: each part's (named after the
         part's path) and the host glue's."""
         lead = f"{prefix}." if prefix else ""
-        for path, part in self.__dict__["parts"]:
+        for path, part in self.parts:
             yield from part.optim_named_parameters(f"{lead}{path}", remove_duplicate)
         copies = self._glue_copy_map()
-        for name, param in self.__dict__["_glue"]:
+        for name, param in self._runtime.params:
             yield f"{lead}{name}", copies[id(param)]
 
     # -- optimizer ---------------------------------------------------------------------------
@@ -263,14 +261,14 @@ class AutoRoundPipe(OptimizerCopiesView):
             with OptimizerCtx():
                 step_fn(*args, **kwargs)
 
-        parts = [part for _, part in self.__dict__["parts"]]
+        parts = [part for _, part in self.parts]
         if not parts:
             job()
             self._write_back_glue()
             return
         for part in parts[:-1]:
             part.step(_no_step)
-        self.__dict__["_step_due"] = True
+        self._runtime.step_due = True
         parts[-1].step(job)
         if not is_async:
             self._finish_step()
@@ -279,12 +277,12 @@ class AutoRoundPipe(OptimizerCopiesView):
         """Wait for the optimizer, publish the newest weights into every parameter and the
         accumulated gradients into the parts' ``param.grad`` (the glue's are there already)."""
         self._finish_step()
-        for _, part in self.__dict__["parts"]:
+        for _, part in self.parts:
             part.synchronize()
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's state (``model.<name>``) after draining pending work (every part's
         and the glue's new weights written back), with each part's own entries and the glue's
         optimizer copies (``_roundpipe.glue.<name>``), so a resumed run continues exactly."""
@@ -300,30 +298,30 @@ class AutoRoundPipe(OptimizerCopiesView):
                 "load with assign=False"
             )
         self._finish_step()
-        parts = [part for _, part in self.__dict__["parts"]]
+        parts = [part for _, part in self.parts]
         for part in parts:
-            part._drain()  # gradient transfers may still be landing in the arenas
+            part.drain()  # gradient transfers may still be landing in the arenas
         result = super().load_state_dict(state_dict, strict=strict)
         for part in parts:
-            part._refresh_copies()
-        state = self.__dict__
-        saved_copies = state.pop("_loaded_glue", {})
-        if saved_copies or state["_glue_copies"] is not None:
+            part.refresh_copies()
+        glue = self._runtime
+        saved_copies, glue.loaded = glue.loaded, {}
+        if saved_copies or glue.copies is not None:
             copies = self._glue_copy_map()
             with torch.no_grad():
-                for name, param in state["_glue"]:
+                for name, param in glue.params:
                     copies[id(param)].copy_(saved_copies.get(name, param))
         return result
 
     def _own_state(self) -> dict[str, Any]:
         """The host glue's optimizer copies, by parameter name (the parts save their own)."""
-        copies = self.__dict__["_glue_copies"]
-        if copies is None:
+        glue = self._runtime
+        if glue.copies is None:
             return {}
-        return {name: copies[id(param)].detach().clone() for name, param in self.__dict__["_glue"]}
+        return {name: glue.copies[id(param)].detach().clone() for name, param in glue.params}
 
     def _load_own_state(self, entries: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
-        self.__dict__["_loaded_glue"] = entries
+        self._runtime.loaded = entries
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -331,7 +329,7 @@ class AutoRoundPipe(OptimizerCopiesView):
         """The glue's gradients of this iteration, removed from the parameters so the next
         iteration accumulates afresh while the optimizer works."""
         grads = []
-        for _, param in self.__dict__["_glue"]:
+        for _, param in self._runtime.params:
             if param.grad is not None:
                 grads.append((id(param), param.grad))
                 param.grad = None
@@ -340,11 +338,11 @@ class AutoRoundPipe(OptimizerCopiesView):
     def _finish_step(self) -> None:
         """Wait for the pending ``step_fn`` (carried by the last part) and write every part's and
         the glue's new weights back."""
-        state = self.__dict__
-        if not state["_step_due"]:
+        glue = self._runtime
+        if not glue.step_due:
             return
-        state["_step_due"] = False
-        parts = [part for _, part in state["parts"]]
+        glue.step_due = False
+        parts = [part for _, part in self.parts]
         # The last part's job runs step_fn after every other part's hand-over: once it is done,
         # every optimizer copy is final and each part may write its copies back.
         for part in reversed(parts):
@@ -354,7 +352,7 @@ class AutoRoundPipe(OptimizerCopiesView):
     def _write_back_glue(self) -> None:
         copies = self._glue_copy_map()
         with torch.no_grad():
-            for _, param in self.__dict__["_glue"]:
+            for _, param in self._runtime.params:
                 param.copy_(copies[id(param)])
 
 
@@ -365,7 +363,7 @@ def wrap_model_to_roundpipe(
     upper_threshold: int | None = None,
     skip_modules: SkipModules = (),
     override_config: dict[str, dict[str, Any]] | None = None,
-    model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),  # noqa: B008
+    model_run_config: RoundPipeRunConfig | None = None,
     name: str | None = None,
     **roundpipe_kwargs: Any,
 ) -> RoundPipe | AutoRoundPipe:
@@ -399,7 +397,7 @@ def wrap_model_to_roundpipe(
         upper_threshold: parameter count up to which a module is wrapped whole.
         skip_modules: module paths or classes to keep on the host as they are.
         override_config: per-path RoundPipe keyword arguments (forces that path into one part).
-        model_run_config: the run config of every part.
+        model_run_config: the run config of every part (default: each part its own, empty one).
         name: base name of the parts in logs and errors (default ``<class name>``).
         **roundpipe_kwargs: further ``RoundPipe`` arguments (``optim_dtype``, ``pin_model``).
 
@@ -435,7 +433,12 @@ def wrap_model_to_roundpipe(
         if preset is not None:
             logger.info("roundpipe: wrapping %s with the %s preset", type(model).__name__, preset)
             return preset.wrap(
-                model, model_run_config=model_run_config, name=name, **roundpipe_kwargs
+                model,
+                model_run_config=RoundPipeRunConfig()
+                if model_run_config is None
+                else model_run_config,
+                name=name,
+                **roundpipe_kwargs,
             )
         if use_sequential_preset:
             raise NotImplementedError(

@@ -37,7 +37,8 @@ def find_preset(model: nn.Module) -> DecoderFamily | None:
         module_name = _FAMILY_MODULES.get(cls.__name__)
         if module_name is not None:
             module = importlib.import_module(f"roundpipe.models.presets.{module_name}")
-            return module.FAMILY
+            family: DecoderFamily = module.FAMILY
+            return family
     return None
 
 

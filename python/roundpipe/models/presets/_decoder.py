@@ -95,14 +95,15 @@ class DecoderFamily:
     def build(self, model: nn.Module, loss_chunk_size: int | None = None) -> nn.Sequential:
         """The equivalent ``nn.Sequential(prefix, *decoder_layers, postfix)`` of ``model``; it
         shares the model's modules (and so its parameters)."""
-        config = model.config
+        hf: Any = model  # a Hugging Face causal LM, whose attributes torch's typing cannot see
+        config = hf.config
         if getattr(config, "output_router_logits", False):
             raise NotImplementedError(
                 f"the {self.name} preset does not compute the router auxiliary loss; set "
                 "model.config.output_router_logits = False, or wrap with "
                 "use_sequential_preset=False"
             )
-        backbone = model.model
+        backbone = hf.model
         count = config.num_hidden_layers
         kinds = self.layer_mask_kinds(config)[:count]
         prefix = DecoderPrefix(self, config, backbone.embed_tokens, backbone.rotary_emb, kinds)
@@ -111,12 +112,12 @@ class DecoderFamily:
             DecoderLayerStage(layer, kind)
             for layer, kind in zip(decoder_layers, kinds, strict=True)
         ]
-        postfix = CausalLMPostfix(self, config, backbone.norm, model.lm_head, loss_chunk_size)
-        postfix.loss_function = model.loss_function
+        postfix = CausalLMPostfix(self, config, backbone.norm, hf.lm_head, loss_chunk_size)
+        postfix.loss_function = hf.loss_function
         return nn.Sequential(prefix, *layers, postfix)
 
 
-class MicrobatchOutput(dict):
+class MicrobatchOutput(dict[str, Any]):
     """The postfix's output for one microbatch: ``loss`` and ``logits`` as items and attributes.
 
     Unlike a Hugging Face ``ModelOutput`` it keeps ``None`` entries when rebuilt from its
@@ -279,6 +280,7 @@ class CausalLMPostfix(nn.Module):
         hidden, context = state
         hidden = self.norm(hidden)
         labels, num_items = context["labels"], context["num_items_in_batch"]
+        loss: torch.Tensor | None
         if labels is not None and self.loss_chunk_size is not None:
             loss = chunked_causal_lm_loss(
                 hidden, self.lm_head, labels, num_items, self.loss_chunk_size

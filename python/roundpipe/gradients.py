@@ -1,0 +1,120 @@
+"""The host gradient state of one model: what its calls accumulated and what is still landing.
+
+Gradients accumulate in the model's host arena across calls until a ``step()`` takes them.
+This object keeps that consistent: it waits for a call's transfers before the next one (or a
+step) uses the arena, rolls back what a failed call accumulated, and takes back gradients that
+``synchronize()`` published into ``param.grad`` as the user left them. The model owns it; the
+autograd node of a ``forward()`` is handed it for the backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from roundpipe.memory import ModelMemory
+
+if TYPE_CHECKING:
+    from roundpipe.pipeline import Call
+
+
+class GradientState:
+    """Pending gradient transfers and the arena's published/dirty flags of one model."""
+
+    def __init__(self, memory: ModelMemory) -> None:
+        self.memory = memory
+        self.pending: list[Any] = []  # events of gradient transfers into the arena
+        # The arena holds gradients not yet stepped (saved in checkpoints).
+        self.dirty = False
+        # synchronize() put views of the arena into param.grad; the user may have changed them.
+        self.published = False
+
+    def wait_pending(self) -> None:
+        """Wait for every gradient transfer of earlier calls; the first error is raised and the
+        rest are dropped."""
+        pending = self.pending
+        try:
+            while pending:
+                pending[0].synchronize()
+                pending.pop(0)
+        finally:
+            pending.clear()
+
+    def begin_call(self) -> None:
+        """Before a call that accumulates gradients: finish the previous call's accumulation and
+        take over gradients the user changed after ``synchronize()``."""
+        self.wait_pending()
+        self._absorb_user_grads()
+
+    @contextmanager
+    def accumulating(self, call: Call) -> Iterator[None]:
+        """Around the stages of ``call`` that accumulate gradients. On success the call's
+        transfers become pending; on failure they are waited for and the gradients it already
+        accumulated are rolled back, so the next call trains as if the failed one never ran."""
+        self.begin_call()
+        backup = self.memory.grads.clone() if self.dirty else None
+        try:
+            yield
+        except BaseException:
+            for event in call.pending:
+                try:
+                    event.synchronize()
+                except Exception:  # the call's own error is what the caller needs
+                    pass
+            if backup is None:
+                self.memory.grads.zero_()
+            else:
+                self.memory.grads.copy_(backup)
+            raise
+        self.pending.extend(call.pending)
+        self.dirty = True
+
+    @contextmanager
+    def handing_over(self) -> Iterator[None]:
+        """Around handing the arena to an optimizer step: complete and folded before, clean
+        after a successful hand-over."""
+        self.wait_pending()
+        self._absorb_user_grads()
+        self.memory.fold_alias_grads()
+        yield
+        self.dirty = False
+
+    def publish(self) -> None:
+        """Views of the arena into ``param.grad`` (transfers already waited for)."""
+        memory = self.memory
+        memory.wait_writes()
+        memory.fold_alias_grads()
+        for slot in memory.slots():
+            if slot.grad_offset is not None:
+                slot.param.grad = memory.grad_view(slot)
+        self.published = True
+
+    def _absorb_user_grads(self) -> None:
+        """Gradients published by ``synchronize()`` go back into the arena as the user left them:
+        cleared (``None``) means zero, a replaced tensor is copied in, views are kept."""
+        if not self.published:
+            return
+        memory = self.memory
+        dirty = False
+        with torch.no_grad():
+            for slot in memory.slots():
+                if slot.grad_offset is None:
+                    continue
+                view = memory.grad_view(slot)
+                grad = slot.param.grad
+                if grad is None:
+                    view.zero_()
+                elif grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                    dirty = True
+                else:
+                    dirty = True
+                slot.param.grad = None
+        self.published = False
+        self.dirty = dirty
+
+
+__all__ = ["GradientState"]
