@@ -22,12 +22,14 @@ from roundpipe.models import wrap_model_to_roundpipe
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.scheduler import ModelExecutePlan
+from roundpipe.timer import ModelTimer
 
 __version__: str = str(BUILD_INFO["version"])
 
 __all__ = [
     "GradScaler",
     "ModelExecutePlan",
+    "ModelTimer",
     "OptimizerCtx",
     "RoundPipe",
     "RoundPipePackedData",
