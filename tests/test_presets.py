@@ -144,38 +144,96 @@ def test_preset_matches_the_unwrapped_model(
 
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
 @pytest.mark.parametrize("num_microbatch", [1, 3])
+@pytest.mark.parametrize("mode", ["forward", "forward_backward"])
 def test_chunked_head_and_cross_entropy_match_without_logits(
-    num_devices: int, family: str, num_microbatch: int
+    num_devices: int, family: str, num_microbatch: int, mode: str
 ) -> None:
     # Contract: loss_chunk_size changes memory, not the per-microbatch Hugging Face loss.
+    reference, wrapped = make_pair(family, loss_chunk_size=5)
+    batch = make_batch(padding=True)
+    expected = reference_loss(reference, batch, num_microbatch)
+    config = RoundPipeRunConfig(num_microbatch=num_microbatch)
+    if mode == "forward":
+        output = wrapped(**batch, roundpipe_run_config=config)
+        assert output.logits is None
+        output.loss.backward()
+        loss = output.loss.detach()
+    else:
+        loss = wrapped.forward_backward(
+            input_kwargs=batch,
+            loss_fn=lambda out, _: out.loss / num_microbatch,
+            run_config=config,
+        )
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert_same_grads(reference, wrapped)
+
+
+def test_inference_without_labels_returns_logits() -> None:
+    reference, wrapped = make_pair("qwen3")
+    batch = make_batch(padding=True)
+    del batch["labels"]
+    with torch.no_grad():
+        output = wrapped(**batch, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=2))
+        expected = reference(**batch)
+    assert output.loss is None
+    torch.testing.assert_close(output.logits, expected.logits, rtol=1e-4, atol=1e-5)
+
+
+def test_attributes_go_to_the_original_model(tmp_path: Path) -> None:
+    reference, wrapped = make_pair("llama")
+    original = wrapped.original_model
+    assert type(original).__name__ == "LlamaForCausalLM"
+    assert wrapped.config is original.config
+    assert wrapped.vocab_size == VOCAB
+    wrapped.custom_flag = 3
+    assert original.custom_flag == 3
+    # The Sequential shares the original's parameters, so saving the original saves training.
+    with torch.no_grad():
+        wrapped.model[0].embed_tokens.weight.add_(1.0)
+    wrapped.save_pretrained(tmp_path)
+    reloaded = type(reference).from_pretrained(tmp_path)
+    torch.testing.assert_close(
+        reloaded.model.embed_tokens.weight, reference.model.embed_tokens.weight + 1.0
+    )
+
+
+def test_preset_is_logged_and_can_be_refused(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    with caplog.at_level("INFO", logger="roundpipe"):
+        wrap_model_to_roundpipe(FAMILIES["qwen3"]())
+    assert [r.message for r in caplog.records if "preset" in r.message] == [
+        "roundpipe: wrapping Qwen3ForCausalLM with the Qwen3 sequential preset"
+    ]
+    recursive = wrap_model_to_roundpipe(FAMILIES["qwen3"](), use_sequential_preset=False)
+    assert type(recursive).__name__ == "AutoRoundPipe"
+
+
+def test_demanding_a_missing_preset_raises() -> None:
+    with pytest.raises(NotImplementedError, match="no sequential preset for Sequential"):
+        wrap_model_to_roundpipe(nn.Sequential(nn.Linear(2, 2)), use_sequential_preset=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_tied_embeddings_match_the_unwrapped_model(num_devices: int, family: str) -> None:
+    """lm_head shares embed_tokens' weight across the first and the last layer."""
     torch.manual_seed(0)
     names = {
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-        "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
-    }
-    extra = {
-        "qwen3": {"intermediate_size": 64},
-        "gpt_oss": {
-            "intermediate_size": 64,
-            "num_local_experts": 4,
-            "num_experts_per_tok": 2,
-            "sliding_window": 4,
-            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-        },
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
     }
     config_name, model_name = names[family]
     config = getattr(transformers, config_name)(
-        **{**SHAPE, "tie_word_embeddings": True, **extra[family]}
+        **{**SHAPE, "tie_word_embeddings": True, "intermediate_size": 64}
     )
     reference = getattr(transformers, model_name)(config)
     assert reference.lm_head.weight is reference.model.embed_tokens.weight
-    wrapped = wrap_model_to_roundpipe(copy.deepcopy(reference), loss_chunk_size=5)
+    wrapped = wrap_model_to_roundpipe(copy.deepcopy(reference))
     batch = make_batch(padding=True)
-    expected = reference_loss(reference, batch, num_microbatch)
+    expected = reference_loss(reference, batch, 3)
     loss = wrapped.forward_backward(
         input_kwargs=batch,
-        loss_fn=lambda out, _: out.loss / num_microbatch,
-        run_config=RoundPipeRunConfig(num_microbatch=num_microbatch),
+        loss_fn=lambda out, _: out.loss / 3,
+        run_config=RoundPipeRunConfig(num_microbatch=3),
     )
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     assert_same_grads(reference, wrapped)
@@ -263,14 +321,13 @@ def test_preset_on_cuda_in_bf16(family: str) -> None:
     reference.cuda()
     bf16_wrapped = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
     batch = make_batch(padding=True)
-    expected = reference(**{k: v.cuda() for k, v in batch.items()})
-    expected.loss.backward()
+    expected = reference_loss(reference, {k: v.cuda() for k, v in batch.items()}, 2)
     loss = bf16_wrapped.forward_backward(
         input_kwargs=batch,
-        loss_fn=lambda out, _: out.loss,
+        loss_fn=lambda out, _: out.loss / 2,
         run_config=RoundPipeRunConfig(num_microbatch=2),
     )
-    expected_loss = expected.loss.detach().float().cpu()
+    expected_loss = expected.float().cpu()
     torch.testing.assert_close(loss.float(), expected_loss, rtol=3e-2, atol=3e-2)
     bf16_wrapped.synchronize()
     ours = dict(bf16_wrapped.original_model.named_parameters())
