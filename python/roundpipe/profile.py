@@ -28,7 +28,7 @@ def _nvtx_package() -> ModuleType | None:
     return nvtx
 
 
-class annotate(contextlib.ContextDecorator):  # noqa: N801 (the 0.1.1 name, used as a function)
+class annotate(contextlib.ContextDecorator):  # lower case: the 0.1.1 name, used like a function
     """An NVTX range named ``name`` around a ``with`` block or a decorated function.
 
     A no-op without CUDA. Whether the range is emitted is decided when the annotation is
