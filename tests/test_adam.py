@@ -345,14 +345,11 @@ def test_invalid_hyper_parameters(kwargs: dict[str, object], error: type, fragme
 
 
 def test_invalid_tensors_are_rejected_before_any_group_is_updated() -> None:
-    with pytest.raises(ValueError, match="float32 CPU parameters"):
-        Adam([torch.zeros(3, dtype=torch.bfloat16)])
+    # A host optimizer: a parameter on another device is misuse (meta stands in for CUDA here).
+    with pytest.raises(ValueError, match="updates CPU parameters"):
+        Adam([torch.zeros(3, device="meta")])
     first, second = torch.zeros(4), torch.zeros(4)
     optimizer = Adam([{"params": [first]}, {"params": [second]}])
-    first.grad = torch.ones(4)
-    second.grad = torch.ones(8)[::2]
-    with pytest.raises(ValueError, match="contiguous"):
-        optimizer.step()
     # torch refuses such .grad assignments, but step_fused takes gradients as they come.
     for bad, error, fragment in [
         (torch.ones(4, dtype=torch.float64), TypeError, "float32, bfloat16, float16"),

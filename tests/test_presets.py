@@ -95,6 +95,22 @@ def assert_same_grads(reference: nn.Module, wrapped: RoundPipe) -> None:
         torch.testing.assert_close(grad, expected, rtol=1e-4, atol=2e-6, msg=name)
 
 
+def microbatches(batch: dict[str, Any], num_microbatch: int) -> list[dict[str, Any]]:
+    """The batch split as RoundPipe splits it (``torch.tensor_split`` along dim 0)."""
+    chunks = {key: value.tensor_split(num_microbatch) for key, value in batch.items()}
+    return [{key: chunks[key][m] for key in batch} for m in range(num_microbatch)]
+
+
+def reference_loss(reference: nn.Module, batch: dict[str, Any], num_microbatch: int) -> Any:
+    """What 0.1.1-style training computes with the unwrapped model: every microbatch's Hugging
+    Face loss divided by the number of microbatches, summed; backpropagated into ``reference``."""
+    total = sum(
+        reference(**part).loss / num_microbatch for part in microbatches(batch, num_microbatch)
+    )
+    total.backward()
+    return total.detach()
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("padding", [False, True], ids=["nopad", "pad"])
 @pytest.mark.parametrize("num_microbatch", [1, 3])
@@ -102,35 +118,53 @@ def assert_same_grads(reference: nn.Module, wrapped: RoundPipe) -> None:
 def test_preset_matches_the_unwrapped_model(
     num_devices: int, family: str, padding: bool, num_microbatch: int, mode: str
 ) -> None:
+    # Contract (0.1.1): out.loss is Hugging Face's loss of the microbatch, so the 0.1.1-style
+    # loss_fn "out.loss / num_microbatch" trains exactly like the unwrapped model run per
+    # microbatch; forward's merged loss is the mean of the microbatch losses.
     reference, wrapped = make_pair(family)
     batch = make_batch(padding)
-    expected = reference(**batch)
-    expected.loss.backward()
+    whole = reference(**batch)
+    expected = reference_loss(reference, batch, num_microbatch)
     config = RoundPipeRunConfig(num_microbatch=num_microbatch)
     if mode == "forward":
         output = wrapped(**batch, roundpipe_run_config=config)
-        assert type(output) is type(expected)
-        torch.testing.assert_close(output.logits, expected.logits, rtol=1e-4, atol=1e-5)
+        assert type(output) is type(whole)
+        torch.testing.assert_close(output.logits, whole.logits.detach(), rtol=1e-4, atol=1e-5)
         output.loss.backward()
         loss = output.loss.detach()
     else:
         loss = wrapped.forward_backward(
-            input_kwargs=batch, loss_fn=lambda out, _: out.loss, run_config=config
+            input_kwargs=batch,
+            loss_fn=lambda out, _: out.loss / num_microbatch,
+            run_config=config,
         )
-    torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     assert_same_grads(reference, wrapped)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
-def test_chunked_head_and_cross_entropy_match_without_logits(num_devices: int, family: str) -> None:
+@pytest.mark.parametrize("num_microbatch", [1, 3])
+@pytest.mark.parametrize("mode", ["forward", "forward_backward"])
+def test_chunked_head_and_cross_entropy_match_without_logits(
+    num_devices: int, family: str, num_microbatch: int, mode: str
+) -> None:
+    # Contract: loss_chunk_size changes memory, not the per-microbatch Hugging Face loss.
     reference, wrapped = make_pair(family, loss_chunk_size=5)
     batch = make_batch(padding=True)
-    expected = reference(**batch)
-    expected.loss.backward()
-    output = wrapped(**batch, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=2))
-    assert output.logits is None
-    output.loss.backward()
-    torch.testing.assert_close(output.loss.detach(), expected.loss.detach())
+    expected = reference_loss(reference, batch, num_microbatch)
+    config = RoundPipeRunConfig(num_microbatch=num_microbatch)
+    if mode == "forward":
+        output = wrapped(**batch, roundpipe_run_config=config)
+        assert output.logits is None
+        output.loss.backward()
+        loss = output.loss.detach()
+    else:
+        loss = wrapped.forward_backward(
+            input_kwargs=batch,
+            loss_fn=lambda out, _: out.loss / num_microbatch,
+            run_config=config,
+        )
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     assert_same_grads(reference, wrapped)
 
 
@@ -195,15 +229,36 @@ def test_tied_embeddings_match_the_unwrapped_model(num_devices: int, family: str
     assert reference.lm_head.weight is reference.model.embed_tokens.weight
     wrapped = wrap_model_to_roundpipe(copy.deepcopy(reference))
     batch = make_batch(padding=True)
+    expected = reference_loss(reference, batch, 3)
+    loss = wrapped.forward_backward(
+        input_kwargs=batch,
+        loss_fn=lambda out, _: out.loss / 3,
+        run_config=RoundPipeRunConfig(num_microbatch=3),
+    )
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert_same_grads(reference, wrapped)
+
+
+@pytest.mark.parametrize("loss_chunk_size", [None, 5])
+def test_num_items_in_batch_gives_whole_batch_token_weighting(
+    num_devices: int, loss_chunk_size: int | None
+) -> None:
+    # Contract (Hugging Face): with num_items_in_batch every microbatch's loss is its summed
+    # token loss / num_items_in_batch, so the microbatch losses add up to the whole batch's mean.
+    reference, wrapped = make_pair("llama", loss_chunk_size=loss_chunk_size)
+    batch = make_batch(padding=True)
+    num_items = (batch["labels"][:, 1:] != -100).sum()
     expected = reference(**batch)
     expected.loss.backward()
     loss = wrapped.forward_backward(
-        input_kwargs=batch,
+        input_kwargs={**batch, "num_items_in_batch": num_items},
         loss_fn=lambda out, _: out.loss,
         run_config=RoundPipeRunConfig(num_microbatch=3),
     )
     torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-6)
     assert_same_grads(reference, wrapped)
+    merged = wrapped(**batch, num_items_in_batch=num_items)  # shares add up in forward too
+    torch.testing.assert_close(merged.loss, expected.loss.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_unsupported_model_settings_are_refused() -> None:
@@ -244,12 +299,10 @@ def test_lora_adapters_train_on_a_frozen_pageable_base(num_devices: int) -> None
     batch = make_batch(padding=True)
     loss = wrapped.forward_backward(
         input_kwargs=batch,
-        loss_fn=lambda out, _: out.loss,
+        loss_fn=lambda out, _: out.loss / 2,
         run_config=RoundPipeRunConfig(num_microbatch=2),
     )
-    expected = reference(**batch).loss
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach())
+    torch.testing.assert_close(loss, reference_loss(reference, batch, 2))
     wrapped.synchronize()
     ours = dict(model.named_parameters())
     for name, param in reference.named_parameters():
@@ -268,14 +321,13 @@ def test_preset_on_cuda_in_bf16(family: str) -> None:
     reference.cuda()
     bf16_wrapped = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
     batch = make_batch(padding=True)
-    expected = reference(**{k: v.cuda() for k, v in batch.items()})
-    expected.loss.backward()
+    expected = reference_loss(reference, {k: v.cuda() for k, v in batch.items()}, 2)
     loss = bf16_wrapped.forward_backward(
         input_kwargs=batch,
-        loss_fn=lambda out, _: out.loss,
+        loss_fn=lambda out, _: out.loss / 2,
         run_config=RoundPipeRunConfig(num_microbatch=2),
     )
-    expected_loss = expected.loss.detach().float().cpu()
+    expected_loss = expected.float().cpu()
     torch.testing.assert_close(loss.float(), expected_loss, rtol=3e-2, atol=3e-2)
     bf16_wrapped.synchronize()
     ours = dict(bf16_wrapped.original_model.named_parameters())

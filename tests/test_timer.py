@@ -80,9 +80,10 @@ def test_verbose_prints_record_and_estimate(capsys: pytest.CaptureFixture[str]) 
     timer.record(1, "re", 0.002)
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2
-    assert "encoder layer 1 re: recorded 4.000 ms, estimate 4.000 ms" in lines[0]
+    # The documented 0.1.1 format: "Layer {i} {action}  new record: {t} ms  new estimate: {t} ms".
+    assert lines[0] == "Layer 1 re  new record: 4.000 ms  new estimate: 4.000 ms"
     expected = reference_estimate([0.004, 0.002], 0.9) * 1e3
-    assert f"recorded 2.000 ms, estimate {expected:.3f} ms" in lines[1]
+    assert lines[1] == f"Layer 1 re  new record: 2.000 ms  new estimate: {expected:.3f} ms"
 
 
 def test_records_from_many_threads_are_all_counted() -> None:

@@ -23,6 +23,7 @@ from roundpipe.models import wrap_model_to_roundpipe
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.scheduler import ModelExecutePlan
+from roundpipe.timer import ModelTimer
 
 __version__: str = str(BUILD_INFO["version"])
 
@@ -30,6 +31,7 @@ __all__ = [
     "CheckpointError",
     "GradScaler",
     "ModelExecutePlan",
+    "ModelTimer",
     "OptimizerCtx",
     "RoundPipe",
     "RoundPipePackedData",

@@ -51,24 +51,42 @@ class layer_call:
         _state.call = _state.stack.pop()
 
 
+class RecomputeDataError(RuntimeError, AssertionError):
+    """Misuse of :func:`save_for_recompute` / :func:`get_recompute_data`.
+
+    Both a ``RuntimeError`` and an ``AssertionError``: roundpipe 0.1.1 raised ``AssertionError``
+    here, so code written for either type catches it.
+    """
+
+
+class RecomputeDataValueError(RecomputeDataError, ValueError):
+    """A value :func:`save_for_recompute` must not keep (a tensor that requires grad); also a
+    ``ValueError``, as every invalid argument is."""
+
+
 def save_for_recompute(*data: Any) -> None:
     """Keep ``data`` from this layer's forward pass for its recompute in the backward pass.
 
     Call at most once per layer per forward pass. Tensors must not require grad (save detached
     values). A no-op when gradients are off, outside a RoundPipe layer, and during the recompute
     itself (where :func:`get_recompute_data` returns what the forward pass saved).
+
+    Raises:
+        RecomputeDataError: a second call in one layer's forward pass.
+        RecomputeDataValueError: a tensor that requires grad (recompute rebuilds the graph;
+            save ``tensor.detach()``).
     """
     call = _state.call
     if call is None or call.recompute or not call.saving_enabled:
         return
     if call.saved:
-        raise RuntimeError(
+        raise RecomputeDataError(
             f"save_for_recompute was called twice in layer {call.layer} for one forward pass; "
             "save everything in a single call"
         )
     for leaf in tree_leaves(data):
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            raise ValueError(
+            raise RecomputeDataValueError(
                 f"save_for_recompute got a tensor that requires grad in layer {call.layer}; "
                 "pass tensor.detach() (recompute rebuilds the graph)"
             )
@@ -85,17 +103,17 @@ def get_recompute_data() -> tuple[Any, ...]:
     """What this layer passed to :func:`save_for_recompute` in its forward pass (a tuple).
 
     Raises:
-        RuntimeError: outside a recompute, or when the forward pass saved nothing.
+        RecomputeDataError: outside a recompute, or when the forward pass saved nothing.
     """
     call = _state.call
     if call is None or not call.recompute:
-        raise RuntimeError(
+        raise RecomputeDataError(
             "get_recompute_data() is only available during recompute; check doing_recompute() first"
         )
     try:
         return call.store[(call.layer, call.microbatch)]
     except KeyError:
-        raise RuntimeError(
+        raise RecomputeDataError(
             f"layer {call.layer} saved nothing with save_for_recompute in its forward pass"
         ) from None
 
@@ -119,6 +137,8 @@ def optimizer_context_active() -> bool:
 
 __all__ = [
     "OptimizerCtx",
+    "RecomputeDataError",
+    "RecomputeDataValueError",
     "doing_recompute",
     "get_recompute_data",
     "optimizer_context_active",

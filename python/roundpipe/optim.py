@@ -1,11 +1,13 @@
 """Host optimizers compiled ahead of time in ``roundpipe._C``.
 
 :class:`Adam` is a drop-in replacement for :class:`torch.optim.Adam` (and for
-:class:`torch.optim.AdamW` with ``decoupled_weight_decay=True``) on fp32 CPU parameters: same
+:class:`torch.optim.AdamW` with ``decoupled_weight_decay=True``) on CPU parameters: same
 arguments, same ``state`` keys and ``state_dict`` layout (interchangeable with torch's), results
-within float rounding of torch. The update is one native pass per parameter group with SIMD
-(scalar, AVX2 or AVX-512, picked for the CPU in use; ``ROUNDPIPE_SIMD`` lowers it) on a native
-thread pool, with the GIL released.
+within float rounding of torch. Dense float32 parameters are updated by one native pass per
+parameter group with SIMD (scalar, AVX2 or AVX-512, picked for the CPU in use;
+``ROUNDPIPE_SIMD`` lowers it) on a native thread pool, with the GIL released. Every other
+parameter torch's Adam takes (complex, bf16/fp16/fp64, strided, or with a strided gradient) is
+updated by torch's own single-tensor Adam, so its results are torch's bit for bit.
 
 For the RoundPipe runtime, the same pass reads low-precision gradients, unscales them
 (:meth:`Adam.unscaling`, which ``roundpipe.GradScaler.step`` uses), and writes the new weights as
@@ -25,14 +27,16 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.adam import adam as torch_adam
 
 from roundpipe._native import _C
 from roundpipe.optimizer_copy import OptimizerCopy, gradient_of
 
 __all__ = ["Adam", "fused_writeback"]
 
-# One native call per param group: (group, params, grads, low-precision targets).
+# One update per param group: (group, params, grads, low-precision targets).
 _GroupCall = tuple[dict[str, Any], list[Tensor], list[Tensor], list["Tensor | None"]]
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 _warned: set[str] = set()
 _writeback = threading.local()
@@ -104,8 +108,11 @@ def fused_writeback(targets: Mapping[Tensor, Tensor]) -> Iterator[set[Tensor]]:
 
 
 class Adam(torch.optim.Optimizer):
-    """Adam / AdamW on fp32 CPU parameters, with the arguments of :class:`torch.optim.Adam`.
+    """Adam / AdamW on CPU parameters, with the arguments of :class:`torch.optim.Adam`.
 
+    Dense float32 parameters take the native kernel; any other parameter torch's Adam accepts
+    (complex, another floating dtype, strided) is updated by torch's own Adam code, exactly as
+    ``torch.optim.Adam`` would. Parameters on another device raise ``ValueError``.
     ``foreach`` and ``fused`` are accepted for compatibility, warned about once and ignored.
     ``capturable=True`` and ``differentiable=True`` are not supported on the host (ValueError).
     ``lr`` and ``betas`` may be floats or one-element tensors (read at every step).
@@ -165,18 +172,16 @@ class Adam(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Adds a group after checking its parameters are fp32 CPU tensors (see torch)."""
+        """Adds a group after checking its parameters live on the host (see torch)."""
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
         for item in params:
             param = item[1] if isinstance(item, tuple) else item
-            if isinstance(param, Tensor) and (
-                param.dtype != torch.float32 or param.device.type != "cpu"
-            ):
+            if isinstance(param, Tensor) and param.device.type != "cpu":
                 raise ValueError(
-                    f"roundpipe.optim.Adam updates float32 CPU parameters, got {param.dtype} on "
-                    f"{param.device}; for a low-precision RoundPipe model pass "
-                    f"optim_dtype=torch.float32 and optimize model.optim_parameters()"
+                    f"roundpipe.optim.Adam updates CPU parameters, got one on {param.device}; "
+                    f"use torch.optim.Adam for device parameters, or for a RoundPipe model "
+                    f"optimize model.optim_parameters() (host copies)"
                 )
         super().add_param_group({**param_group, "params": params})
 
@@ -273,30 +278,38 @@ class Adam(torch.optim.Optimizer):
         if lowp_params is None and active is not None:
             targets, written = active
             lowp_params = [targets.get(p) for group in self.param_groups for p in group["params"]]
-        calls = self._collect(grads, lowp_params)
-        present = [grad for _, _, group_grads, _ in calls for grad in group_grads]
-        if check_finite and not _C.all_finite(present, torch.get_num_threads()):
+        native, other = self._collect(grads, lowp_params)
+        if check_finite and not self._all_finite(native, other):
             return False
-        for group, params, group_grads, lowp in calls:
+        for group, params, group_grads, lowp in native:
             self._update_group(group, params, group_grads, grad_scale_inv, lowp)
+        for group, params, group_grads, lowp in other:
+            self._update_with_torch(group, params, group_grads, grad_scale_inv, lowp)
         if written is not None:
-            for _, params, _, group_lowp in calls:
+            for _, params, _, group_lowp in native + other:
                 written.update(p for p, t in zip(params, group_lowp, strict=True) if t is not None)
         return True
+
+    @staticmethod
+    def _all_finite(native: list[_GroupCall], other: list[_GroupCall]) -> bool:
+        present = [grad for _, _, group_grads, _ in native for grad in group_grads]
+        if not _C.all_finite(present, torch.get_num_threads()):
+            return False
+        others = [grad for _, _, group_grads, _ in other for grad in group_grads]
+        return all(bool(torch.isfinite(grad).all()) for grad in others)
 
     def _collect(
         self,
         grads: Sequence[Tensor | None] | None,
         lowp_params: Sequence[Tensor | None] | None,
-    ) -> list[_GroupCall]:
+    ) -> tuple[list[_GroupCall], list[_GroupCall]]:
         """Pairs every parameter that has a gradient with its inputs, validating all of them
-        before any group is updated."""
-        calls: list[_GroupCall] = []
+        before any group is updated. Returns the native kernel's calls and the others'."""
+        native: list[_GroupCall] = []
+        other: list[_GroupCall] = []
         index = 0
         for group in self.param_groups:
-            params: list[Tensor] = []
-            group_grads: list[Tensor] = []
-            lowp: list[Tensor | None] = []
+            split: dict[bool, _GroupCall] = {fast: (group, [], [], []) for fast in (True, False)}
             for param in group["params"]:
                 grad = gradient_of(param) if grads is None else grads[index]
                 target = None if lowp_params is None else lowp_params[index]
@@ -307,17 +320,98 @@ class Adam(torch.optim.Optimizer):
                     raise RuntimeError(
                         "Adam does not support sparse gradients, please consider SparseAdam instead"
                     )
-                _check_companion(
-                    grad, param, f"the gradient of parameter {index - 1}", _GRAD_DTYPES
-                )
+                name = f"the gradient of parameter {index - 1}"
+                if grads is not None:
+                    # Gradients handed to step_fused are read as they lie in memory.
+                    _check_companion(grad, param, name, _GRAD_DTYPES)
+                elif grad.numel() != param.numel():
+                    raise ValueError(
+                        f"{name} has {grad.numel()} elements but its parameter has {param.numel()}"
+                    )
                 if target is not None:
                     _check_companion(target, param, f"lowp_params[{index - 1}]", _LOWP_DTYPES)
+                _, params, group_grads, lowp = split[self._native_fits(param, grad)]
                 params.append(param)
                 group_grads.append(grad)
                 lowp.append(target)
-            if params:
-                calls.append((group, params, group_grads, lowp))
-        return calls
+            if split[True][1]:
+                native.append(split[True])
+            if split[False][1]:
+                other.append(split[False])
+        return native, other
+
+    def _native_fits(self, param: Tensor, grad: Tensor) -> bool:
+        """Whether the native kernel, which works on dense fp32 memory in place, takes
+        ``param``: else torch's own Adam updates it."""
+        dense = (
+            param.dtype == torch.float32
+            and param.is_contiguous()
+            and grad.dtype in _GRAD_DTYPES
+            and grad.device.type == "cpu"
+            and grad.is_contiguous()
+        )
+        state = self.state.get(param, {})
+        return dense and all(
+            state[key].dtype == torch.float32 and state[key].is_contiguous()
+            for key in _STATE_KEYS
+            if key in state
+        )
+
+    def _state_of(self, param: Tensor, amsgrad: bool) -> dict[str, Any]:
+        """``param``'s state, created as torch's Adam creates it on first use."""
+        state = self.state[param]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if amsgrad:
+                state["max_exp_avg_sq"] = torch.zeros_like(
+                    param, memory_format=torch.preserve_format
+                )
+        return state
+
+    def _update_with_torch(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        grad_scale_inv: float,
+        lowp: list[Tensor | None],
+    ) -> None:
+        """torch's single-tensor Adam (what torch.optim.Adam runs on CPU) on the parameters the
+        native kernel does not take, so their results are torch's bit for bit."""
+        amsgrad = bool(group["amsgrad"])
+        states = [self._state_of(param, amsgrad) for param in params]
+        # Unscaling multiplies by 1/scale as GradScaler.unscale_ does, leaving grads as they are.
+        ready = [
+            (grad if grad_scale_inv == 1.0 else grad * grad_scale_inv).to(param.dtype)
+            for param, grad in zip(params, grads, strict=True)
+        ]
+        beta1, beta2 = group["betas"]
+        torch_adam(
+            params,
+            ready,
+            [state["exp_avg"] for state in states],
+            [state["exp_avg_sq"] for state in states],
+            [state["max_exp_avg_sq"] for state in states] if amsgrad else [],
+            [state["step"] for state in states],
+            foreach=False,
+            capturable=False,
+            differentiable=False,
+            fused=False,
+            has_complex=any(torch.is_complex(param) for param in params),
+            decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
+            amsgrad=amsgrad,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=bool(group["maximize"]),
+        )
+        for param, target in zip(params, lowp, strict=True):
+            if target is not None:
+                target.copy_(param.reshape(target.shape))
 
     def _update_group(
         self,
@@ -332,15 +426,7 @@ class Adam(torch.optim.Optimizer):
         max_exp_avg_sqs: list[Tensor] = []
         steps: list[Tensor] = []
         for param in params:
-            state = self.state[param]
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                if group["amsgrad"]:
-                    state["max_exp_avg_sq"] = torch.zeros_like(
-                        param, memory_format=torch.preserve_format
-                    )
+            state = self._state_of(param, bool(group["amsgrad"]))
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             if group["amsgrad"]:

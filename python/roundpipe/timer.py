@@ -14,7 +14,8 @@ forward estimate, backward = 2 x the forward estimate. Only relative costs matte
 ``version`` increases when an estimate moves by more than ``CHANGE_THRESHOLD`` (relative) from the
 value it had at the last increase, or a layer gets its first timing; the runtime re-plans only
 when the version changed. Set ``ModelTimer.VERBOSE = True`` to print every record and the new
-estimate to stderr.
+estimate to stderr, one ``Layer {i} {action}  new record: {x:.3f} ms  new estimate: {y:.3f} ms``
+line per record.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class ModelTimer:
         """Args:
         num_layers: layers of the model.
         layer_bytes: parameter bytes of each layer (the stand-in before timings).
-        name: shown in VERBOSE lines.
+        name: the model it times (for diagnostics).
         """
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
@@ -98,9 +99,10 @@ class ModelTimer:
                 planned[layer] = estimate
                 self._version += 1
         if ModelTimer.VERBOSE:
+            # The line format of roundpipe 0.1.1's documentation, which users may parse.
             print(
-                f"[roundpipe.timer] {self.name} layer {layer} {action}: "
-                f"recorded {seconds * 1e3:.3f} ms, estimate {estimate * 1e3:.3f} ms",
+                f"Layer {layer} {action}  new record: {seconds * 1e3:.3f} ms  "
+                f"new estimate: {estimate * 1e3:.3f} ms",
                 file=sys.stderr,
             )
 

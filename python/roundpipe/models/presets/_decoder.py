@@ -9,10 +9,11 @@
   output type. With ``loss_chunk_size`` the head and cross-entropy run chunk by chunk under
   activation checkpointing, so full logits never exist (``logits`` is then ``None``).
 
-Loss normalisation matches the unwrapped model over the whole batch: the split function counts
-the batch's target tokens before splitting and every microbatch divides its summed loss by
-that count, so microbatch losses add up (``forward_backward``'s sum, the merged ``loss``) to the
-model's mean loss.
+Each microbatch's ``loss`` is Hugging Face's loss for that microbatch, as in roundpipe 0.1.1:
+the mean over its target tokens, or its summed loss divided by ``num_items_in_batch`` when the
+caller passes that (the whole batch's target-token count gives exact whole-batch weighting).
+The merged output of ``forward`` averages the microbatch means (the automatic merge of 0.1.1),
+or adds up the microbatch shares when ``num_items_in_batch`` was given.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class DecoderFamily:
         sequential = self.build(base_model_of(model), loss_chunk_size)
         wrapped = RoundPipe(
             sequential,
-            model_run_config=_with_batch_loss_rules(model_run_config, self.output_type),
+            model_run_config=_with_preset_rules(model_run_config, self.output_type),
             name=name or type(model).__name__,
             **roundpipe_kwargs,
         )
@@ -122,8 +123,14 @@ class MicrobatchOutput(dict[str, Any]):
 
     Unlike a Hugging Face ``ModelOutput`` it keeps ``None`` entries when rebuilt from its
     leaves, so the runtime's gradient trees (``None`` where a leaf got no gradient) keep its
-    shape. The merged output of a call is the model's own output type.
+    shape. ``loss_is_share`` says the loss was divided by the caller's ``num_items_in_batch``
+    (microbatch losses then add up to the batch's) rather than averaged over the microbatch.
+    The merged output of a call is the model's own output type.
     """
+
+    def __init__(self, *args: Any, loss_is_share: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.__dict__["loss_is_share"] = loss_is_share
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -134,8 +141,10 @@ class MicrobatchOutput(dict[str, Any]):
 
 register_pytree_node(
     MicrobatchOutput,
-    lambda output: (list(output.values()), list(output.keys())),
-    lambda values, keys: MicrobatchOutput(zip(keys, values, strict=True)),
+    lambda output: (list(output.values()), (tuple(output.keys()), output.loss_is_share)),
+    lambda values, context: MicrobatchOutput(
+        zip(context[0], values, strict=True), loss_is_share=context[1]
+    ),
     serialized_type_name="roundpipe.models.presets.MicrobatchOutput",
 )
 
@@ -281,11 +290,12 @@ class CausalLMPostfix(nn.Module):
         hidden = self.norm(hidden)
         labels, num_items = context["labels"], context["num_items_in_batch"]
         loss: torch.Tensor | None
+        share = labels is not None and num_items is not None
         if labels is not None and self.loss_chunk_size is not None:
             loss = chunked_causal_lm_loss(
                 hidden, self.lm_head, labels, num_items, self.loss_chunk_size
             )
-            return MicrobatchOutput(loss=loss, logits=None)
+            return MicrobatchOutput(loss=loss, logits=None, loss_is_share=share)
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
@@ -295,7 +305,7 @@ class CausalLMPostfix(nn.Module):
                 vocab_size=self.config.vocab_size,
                 num_items_in_batch=num_items,
             )
-        return MicrobatchOutput(loss=loss, logits=logits)
+        return MicrobatchOutput(loss=loss, logits=logits, loss_is_share=share)
 
 
 def _shifted_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -320,8 +330,8 @@ def chunked_causal_lm_loss(
     """The causal LM loss of ``head(hidden)`` computed ``chunk_size`` tokens at a time.
 
     Each chunk's logits are recomputed in backward (checkpointing), so at most one chunk of
-    logits exists at any time. Normalised by ``num_items`` (tokens with a target in the whole
-    batch), or by this microbatch's count when that is ``None``.
+    logits exists at any time. Normalised by ``num_items`` when given (Hugging Face's
+    ``num_items_in_batch``), else by this microbatch's target-token count.
     """
     targets = _shifted_targets(labels).reshape(-1).to(hidden.device)
     flat = hidden.reshape(-1, hidden.size(-1))
@@ -344,27 +354,22 @@ def chunked_causal_lm_loss(
 
 
 # -------------------------------------------------------------------------------------------
-# Whole-batch loss normalisation
+# Splitting and merging
 
 
-def _split_counting_targets(
+def _split_tokens_first(
     args: tuple[Any, ...], kwargs: dict[str, Any], num_microbatch: int
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
-    """The automatic split, after counting the whole batch's target tokens into
-    ``num_items_in_batch`` (a 0-d tensor, so every microbatch gets the same count)."""
-    labels = kwargs.get("labels")
-    if labels is not None and kwargs.get("num_items_in_batch") is None:
-        kwargs = {**kwargs, "num_items_in_batch": (_shifted_targets(labels) != IGNORE_INDEX).sum()}
-    # The token tensor first: the automatic kwargs rule takes the first batched tensor as the
-    # batch, and position_ids may have a batch dimension of 1.
+    """The automatic split with the token tensor first: the automatic kwargs rule takes the
+    first batched tensor as the batch, and ``position_ids`` may have a batch dimension of 1."""
     leading = ("input_ids", "inputs_embeds")
     ordered = {key: kwargs[key] for key in sorted(kwargs, key=lambda key: key not in leading)}
     return split_input(args, ordered, num_microbatch, None)
 
 
 def _merger(output_type_name: str) -> Callable[[list[MicrobatchOutput]], Any]:
-    """The merge rule: logits concatenated, microbatch losses (already normalised by the whole
-    batch's target count) added up, as the model's own output type."""
+    """The merge rule: logits concatenated; microbatch losses averaged (each is its
+    microbatch's mean) or, when normalised by the caller's ``num_items_in_batch``, added up."""
 
     def merge(outputs: list[MicrobatchOutput]) -> Any:
         from transformers import modeling_outputs
@@ -372,7 +377,8 @@ def _merger(output_type_name: str) -> Callable[[list[MicrobatchOutput]], Any]:
         merged: dict[str, Any] = {}
         losses = [output["loss"] for output in outputs]
         if losses[0] is not None:
-            merged["loss"] = torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
+            total = torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
+            merged["loss"] = total if outputs[0].loss_is_share else total / len(losses)
         logits = [output["logits"] for output in outputs]
         if logits[0] is not None:
             merged["logits"] = merge_output(logits, None)
@@ -381,11 +387,11 @@ def _merger(output_type_name: str) -> Callable[[list[MicrobatchOutput]], Any]:
     return merge
 
 
-def _with_batch_loss_rules(config: RoundPipeRunConfig, output_type: str) -> RoundPipeRunConfig:
-    """``config`` with the whole-batch loss split and merge rules where it leaves them unset."""
+def _with_preset_rules(config: RoundPipeRunConfig, output_type: str) -> RoundPipeRunConfig:
+    """``config`` with the preset's split and merge rules where it leaves them unset."""
     fields = {field: getattr(config, field) for field in RoundPipeRunConfig.__slots__}
     if fields["split_input"] is None:
-        fields["split_input"] = _split_counting_targets
+        fields["split_input"] = _split_tokens_first
     if fields["merge_output"] is None:
         fields["merge_output"] = _merger(output_type)
     return RoundPipeRunConfig(**fields)

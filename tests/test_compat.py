@@ -1,0 +1,331 @@
+"""Drop-in for roundpipe 0.1.1: each test checks one documented contract of 0.1.1 (its docs/API
+and docs/UserGuide pages), against plain PyTorch where there is a numerical result."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import itertools
+from typing import Any
+
+import pytest
+import roundpipe
+import torch
+from roundpipe import RoundPipe, RoundPipeRunConfig
+from roundpipe.optim import Adam
+from torch import nn
+
+# --------------------------------------------------------------------------------------------
+# roundpipe.optim.Adam accepts every parameter torch.optim.Adam accepts on CPU
+
+
+def mixed_params() -> list[torch.Tensor]:
+    """Shapes and kinds torch's Adam takes in one group: empty, one element, matrices, a strided
+    view's copy, complex."""
+    generator = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(0, generator=generator),
+        torch.randn(1, generator=generator),
+        torch.randn((), generator=generator),
+        torch.randn(3, 5, generator=generator),
+        torch.randn(17, generator=generator),
+        torch.randn(4, 3, generator=generator).t(),  # non-contiguous parameter
+        torch.randn(6, dtype=torch.complex64, generator=generator),
+        torch.randn(2, 3, dtype=torch.complex64, generator=generator),
+    ]
+
+
+def run_ten_steps(
+    ours: torch.optim.Optimizer,
+    theirs: torch.optim.Optimizer,
+    strided_grads: bool = False,
+) -> None:
+    mine = [p for g in ours.param_groups for p in g["params"]]
+    reference = [p for g in theirs.param_groups for p in g["params"]]
+    for step in range(10):
+        generator = torch.Generator().manual_seed(100 + step)
+        for p, q in zip(mine, reference, strict=True):
+            if strided_grads and p.dim() == 1 and p.numel() > 1:
+                wide = torch.randn(p.numel() * 2, dtype=p.dtype, generator=generator)
+                grad = wide[::2]
+            else:
+                grad = torch.randn(p.shape, dtype=p.dtype, generator=generator)
+            p.grad, q.grad = grad.clone() if not strided_grads else grad, grad.clone()
+        ours.step()
+        theirs.step()
+
+
+def assert_matches(
+    ours: torch.optim.Optimizer, theirs: torch.optim.Optimizer, exact: bool = False
+) -> None:
+    tolerance = {"atol": 0.0, "rtol": 0.0} if exact else {"atol": 1e-6, "rtol": 1e-6}
+    mine = [p for g in ours.param_groups for p in g["params"]]
+    reference = [p for g in theirs.param_groups for p in g["params"]]
+    for p, q in zip(mine, reference, strict=True):
+        torch.testing.assert_close(p, q, **tolerance)
+        assert ours.state[p].keys() == theirs.state[q].keys()
+        for key, value in theirs.state[q].items():
+            assert ours.state[p][key].dtype == value.dtype, key
+            torch.testing.assert_close(ours.state[p][key], value, **tolerance)
+
+
+OPTIONS = [
+    {"weight_decay": wd, "amsgrad": ams, "maximize": mx, "decoupled_weight_decay": dec}
+    for wd, ams, mx, dec in itertools.product(
+        [0.0, 0.1], [False, True], [False, True], [False, True]
+    )
+]
+
+
+@pytest.mark.parametrize(
+    "options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items())
+)
+def test_adam_takes_any_cpu_parameter_torch_takes(options: dict[str, Any]) -> None:
+    # Contract: roundpipe.optim.Adam is a drop-in for torch.optim.Adam (0.1.1 docs/API/optimizer):
+    # complex, 0-d, empty and strided parameters mixed in one group, within 1e-6 over 10 steps.
+    params = mixed_params()
+    reference = [p.clone() for p in params]
+    ours = Adam(params, lr=1e-2, **options)
+    theirs = torch.optim.Adam(reference, lr=1e-2, **options)
+    run_ten_steps(ours, theirs)
+    assert_matches(ours, theirs)
+
+
+def test_adam_tensor_lr_and_betas_and_strided_gradients() -> None:
+    # Contract: lr and betas may be tensors (0.1.1 signature); gradients may be strided views.
+    params = [p for p in mixed_params() if not p.is_complex()]
+    reference = [p.clone() for p in params]
+    hyper: dict[str, Any] = {"betas": (torch.tensor(0.8), torch.tensor(0.99)), "amsgrad": True}
+    ours = Adam(params, lr=torch.tensor(5e-3), **hyper)
+    theirs = torch.optim.Adam(reference, lr=torch.tensor(5e-3), **hyper)
+    run_ten_steps(ours, theirs, strided_grads=True)
+    assert_matches(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_adam_low_precision_parameters_match_torch_bit_for_bit(
+    dtype: torch.dtype, decoupled: bool
+) -> None:
+    # Contract: parameters handed over directly in any floating dtype work as with torch's Adam,
+    # which computes in the parameter's dtype; ours gives the same bits.
+    generator = torch.Generator().manual_seed(3)
+    params = [torch.randn(n, generator=generator).to(dtype) for n in (0, 1, 33)]
+    params.append(torch.randn(8, generator=generator))  # fp32 beside them in one group
+    reference = [p.clone() for p in params]
+    hyper: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1, "decoupled_weight_decay": decoupled}
+    ours = Adam(params, **hyper)
+    theirs = torch.optim.Adam(reference, **hyper)
+    run_ten_steps(ours, theirs)
+    mine = [p for p in params if p.dtype == dtype]
+    expected = [q for q in reference if q.dtype == dtype]
+    for p, q in zip(mine, expected, strict=True):
+        assert torch.equal(p, q)
+        for key, value in theirs.state[q].items():
+            assert torch.equal(ours.state[p][key], value), key
+    torch.testing.assert_close(params[-1], reference[-1], atol=1e-6, rtol=1e-6)
+
+
+def test_adam_state_dict_round_trips_with_torch_for_every_kind() -> None:
+    # Contract: same state keys and state_dict layout as torch.optim.Adam, loadable both ways.
+    params = [*mixed_params(), torch.randn(5).bfloat16()]
+    ours = Adam([p.clone() for p in params], lr=1e-2, amsgrad=True)
+    theirs = torch.optim.Adam([p.clone() for p in params], lr=1e-2, amsgrad=True)
+    run_ten_steps(ours, theirs)
+    swapped_ours = Adam([p.detach().clone() for g in theirs.param_groups for p in g["params"]])
+    swapped_ours.load_state_dict(copy.deepcopy(theirs.state_dict()))
+    swapped_theirs = torch.optim.Adam(
+        [p.detach().clone() for g in ours.param_groups for p in g["params"]]
+    )
+    swapped_theirs.load_state_dict(copy.deepcopy(ours.state_dict()))
+    run_ten_steps(swapped_ours, swapped_theirs)
+    assert_matches(swapped_ours, swapped_theirs)
+
+
+def test_adam_still_refuses_real_misuse() -> None:
+    # Contract: sparse gradients are not supported (RuntimeError, as torch), nor device params.
+    param = torch.zeros(4)
+    optimizer = Adam([param])
+    param.grad = torch.zeros(4).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        optimizer.step()
+    with pytest.raises(ValueError, match="updates CPU parameters"):
+        Adam([torch.zeros(2, device="meta")])
+
+
+# --------------------------------------------------------------------------------------------
+# Recompute data (0.1.1 docs/API/context)
+
+
+def test_get_recompute_data_outside_recompute_is_an_assertion_and_runtime_error() -> None:
+    # Contract: "Calling it outside a recomputation context will raise an AssertionError".
+    with pytest.raises(AssertionError, match="only available during recompute"):
+        roundpipe.get_recompute_data()
+    with pytest.raises(RuntimeError, match="only available during recompute"):
+        roundpipe.get_recompute_data()
+
+
+class ReadsWithoutSaving(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if roundpipe.doing_recompute():
+            roundpipe.get_recompute_data()
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("error", [AssertionError, RuntimeError])
+def test_get_recompute_data_without_a_save_raises_either_type(
+    num_devices: int, error: type[Exception]
+) -> None:
+    # Contract: get_recompute_data returns what save_for_recompute kept; a layer that saved
+    # nothing gets an error that code written for 0.1.1's AssertionError catches too.
+    model = RoundPipe(nn.Sequential(ReadsWithoutSaving(4, 4), nn.Linear(4, 4)))
+    output = model(torch.randn(6, 4))
+    with pytest.raises(error, match="saved nothing"):
+        output.sum().backward()
+
+
+class SavesItsInput(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not roundpipe.doing_recompute():
+            roundpipe.save_for_recompute(x)
+        return super().forward(x)
+
+
+class SavesAProduct(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not roundpipe.doing_recompute():
+            roundpipe.save_for_recompute(self.weight * 2)
+        return super().forward(x)
+
+
+def test_saving_a_tensor_that_requires_grad_raises(num_devices: int) -> None:
+    # Contract: "Saved tensors must not require gradients" (0.1.1 raised AssertionError); ours is
+    # also a ValueError, as every invalid argument is.
+    model = RoundPipe(nn.Sequential(SavesItsInput(4, 4), nn.Linear(4, 4)))
+    x = torch.randn(6, 4, requires_grad=True)
+    for error in (AssertionError, ValueError):
+        with pytest.raises(error, match="requires grad"):
+            model(x)
+    # The fused last stage runs with grad enabled: the product requires grad there.
+    fused = RoundPipe(nn.Sequential(nn.Linear(4, 4), SavesAProduct(4, 4)))
+    with pytest.raises(AssertionError, match="requires grad"):
+        fused.forward_backward(input_args=(torch.randn(6, 4),), loss_fn=lambda out, _: out.sum())
+
+
+def test_save_for_recompute_is_a_no_op_without_gradients(num_devices: int) -> None:
+    # Contract: "If gradient computation is not currently enabled, this function is a no-op";
+    # outside a RoundPipe layer it is a no-op too (as in 0.1.1).
+    model = RoundPipe(nn.Sequential(SavesItsInput(4, 4), nn.Linear(4, 4)))
+    x = torch.randn(6, 4, requires_grad=True)
+    with torch.no_grad():
+        expected = model.model(x)
+        torch.testing.assert_close(model(x), expected)
+    config = RoundPipeRunConfig(requires_grad=False)
+    torch.testing.assert_close(model(x, roundpipe_run_config=config), expected)
+    roundpipe.save_for_recompute(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Module paths and names (0.1.1 docs/API and docs/Developer/internal_apis)
+
+MODULE_NAMES = {
+    "roundpipe": [
+        "RoundPipe",
+        "RoundPipeRunConfig",
+        "ModelExecutePlan",
+        "wrap_model_to_roundpipe",
+        "GradScaler",
+        "OptimizerCtx",
+        "save_for_recompute",
+        "doing_recompute",
+        "get_recompute_data",
+        "optim",
+        "ModelTimer",
+        "__version__",
+    ],
+    "roundpipe.roundpipe": ["RoundPipe", "AutoRoundPipe"],
+    "roundpipe.run_config": ["RoundPipeRunConfig"],
+    "roundpipe.scheduler": ["ModelExecutePlan"],
+    "roundpipe.context": [
+        "save_for_recompute",
+        "doing_recompute",
+        "get_recompute_data",
+        "OptimizerCtx",
+    ],
+    "roundpipe.grad_scaler": ["GradScaler"],
+    "roundpipe.optim": ["Adam"],
+    "roundpipe.timer": ["ModelTimer"],
+    "roundpipe.profile": ["annotate", "PROFILER_TYPE"],
+    "roundpipe.models": ["AutoRoundPipe", "wrap_model_to_roundpipe"],
+    "roundpipe.wrapper": ["wrap_model_to_roundpipe", "AutoRoundPipe", "RoundPipe"],
+    "roundpipe.batch": ["RoundPipePackedData"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(MODULE_NAMES))
+def test_documented_module_paths_expose_their_names(module: str) -> None:
+    # Contract: the module paths 0.1.1 users import from exist with the documented names.
+    imported = importlib.import_module(module)
+    missing = [name for name in MODULE_NAMES[module] if not hasattr(imported, name)]
+    assert not missing, f"{module} lacks {missing}"
+    wrapper = importlib.import_module("roundpipe.wrapper")
+    assert roundpipe.roundpipe.RoundPipe is wrapper.RoundPipe is RoundPipe
+    assert roundpipe.ModelTimer.VERBOSE is False  # documented default
+
+
+def test_annotate_is_a_no_op_context_manager_and_decorator_without_cuda() -> None:
+    # Contract: annotate(name, color=None) returns a context usable with `with` whether or not
+    # a profiler is there (0.1.1: nullcontext when not profiling).
+    from roundpipe.profile import annotate
+
+    with annotate("block", color="red") as context:
+        assert context is not None
+
+    @annotate("function")
+    def add_one(value: int) -> int:
+        return value + 1
+
+    assert add_one(1) == 2
+    with pytest.raises(TypeError, match="name must be a str"):
+        annotate(3)  # type: ignore[arg-type]
+
+
+def test_annotate_opens_and_closes_one_nvtx_range_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Contract: on CUDA the annotated block is one NVTX range (what Nsight Systems shows).
+    import sys
+
+    from roundpipe.profile import annotate
+
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setitem(sys.modules, "nvtx", None)  # torch's own NVTX binding
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(("push", name)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append(("pop",)))
+    with annotate("layer 0"):
+        calls.append(("body",))
+    with pytest.raises(KeyError), annotate("failing"):
+        raise KeyError("x")
+    assert calls == [("push", "layer 0"), ("body",), ("pop",), ("push", "failing"), ("pop",)]
+
+
+VERBOSE_LINE = r"^Layer \d+ (fwd|re|bwd)  new record: \d+\.\d{3} ms  new estimate: \d+\.\d{3} ms$"
+
+
+def test_verbose_timer_prints_the_documented_lines(
+    num_devices: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Contract: ModelTimer.VERBOSE prints "Layer {i} {action}  new record: {t:.3f} ms  new
+    # estimate: {t:.3f} ms" to stderr for the layers and actions timed.
+    import re
+
+    model = RoundPipe(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+    roundpipe.ModelTimer.VERBOSE = True
+    try:
+        model.forward_backward(input_args=(torch.randn(6, 4),), loss_fn=lambda out, _: out.sum())
+    finally:
+        roundpipe.ModelTimer.VERBOSE = False
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and all(re.match(VERBOSE_LINE, line) for line in lines), lines
+    seen = {tuple(line.split()[1:3]) for line in lines}
+    assert {(str(i), "fwd") for i in range(3)} <= seen
+    assert {(str(i), "bwd") for i in range(3)} <= seen
