@@ -102,9 +102,10 @@ class PipelineNode:
         def body(step: Step, stage: ResidentStage) -> None:
             values["grads"] = self.call.backward_step(stage, values["grads"])
 
-        self.model._begin_gradient_call()
-        with self.model._gradient_transaction(self.call):
-            run_steps(self.call, steps, body)
+        with self.model.__dict__["_lock"]:
+            self.model._begin_gradient_call()
+            with self.model._gradient_transaction(self.call):
+                run_steps(self.call, steps, body)
         return values["grads"]
 
 
@@ -117,6 +118,9 @@ class PipelineFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         ctx.node = node
         ctx.set_materialize_grads(False)
+        # Saved only to be read in backward: autograd frees it after a backward without
+        # retain_graph, so a second backward raises exactly as PyTorch does for its own nodes.
+        ctx.save_for_backward(anchor)
         outputs = tuple(node.run_forward())
         ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
         return outputs
@@ -124,6 +128,7 @@ class PipelineFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
         node: PipelineNode = ctx.node
+        ctx.saved_tensors  # noqa: B018  (raises "backward through the graph a second time")
         grads = node.run_backward(grad_outputs)
         return (None, None, *(grad for _, grad in input_grads(node.inputs, grads)))
 

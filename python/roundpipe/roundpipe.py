@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -13,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from roundpipe.autograd import PipelineFunction, PipelineNode, backward_into_inputs
 from roundpipe.batch import (
+    Batch,
     RoundPipePackedData,
     merge_output,
     pack_output,
@@ -26,7 +29,7 @@ from roundpipe.memory import ModelMemory
 from roundpipe.pipeline import Call, LayerRunner, ResidentStage, Step, run_steps, to_host
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, resolve_run_config
 from roundpipe.scheduler import LayerProfile, ModelExecutePlan
-from roundpipe.step import StepPipeline
+from roundpipe.step import StepPipeline, in_step_job
 from roundpipe.timer import ModelTimer
 
 _PIN_MODES = ("alloc", "register", "off")
@@ -45,6 +48,28 @@ def _sum_losses(losses: list[Any]) -> Any:
             total = total + loss.to(total.device)
         return total.detach().cpu()
     return [_sum_losses([loss[i] for loss in losses]) for i in range(len(losses[0]))]
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def serialized(method: _Method) -> _Method:
+    """Run ``method`` under the model's lock: calls on one model from several threads take turns
+    (the result equals running them one after the other). Refused on the optimizer thread, where
+    it would wait for the step that is running it."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if in_step_job():
+            raise RuntimeError(
+                f"RoundPipe model '{self.__dict__['name']}': {method.__name__}() was called from "
+                "step_fn, which runs on the optimizer thread while the model waits for it; call "
+                "it after step() returns"
+            )
+        with self.__dict__["_lock"]:
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 class RoundPipe(OptimizerCopiesView):
@@ -118,6 +143,7 @@ class RoundPipe(OptimizerCopiesView):
         state["_grads_published"] = False
         state["_steps"] = StepPipeline(state["_memory"], optim_dtype)
         state["_anchor"] = torch.empty(0, requires_grad=True)
+        state["_lock"] = threading.RLock()
         state["_constructed"] = True
 
     # -- attribute forwarding ----------------------------------------------------------------
@@ -174,6 +200,7 @@ class RoundPipe(OptimizerCopiesView):
 
     # -- calls -------------------------------------------------------------------------------
 
+    @serialized
     def forward(
         self,
         *args: Any,
@@ -213,6 +240,7 @@ class RoundPipe(OptimizerCopiesView):
         per_microbatch = node.rebuild_outputs(flat_outputs)
         return self._merge(per_microbatch, config)
 
+    @serialized
     def forward_backward(
         self,
         input_args: tuple[Any, ...] = (),
@@ -247,8 +275,9 @@ class RoundPipe(OptimizerCopiesView):
                 "with gradients enabled, or use forward() for inference"
             )
         n = config.num_microbatch
-        args_list, kwargs_list = split_input(input_args, input_kwargs, n, config.split_input)
-        labels = split_label(label, n, config.split_label)
+        batch = Batch()
+        args_list, kwargs_list = split_input(input_args, input_kwargs, n, config.split_input, batch)
+        labels = split_label(label, n, config.split_label, batch)
         inputs = list(zip(args_list, kwargs_list, strict=True))
         plan = self._plan(config, "fused")
         call = self._new_call(config, saving=True)
@@ -280,6 +309,7 @@ class RoundPipe(OptimizerCopiesView):
             backward_into_inputs(inputs, results["values"])
         return (loss, outputs) if return_outputs else loss
 
+    @serialized
     def step(
         self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any
     ) -> None:
@@ -301,6 +331,7 @@ class RoundPipe(OptimizerCopiesView):
         self.__dict__["_steps"].step(step_fn, is_async, args, kwargs)
         self.__dict__["_grads_dirty"] = False
 
+    @serialized
     def synchronize(self) -> None:
         """Wait for pending work and publish the accumulated gradients into ``param.grad``.
 
@@ -319,6 +350,7 @@ class RoundPipe(OptimizerCopiesView):
 
     # -- checkpoints -------------------------------------------------------------------------
 
+    @serialized
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The model's state after draining pending work (the optimizer thread included), plus
         RoundPipe's own: the optimizer copies (``_roundpipe.optim.<name>``) and gradients
@@ -335,6 +367,7 @@ class RoundPipe(OptimizerCopiesView):
         self._drain()
         return super().state_dict(*args, **kwargs)
 
+    @serialized
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a ``state_dict()`` of this (or a plain) model; pending work is drained first.
 
