@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results import parse_count, record  # noqa: E402
+from results import parse_count, record
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,8 @@ def table(results: list[tuple[Case, dict[str, float]]]) -> str:
         "",
         "Where the steady bytes go (per parameter):",
         "",
-        "| case | weights | optimizer copies | Adam state | runtime (arenas, staging) and allocator |",
+        "| case | weights | optimizer copies | Adam state "
+        "| runtime (arenas, staging) and allocator |",
         "|---|---:|---:|---:|---:|",
     ]
     for case, r in results:
@@ -229,9 +230,7 @@ def main() -> None:
         print(json.dumps(run_case(CASES[args.child], params, args.iters, args.devices)))
         return
 
-    chosen = (
-        CASES if args.cases == "all" else [CASES[int(i) - 1] for i in args.cases.split(",")]
-    )
+    chosen = CASES if args.cases == "all" else [CASES[int(i) - 1] for i in args.cases.split(",")]
     results = [(case, measure(case, params, args.iters, args.devices)) for case in chosen]
     header = (
         f"{results[0][1]['params'] / 1e6:.0f}M parameters, {args.devices} CPU devices, "

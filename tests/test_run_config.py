@@ -169,7 +169,7 @@ _SPEC_B = (None, {"mask": _Replicate})
     ("field", "call_value", "model_value", "default"),
     [
         ("requires_grad", False, True, True),
-        ("output_device", torch.device("meta"), torch.device("cuda", 0), torch.device("cpu")),
+        ("output_device", torch.device("meta"), torch.device("cpu", 0), torch.device("cpu")),
         ("preserve_rng_state", False, True, True),
         ("recompute_grain", "layer", "stage", "stage"),
         ("num_microbatch", 2, 5, None),

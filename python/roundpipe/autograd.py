@@ -8,6 +8,7 @@ Its backward runs the pipelined recompute + backward stages and returns the inpu
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,16 +44,18 @@ _TENSOR = object()  # marks where an output leaf was a tensor
 
 class PipelineNode:
     """What the autograd node of one ``forward()`` call keeps for its backward: the call, the
-    model's gradient state it accumulates into, and the shape of its outputs."""
+    model's gradient state it accumulates into and the model's call lock (a backward is a call of
+    the model too), and the shape of its outputs."""
 
     def __init__(
         self,
         call: Call,
         gradients: GradientState,
+        lock: threading.RLock,
         inputs: list[Any],
         output_device: torch.device,
     ) -> None:
-        self.call, self.gradients = call, gradients
+        self.call, self.gradients, self.lock = call, gradients, lock
         self.inputs, self.output_device = inputs, output_device
         self.output_specs: list[Any] = []
         self.output_leaves: list[list[Any]] = []
@@ -91,7 +94,7 @@ class PipelineNode:
             [next(iterator) if leaf is _TENSOR else None for leaf in leaves]
             for leaves in self.output_leaves
         ]
-        with self.gradients.accumulating(self.call):
+        with self.lock, self.gradients.accumulating(self.call):
             return self.call.backward(grads)
 
 
@@ -111,6 +114,9 @@ class PipelineFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         ctx.node = node
         ctx.set_materialize_grads(False)
+        # Saved only to be read in backward: autograd frees it after a backward without
+        # retain_graph, so a second backward raises exactly as PyTorch does for its own nodes.
+        ctx.save_for_backward(anchor)
         outputs = tuple(node.run_forward())
         ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
         return outputs
@@ -118,6 +124,7 @@ class PipelineFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
         node: PipelineNode = ctx.node
+        ctx.saved_tensors  # noqa: B018  (raises "backward through the graph a second time")
         grads = node.run_backward(grad_outputs)
         return (None, None, *(grad for _, grad in input_grads(node.inputs, grads)))
 

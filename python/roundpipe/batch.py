@@ -226,11 +226,18 @@ def check_spec(spec: Any, field: str, allow_reduce: bool) -> None:
 # Splitting
 
 
-class _Batch:
-    """Row counts of the batch the automatic rules follow, set by the first dim-0 split."""
+class Batch:
+    """Row counts of the batch the automatic rules follow, set by the first dim-0 split, and the
+    path of the leaf that set them. Shared by a call's inputs and label, so every automatically
+    split leaf of both must have the batch's size."""
 
     def __init__(self) -> None:
         self.rows: list[int] | None = None
+        self.path: str | None = None
+
+    def set(self, rows: list[int] | None, path: str) -> None:
+        if self.rows is None and rows is not None:
+            self.rows, self.path = rows, path
 
     def matches(self, tensor: torch.Tensor) -> bool:
         return self.rows is not None and tensor.size(0) == sum(self.rows)
@@ -257,19 +264,18 @@ def _packed_rows(packed: RoundPipePackedData) -> list[int] | None:
     return None
 
 
-def _unpack(packed: RoundPipePackedData, n: int, path: str, batch: _Batch) -> list[Any]:
+def _unpack(packed: RoundPipePackedData, n: int, path: str, batch: Batch) -> list[Any]:
     if len(packed) != n:
         raise ValueError(
             f"{path}: RoundPipePackedData holds {len(packed)} microbatches but num_microbatch is "
             f"{n}; run the producing and the consuming RoundPipe with the same num_microbatch"
         )
-    if batch.rows is None:
-        batch.rows = _packed_rows(packed)
+    batch.set(_packed_rows(packed), path)
     return list(packed)
 
 
 def _split_leaf(
-    value: Any, spec: Any, n: int, path: str, batch: _Batch, batch_only: bool
+    value: Any, spec: Any, n: int, path: str, batch: Batch, batch_only: bool
 ) -> list[Any]:
     kind = marker_kind(spec)
     is_tensor = isinstance(value, torch.Tensor)
@@ -287,8 +293,8 @@ def _split_leaf(
         if n == 1:
             return [value]
         chunks = _split_dim_chunks(value, dim, n, path)
-        if batch.rows is None and dim % value.dim() == 0:
-            batch.rows = [c.size(0) for c in chunks]
+        if dim % value.dim() == 0:
+            batch.set([c.size(0) for c in chunks], path)
         return chunks
     if kind == "reduce":
         raise ValueError(f"{path}: _CustomReducer only applies to merge_output")
@@ -296,16 +302,24 @@ def _split_leaf(
         return [value] * n
     if batch.rows is not None and batch.matches(value):
         return list(torch.split(value, batch.rows, 0))
-    if batch_only and batch.rows is not None:
-        return [value] * n
+    if batch.rows is not None:
+        if batch_only:
+            return [value] * n
+        # Plain PyTorch on the whole batch would fail on mismatched batch sizes; splitting each
+        # leaf on its own would pair rows that do not belong together.
+        raise ValueError(
+            f"{path} has {value.size(0)} rows along dim 0 but {batch.path} has "
+            f"{sum(batch.rows)}: automatic splitting needs every split input and label to share "
+            f"the batch size; mark {path} _Replicate in the split spec (split_input / "
+            "split_label), or pass a split function"
+        )
     chunks = _split_dim_chunks(value, 0, n, path)
-    if batch.rows is None:
-        batch.rows = [c.size(0) for c in chunks]
+    batch.set([c.size(0) for c in chunks], path)
     return chunks
 
 
 def _split_tree(
-    value: Any, spec: Any, n: int, path: str, batch: _Batch, batch_only: bool
+    value: Any, spec: Any, n: int, path: str, batch: Batch, batch_only: bool
 ) -> list[Any]:
     """Split ``value`` into ``n`` values following ``spec`` (``None``, a marker or a tree).
 
@@ -350,12 +364,14 @@ def split_input(
     kwargs: dict[str, Any],
     num_microbatch: int,
     spec: tuple[Any, Any] | SplitInputFn | None,
+    batch: Batch | None = None,
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
     """Split a call's ``(args, kwargs)`` into per-microbatch ``(args_list, kwargs_list)``.
 
     ``spec`` is ``None`` (automatic), ``(args_spec, kwargs_spec)`` (either part ``None`` for
     automatic) or a function ``fn(args, kwargs, n) -> (args_list, kwargs_list)``. With one
-    microbatch nothing is split (packed leaves still yield their element 0).
+    microbatch nothing is split (packed leaves still yield their element 0). ``batch`` receives
+    the batch the automatic rules found, for :func:`split_label`.
     """
     _check_count(num_microbatch)
     args, kwargs = tuple(args), dict(kwargs)
@@ -376,18 +392,23 @@ def split_input(
                 )
         return [tuple(a) for a in args_list], [dict(k) for k in kwargs_list]
     args_spec, kwargs_spec = (None, None) if spec is None else spec
-    batch = _Batch()
+    batch = Batch() if batch is None else batch
     args_list = _split_tree(args, args_spec, num_microbatch, "args", batch, batch_only=False)
     kwargs_list = _split_tree(kwargs, kwargs_spec, num_microbatch, "kwargs", batch, batch_only=True)
     return args_list, kwargs_list
 
 
-def split_label(label: Any, num_microbatch: int, spec: Any | SplitLabelFn | None) -> list[Any]:
-    """Split a label into ``num_microbatch`` labels (automatic, a spec, or ``fn(label, n)``)."""
+def split_label(
+    label: Any, num_microbatch: int, spec: Any | SplitLabelFn | None, batch: Batch | None = None
+) -> list[Any]:
+    """Split a label into ``num_microbatch`` labels (automatic, a spec, or ``fn(label, n)``).
+
+    Automatically split leaves must have the size of ``batch`` (the inputs' batch), if known."""
     _check_count(num_microbatch)
     if is_user_function(spec):
         return _check_list(spec(label, num_microbatch), num_microbatch, "split_label's result")
-    return _split_tree(label, spec, num_microbatch, "label", _Batch(), batch_only=False)
+    batch = Batch() if batch is None else batch
+    return _split_tree(label, spec, num_microbatch, "label", batch, batch_only=False)
 
 
 def packed_events(value: Any, num_microbatch: int) -> list[list[Event]]:
@@ -536,6 +557,7 @@ def pack_output(outputs: list[Any], events: Sequence[Event | None]) -> Any:
 
 
 __all__ = [
+    "Batch",
     "Event",
     "RoundPipePackedData",
     "check_spec",

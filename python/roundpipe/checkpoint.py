@@ -283,7 +283,9 @@ def _verified_manifest(file: io.BufferedReader, target: Path) -> dict[str, Any]:
     if zlib.crc32(raw) != manifest_crc:
         raise CheckpointError(f"checkpoint {name!r} is corrupt: its manifest fails its checksum")
     try:
-        manifest = json.loads(raw)
+        manifest: dict[str, Any] = json.loads(raw)
+        if not isinstance(manifest, dict):
+            raise TypeError(f"a JSON {type(manifest).__name__}, not an object")
         payload, chunk = int(manifest["payload_bytes"]), int(manifest["chunk_bytes"])
         if payload < 0 or chunk <= 0:
             raise ValueError(f"payload_bytes {payload}, chunk_bytes {chunk}")

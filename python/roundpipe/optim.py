@@ -359,7 +359,7 @@ class Adam(torch.optim.Optimizer):
 
     def _state_of(self, param: Tensor, amsgrad: bool) -> dict[str, Any]:
         """``param``'s state, created as torch's Adam creates it on first use."""
-        state = self.state[param]
+        state: dict[str, Any] = self.state[param]
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)

@@ -316,9 +316,10 @@ class Call:
     preserve_rng_state: bool
     saving: bool = field(init=False)  # keep what backward stages need (grads on)
     backward_starts: set[int] = field(default_factory=set)
-    rng_points: set[int] = field(default_factory=set)
     saved_inputs: dict[tuple[int, int], Any] = field(default_factory=dict)
-    rng_states: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # Every random draw of layer l for microbatch m comes from a generator seeded with
+    # (rng_seed, l, m): the same whatever the plan, stage boundaries, device or device count.
+    rng_seed: int = field(default_factory=lambda: _draw_call_seed())
     recompute_store: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
     pending: list[Any] = field(default_factory=list)
     # Transfer events of inputs packed by an upstream RoundPipe, per microbatch.
@@ -331,9 +332,9 @@ class Call:
     def __post_init__(self) -> None:
         self.saving = self.run_type != "infer"
         if self.run_type == "train":
-            self._plan_saving(self.plan.fwd_plan, self.plan.bwd_plan)
+            self._plan_saving(self.plan.bwd_plan)
         elif self.run_type == "fused":
-            self._plan_saving(self.plan.fwd_plan, self.plan.bwd_plan[1:])
+            self._plan_saving(self.plan.bwd_plan[1:])
 
     # -- running the stages ------------------------------------------------------------------
 
@@ -374,7 +375,7 @@ class Call:
         Every upload issued is waited for before returning (also on errors), so no copy into or
         out of a freed buffer is left in flight.
         """
-        with _Uploads(self.runner.memory, stages) as uploads:
+        with _rng_scope(), _Uploads(self.runner.memory, stages) as uploads:
             for stage in stages:
                 # No reference to a stage outlives its turn: its device buffers are freed before
                 # the upload after next is allocated.
@@ -391,17 +392,12 @@ class Call:
             return self.fused_stage(resident, values, loss)
         return self.backward_stage(resident, values)
 
-    def _plan_saving(
-        self, forward_stages: Sequence[range], backward_stages: Sequence[range]
-    ) -> None:
-        """Decide which layer inputs and RNG states the backward stages will need."""
-        recomputed = {i for stage in backward_stages for i in stage}
+    def _plan_saving(self, backward_stages: Sequence[range]) -> None:
+        """Decide which layer inputs the backward stages will recompute from."""
         if self.recompute_grain == "layer":
-            self.backward_starts = recomputed
+            self.backward_starts = {i for stage in backward_stages for i in stage}
         else:
             self.backward_starts = {stage.start for stage in backward_stages}
-        forward_starts = {stage.start for stage in forward_stages}
-        self.rng_points = (self.backward_starts | forward_starts) & recomputed
 
     # -- layer calls -------------------------------------------------------------------------
 
@@ -417,12 +413,9 @@ class Call:
     ) -> Any:
         """Run one layer on one microbatch (layer 0 takes ``(args, kwargs)``)."""
         phase: Phase = "recompute" if recompute else "forward"
-        key = (layer, microbatch)
-        if self.preserve_rng_state and layer in self.rng_points:
-            if recompute:
-                _set_rng_state(self.rng_states[key], device_index)
-            elif self.saving:
-                self.rng_states[key] = _get_rng_state(device_index)
+        # Recompute replays the forward's draws, unless asked for fresh randomness.
+        fresh = recompute and not self.preserve_rng_state
+        _seed_generators(_layer_seed(self.rng_seed, layer, microbatch, fresh), device_index)
         call = context._LayerCall(
             self.recompute_store, layer, microbatch, recompute, saving_enabled=self.saving
         )
@@ -459,16 +452,17 @@ class Call:
         with stage.bound(keep_buffer_updates=True), torch.no_grad():
             for m, value in enumerate(activations):
                 if stage.layers.start == 0:
+                    moved = self._model_input(m, value, stage.device_index)
                     if self.saving and 0 in self.backward_starts:
                         # The user's own inputs, requires_grad flags included (chained models).
-                        self.saved_inputs[(0, m)] = value
-                    value = self._model_input(m, value, stage.device_index)
+                        self.saved_inputs[(0, m)] = _unshared(value, moved)
+                    value = moved
                 else:
                     value = to_device(value, stage.device_index)
                 for layer in stage.layers:
                     if self.saving and layer > 0 and layer in self.backward_starts:
                         host, event = to_host(value, stage.device_index)
-                        self.saved_inputs[(layer, m)] = host
+                        self.saved_inputs[(layer, m)] = _unshared(host, value)
                         if event is not None:
                             self.pending.append(event)
                     value = self.call_layer(layer, m, value, stage.device_index, recompute=False)
@@ -485,7 +479,7 @@ class Call:
             for m, value in enumerate(activations):
                 first, device = stage.layers.start, stage.device_index
                 inputs = self._differentiable_input(first, m, value, device)
-                result = inputs
+                result = _writable(inputs)
                 for layer in stage.layers:
                     result = self.call_layer(layer, m, result, stage.device_index, recompute=False)
                 label = to_device(loss_spec.labels[m], stage.device_index)
@@ -535,8 +529,8 @@ class Call:
     ) -> Any:
         saved = self.saved_inputs[(layers.start, microbatch)]
         inputs = self._differentiable_input(layers.start, microbatch, saved, stage.device_index)
-        with torch.enable_grad(), _rng_fork(self.preserve_rng_state, stage.device_index):
-            result = inputs
+        with torch.enable_grad():
+            result = _writable(inputs, saved)
             for layer in layers:
                 result = self.call_layer(
                     layer, microbatch, result, stage.device_index, recompute=True
@@ -599,30 +593,87 @@ def _detach_leaf(value: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def _get_rng_state(device_index: int) -> torch.Tensor:
-    if _on_cuda():
-        return torch.cuda.get_rng_state(device_index)
-    return torch.get_rng_state()
+_SEED_MASK = (1 << 64) - 1
 
 
-def _set_rng_state(state: torch.Tensor, device_index: int) -> None:
+def _draw_call_seed() -> int:
+    """One draw from the default CPU generator: the call's randomness follows the user's seed."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+
+
+def _layer_seed(call_seed: int, layer: int, microbatch: int, fresh: bool) -> int:
+    """A well-mixed seed for (call, layer, microbatch) (splitmix64 finaliser); ``fresh`` gives
+    recompute its own stream when it must not replay the forward's draws."""
+    x = call_seed ^ (layer * 0x9E3779B97F4A7C15) ^ (microbatch * 0xC2B2AE3D27D4EB4F)
+    x = (x ^ (0x165667B19E3779F9 if fresh else 0)) & _SEED_MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _SEED_MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _SEED_MASK
+    return (x ^ (x >> 31)) >> 1
+
+
+def _seed_generators(seed: int, device_index: int) -> None:
+    """Seed the generators a layer on ``device_index`` draws from (host-side, no sync)."""
+    torch.default_generator.manual_seed(seed)
     if _on_cuda():
-        torch.cuda.set_rng_state(state, device_index)
-    else:
-        torch.set_rng_state(state)
+        torch.cuda.default_generators[devices()[device_index].index].manual_seed(seed)
 
 
 @contextmanager
-def _rng_fork(enabled: bool, device_index: int) -> Iterator[None]:
-    """Recompute replays saved RNG states; the caller's generator state is restored after."""
-    if not enabled:
-        yield
-        return
-    state = _get_rng_state(device_index)
+def _rng_scope() -> Iterator[None]:
+    """Restore the generators the layers reseed, so the user's random stream after a call does not
+    depend on which layer ran last (that is, on the plan)."""
+    cpu = torch.get_rng_state()
+    gpus = torch.cuda.get_rng_state_all() if _on_cuda() else None
     try:
         yield
     finally:
-        _set_rng_state(state, device_index)
+        torch.set_rng_state(cpu)
+        if gpus is not None:
+            torch.cuda.set_rng_state_all(gpus)
+
+
+# --------------------------------------------------------------------------------------------
+# Aliasing
+# --------------------------------------------------------------------------------------------
+
+
+def _shares_memory(a: Any, b: Any) -> bool:
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.device == b.device
+        and a.numel() > 0
+        and a.data_ptr() == b.data_ptr()
+    )
+
+
+def _unshared(saved: Any, passed: Any) -> Any:
+    """``saved`` with a private copy of every tensor that is also ``passed`` to a layer (virtual
+    CPU devices, or inputs already on the device): whatever the layer does to its input, the
+    recompute must see what the forward saw."""
+    saved_leaves, spec = tree_flatten(saved)
+    passed_leaves, _ = tree_flatten(passed)
+    copies = []
+    for leaf, other in zip(saved_leaves, passed_leaves, strict=True):
+        if _shares_memory(leaf, other):
+            leaf = leaf.detach().clone().requires_grad_(leaf.requires_grad)
+        copies.append(leaf)
+    return tree_unflatten(copies, spec)
+
+
+def _writable(inputs: Any, saved: Any = None) -> Any:
+    """What the first layer of a fused or recomputed stage receives: ``inputs`` with clones of the
+    leaves that require grad (so an in-place first layer, ``ReLU(inplace=True)``, does not modify
+    an autograd leaf; gradients still reach the leaves) and of those sharing memory with
+    ``saved`` (a second backward with ``retain_graph`` recomputes from it again)."""
+    leaves, spec = tree_flatten(inputs)
+    saved_leaves = tree_flatten(saved)[0] if saved is not None else [None] * len(leaves)
+    fresh = []
+    for leaf, kept in zip(leaves, saved_leaves, strict=True):
+        if isinstance(leaf, torch.Tensor) and (leaf.requires_grad or _shares_memory(leaf, kept)):
+            leaf = leaf.clone()
+        fresh.append(leaf)
+    return tree_unflatten(fresh, spec)
 
 
 # --------------------------------------------------------------------------------------------

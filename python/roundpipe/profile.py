@@ -25,7 +25,8 @@ def _nvtx_package() -> ModuleType | None:
         import nvtx
     except ImportError:
         return None
-    return nvtx
+    module: ModuleType = nvtx
+    return module
 
 
 class annotate(contextlib.ContextDecorator):  # lower case: the 0.1.1 name, used like a function
@@ -48,11 +49,11 @@ class annotate(contextlib.ContextDecorator):  # lower case: the 0.1.1 name, used
         if self._nvtx is not None:
             self._nvtx.push_range(self.name, color=self.color)
         elif self._enabled:
-            torch.cuda.nvtx.range_push(self.name)
+            torch.cuda.nvtx.range_push(self.name)  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._nvtx is not None:
             self._nvtx.pop_range()
         elif self._enabled:
-            torch.cuda.nvtx.range_pop()
+            torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -14,6 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from roundpipe.autograd import PipelineNode, backward_into_inputs, connect
 from roundpipe.batch import (
+    Batch,
     RoundPipePackedData,
     merge_output,
     pack_output,
@@ -28,7 +31,7 @@ from roundpipe.memory import ModelMemory
 from roundpipe.pipeline import Call, LayerRunner, LossSpec
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, resolve_run_config
 from roundpipe.scheduler import LayerProfile, ModelExecutePlan, RunType
-from roundpipe.step import StepPipeline
+from roundpipe.step import StepPipeline, in_step_job
 from roundpipe.timer import ModelTimer
 
 _PIN_MODES = ("alloc", "register", "off")
@@ -65,6 +68,30 @@ class _Runtime:
     plans: dict[tuple[str, int], tuple[int, ModelExecutePlan]] = field(default_factory=dict)
     # Optimizer copies read by load_state_dict, applied once the parameters are loaded.
     loaded_copies: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Calls on the model take turns (see ``serialized``).
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def serialized(method: _Method) -> _Method:
+    """Run ``method`` under the model's lock: calls on one model from several threads take turns
+    (the result equals running them one after the other). Refused on the optimizer thread, where
+    it would wait for the step that is running it."""
+
+    @functools.wraps(method)
+    def run(self: RoundPipe, *args: Any, **kwargs: Any) -> Any:
+        if in_step_job():
+            raise RuntimeError(
+                f"RoundPipe model '{self.name}': {method.__name__}() was called from step_fn, "
+                "which runs on the optimizer thread while the model waits for it; call it after "
+                "step() returns"
+            )
+        with self._runtime.lock:
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 class RoundPipe(ForwardingModule):
@@ -160,6 +187,7 @@ class RoundPipe(ForwardingModule):
 
     # -- calls -------------------------------------------------------------------------------
 
+    @serialized
     def forward(
         self,
         *args: Any,
@@ -190,11 +218,12 @@ class RoundPipe(ForwardingModule):
             for leaf in tree_flatten(inputs)[0]
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad
         ]
-        node = PipelineNode(call, runtime.gradients, inputs, config.output_device)
+        node = PipelineNode(call, runtime.gradients, runtime.lock, inputs, config.output_device)
         flat_outputs = connect(node, runtime.anchor, input_leaves)
         per_microbatch = node.rebuild_outputs(flat_outputs)
         return _merge_or_pack(per_microbatch, [None] * len(per_microbatch), config)
 
+    @serialized
     def forward_backward(
         self,
         input_args: tuple[Any, ...] = (),
@@ -230,8 +259,9 @@ class RoundPipe(ForwardingModule):
                 "with gradients enabled, or use forward() for inference"
             )
         n = config.num_microbatch
-        args_list, kwargs_list = split_input(input_args, input_kwargs, n, config.split_input)
-        labels = split_label(label, n, config.split_label)
+        batch = Batch()
+        args_list, kwargs_list = split_input(input_args, input_kwargs, n, config.split_input, batch)
+        labels = split_label(label, n, config.split_label, batch)
         inputs = list(zip(args_list, kwargs_list, strict=True))
         call = self._new_call(config, "fused")
         call.input_events = packed_events((input_args, input_kwargs), n)
@@ -246,6 +276,7 @@ class RoundPipe(ForwardingModule):
             backward_into_inputs(inputs, grads)
         return (loss, outputs) if return_outputs else loss
 
+    @serialized
     def step(
         self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any
     ) -> None:
@@ -265,6 +296,7 @@ class RoundPipe(ForwardingModule):
         with runtime.gradients.handing_over():
             runtime.steps.step(step_fn, is_async, args, kwargs)
 
+    @serialized
     def synchronize(self) -> None:
         """Wait for pending work and publish the accumulated gradients into ``param.grad``.
 
@@ -276,6 +308,7 @@ class RoundPipe(ForwardingModule):
         runtime.steps.finish()
         runtime.gradients.publish()
 
+    @serialized
     def drain(self) -> None:
         """Finish every pending gradient transfer and optimizer step (new weights written back),
         without publishing gradients into ``param.grad``."""
@@ -286,6 +319,7 @@ class RoundPipe(ForwardingModule):
 
     # -- checkpoints -------------------------------------------------------------------------
 
+    @serialized
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The model's state after draining pending work (the optimizer thread included), plus
         RoundPipe's own: the optimizer copies (``_roundpipe.optim.<name>``) and gradients
@@ -302,6 +336,7 @@ class RoundPipe(ForwardingModule):
         self.drain()
         return super().state_dict(*args, **kwargs)
 
+    @serialized
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a ``state_dict()`` of this (or a plain) model; pending work is drained first.
 

@@ -43,6 +43,25 @@ def _check_output_device(value: Any) -> torch.device | None:
         raise ValueError(f"output_device {value!r} is not a valid device: {error}") from error
 
 
+def _check_output_device_present(device: torch.device) -> None:
+    """An output device this process can use (checked per call: a config may be built on
+    another machine)."""
+    if device.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        built = "built" if torch.version.cuda else "not built"
+        raise ValueError(
+            f"output_device is {device} but no CUDA device is available (torch "
+            f"{torch.__version__}, CUDA {built}); use output_device='cpu' (the default)"
+        )
+    if device.index is not None and device.index >= count:
+        raise ValueError(
+            f"output_device is {device} but only {count} CUDA device(s) are visible; use an "
+            f"index below {count}"
+        )
+
+
 def _check_recompute_grain(value: Any) -> RecomputeGrain | None:
     if value is not None and value not in _RECOMPUTE_GRAINS:
         raise ValueError(f"recompute_grain must be 'stage', 'layer' or None, got {value!r}")
@@ -249,9 +268,11 @@ def resolve_run_config(call: RoundPipeRunConfig, model: RoundPipeRunConfig) -> R
             "leave requires_grad unset"
         )
     merge = pick("merge_output", None)
+    output_device = pick("output_device", torch.device("cpu"))
+    _check_output_device_present(output_device)
     return ResolvedRunConfig(
         requires_grad=requires_grad,
-        output_device=pick("output_device", torch.device("cpu")),
+        output_device=output_device,
         preserve_rng_state=pick("preserve_rng_state", True),
         recompute_grain=pick("recompute_grain", "stage"),
         num_microbatch=pick("num_microbatch", None) or device.device_count() + 1,

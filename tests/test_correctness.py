@@ -1,0 +1,468 @@
+"""Never silently wrong: what plain PyTorch computes (or rejects), RoundPipe computes (or rejects).
+
+Each test drives RoundPipe the way users do beyond the happy path (threads, in-place layers,
+layers that mutate their input, a second backward, mismatched batches, randomness under different
+schedules) and compares with the plain PyTorch per-microbatch loop, on 1 and 3 virtual CPU devices.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Iterator
+
+import pytest
+import roundpipe
+import torch
+from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from torch import nn
+
+
+@pytest.fixture(autouse=True)
+def float64_by_default() -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def make_plan(fwd: list[range], bwd: list[range]) -> ModelExecutePlan:
+    plan = ModelExecutePlan()
+    plan.fwd_plan, plan.bwd_plan = fwd, bwd
+    return plan
+
+
+def single_layer_plan(layers: int) -> ModelExecutePlan:
+    """Every layer its own stage: every layer starts a forward and a backward stage."""
+    return make_plan(
+        [range(i, i + 1) for i in range(layers - 1)],
+        [range(i, i + 1) for i in reversed(range(layers))],
+    )
+
+
+def mse(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return ((output - label) ** 2).sum()
+
+
+def plain_forward_backward(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int
+) -> torch.Tensor:
+    total = torch.zeros(())
+    for xm, ym in zip(x.tensor_split(n), y.tensor_split(n), strict=True):
+        loss = mse(model(xm), ym)
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+def assert_same_grads(model: nn.Module, reference: nn.Module) -> None:
+    for (name, p), (_, q) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        assert q.grad is not None, name
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def mlp(layers: int = 4, width: int = 6, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)]
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 1, 2: threads
+# --------------------------------------------------------------------------------------------
+
+
+def test_two_threads_on_one_model_accumulate_both_calls(num_devices: int) -> None:
+    """Plain PyTorch accumulates both threads' gradients; ours must too (calls serialise)."""
+    reference = mlp(layers=6)
+    model = RoundPipe(copy.deepcopy(reference))
+    config = RoundPipeRunConfig(num_microbatch=3)
+    torch.manual_seed(1)
+    batches = [(torch.randn(6, 6), torch.randn(6, 6)) for _ in range(2)]
+    errors: list[BaseException] = []
+    for _ in range(5):
+        barrier = threading.Barrier(2)
+
+        def train(x: torch.Tensor, y: torch.Tensor, barrier: threading.Barrier = barrier) -> None:
+            try:
+                barrier.wait()
+                model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+            except BaseException as error:  # reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=train, args=batch) for batch in batches]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        for x, y in batches:
+            plain_forward_backward(reference, x, y, 3)
+    assert not errors, errors
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
+def test_synchronize_while_another_thread_trains(num_devices: int) -> None:
+    """synchronize() from a second thread waits for in-flight work; training is unaffected."""
+    reference = mlp(layers=5)
+    model = RoundPipe(copy.deepcopy(reference))
+    config = RoundPipeRunConfig(num_microbatch=3)
+    torch.manual_seed(2)
+    batches = [(torch.randn(6, 6), torch.randn(6, 6)) for _ in range(6)]
+
+    def sgd() -> None:
+        with torch.no_grad():
+            for p in model.optim_parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            for x, y in batches:
+                model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+                model.step(sgd, is_async=False)
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    while not done.is_set():
+        try:
+            model.synchronize()
+        except BaseException as error:
+            errors.append(error)
+            break
+    thread.join(timeout=120)
+    assert not errors, errors
+    model.synchronize()
+
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=0.01)
+    for x, y in batches:
+        plain_forward_backward(reference, x, y, 3)
+        plain_opt.step()
+        plain_opt.zero_grad()
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    # The model still trains afterwards.
+    model.forward_backward(input_args=(batches[0][0],), label=batches[0][1], loss_fn=mse)
+
+
+# --------------------------------------------------------------------------------------------
+# 3, 4: in-place layers
+# --------------------------------------------------------------------------------------------
+
+
+def inplace_model(seed: int = 3) -> nn.Sequential:
+    """In-place ReLUs that land at the start of stages under single-layer plans."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(6, 6),
+        nn.ReLU(inplace=True),
+        nn.Linear(6, 6),
+        nn.ReLU(inplace=True),
+        nn.Linear(6, 6),
+        nn.ReLU(inplace=True),
+    )
+
+
+INPLACE_PLANS = {
+    "single": single_layer_plan(6),
+    # the fused stage starts with an in-place ReLU
+    "fused-relu": make_plan([range(0, 3)], [range(3, 6), range(1, 3), range(0, 1)]),
+    "auto": None,
+}
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("plan", INPLACE_PLANS, ids=list(INPLACE_PLANS))
+def test_inplace_relu_at_stage_starts_trains_like_pytorch(
+    num_devices: int, grain: str, plan: str
+) -> None:
+    reference = inplace_model()
+    model = RoundPipe(copy.deepcopy(reference))
+    config = RoundPipeRunConfig(
+        num_microbatch=3, recompute_grain=grain, execute_plan=INPLACE_PLANS[plan]
+    )
+    x, y = torch.randn(6, 6), torch.randn(6, 6)
+    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    expected = plain_forward_backward(reference, x, y, 3)
+    torch.testing.assert_close(loss, expected)
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
+def test_inplace_relu_through_forward_then_backward(num_devices: int) -> None:
+    reference = inplace_model()
+    model = RoundPipe(copy.deepcopy(reference))
+    plan = make_plan(
+        [range(0, 1), range(1, 3), range(3, 6)], [range(3, 6), range(1, 3), range(0, 1)]
+    )
+    x = torch.randn(6, 6)
+    out = model(x, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan))
+    out.pow(2).sum().backward()
+    torch.cat([reference(chunk) for chunk in x.tensor_split(3)]).pow(2).sum().backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
+class Doubler(nn.Module):
+    """Doubles its input in place outside autograd, then applies a linear map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            x.mul_(2)
+        return self.linear(x)
+
+
+def mutating_model(seed: int = 4) -> nn.Sequential:
+    torch.manual_seed(seed)
+    # Linear before each Doubler: its backward does not read its output, which the Doubler
+    # changes, so plain PyTorch accepts the mutation.
+    return nn.Sequential(nn.Linear(6, 6), Doubler(), nn.Linear(6, 6), Doubler(), nn.Linear(6, 6))
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_layer_mutating_its_input_recomputes_what_forward_saw(num_devices: int, grain: str) -> None:
+    reference = mutating_model()
+    model = RoundPipe(copy.deepcopy(reference))
+    config = RoundPipeRunConfig(
+        num_microbatch=3, recompute_grain=grain, execute_plan=single_layer_plan(5)
+    )
+    x, y = torch.randn(6, 6), torch.randn(6, 6)
+    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    expected = plain_forward_backward(reference, x, y, 3)
+    torch.testing.assert_close(loss, expected)
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
+def test_first_layer_mutating_the_users_input_recomputes_what_forward_saw(
+    num_devices: int,
+) -> None:
+    torch.manual_seed(5)
+    reference = nn.Sequential(Doubler(), nn.Linear(6, 6), Doubler(), nn.Linear(6, 6))
+    model = RoundPipe(copy.deepcopy(reference))
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=single_layer_plan(4))
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    model.forward_backward(input_args=(x.clone(),), label=y, loss_fn=mse, run_config=config)
+    plain_forward_backward(reference, x.clone(), y, 2)
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
+# --------------------------------------------------------------------------------------------
+# 5: a second backward
+# --------------------------------------------------------------------------------------------
+
+
+def test_second_backward_without_retain_graph_raises_like_pytorch(num_devices: int) -> None:
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    x = torch.randn(4, 6)
+    plain_loss = torch.cat([reference(chunk) for chunk in x.tensor_split(2)]).sum()
+    plain_loss.backward()
+    with pytest.raises(RuntimeError, match="second time") as plain_error:
+        plain_loss.backward()
+    loss = model(x, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=2)).sum()
+    loss.backward()
+    with pytest.raises(type(plain_error.value), match="second time"):
+        loss.backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference)  # not doubled
+
+
+def test_retain_graph_allows_a_second_backward_through_a_loss_that_saves(
+    num_devices: int,
+) -> None:
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    x = torch.randn(4, 6)
+    loss = model(x, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=2)).pow(2).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    plain = torch.cat([reference(chunk) for chunk in x.tensor_split(2)]).pow(2).sum()
+    plain.backward(retain_graph=True)
+    plain.backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
+# --------------------------------------------------------------------------------------------
+# 6: batch-size mismatches
+# --------------------------------------------------------------------------------------------
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.linear(a) + self.linear(b).sum(0)
+
+
+def test_inputs_of_different_batch_sizes_are_rejected_before_work(num_devices: int) -> None:
+    model = RoundPipe(nn.Sequential(TwoInputs(), nn.Linear(6, 6)))
+    with pytest.raises(
+        ValueError, match=r"args\[0\].*12.*args\[1\].*6|args\[1\].*6.*args\[0\].*12"
+    ):
+        model.forward_backward(
+            input_args=(torch.randn(12, 6), torch.randn(6, 6)),
+            label=torch.randn(12, 6),
+            loss_fn=mse,
+            run_config=RoundPipeRunConfig(num_microbatch=3),
+        )
+    model.synchronize()
+    assert all(p.grad is None or not p.grad.any() for p in model.model.parameters())
+
+
+def test_label_of_another_batch_size_is_rejected_before_work(num_devices: int) -> None:
+    model = RoundPipe(mlp())
+    with pytest.raises(ValueError, match=r"label.*8.*12|12.*label.*8"):
+        model.forward_backward(
+            input_args=(torch.randn(12, 6),),
+            label=torch.randn(8, 6),
+            loss_fn=mse,
+            run_config=RoundPipeRunConfig(num_microbatch=3),
+        )
+    model.synchronize()
+    assert all(p.grad is None or not p.grad.any() for p in model.model.parameters())
+
+
+def test_explicit_split_specs_still_allow_different_sizes(num_devices: int) -> None:
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+    reference = nn.Sequential(TwoInputs(), nn.Linear(6, 6))
+    model = RoundPipe(copy.deepcopy(reference))
+    a, b, y = torch.randn(6, 6), torch.randn(4, 6), torch.randn(6, 6)
+    config = RoundPipeRunConfig(
+        num_microbatch=2, split_input=((TensorChunkSpec(0), _Replicate), {})
+    )
+    model.forward_backward(input_args=(a, b), label=y, loss_fn=mse, run_config=config)
+    for am, ym in zip(a.tensor_split(2), y.tensor_split(2), strict=True):
+        mse(reference[1](reference[0](am, b)), ym).backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
+# --------------------------------------------------------------------------------------------
+# 7: randomness independent of the schedule
+# --------------------------------------------------------------------------------------------
+
+
+def dropout_net(seed: int = 6) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Tanh()) for _ in range(6)]
+    )
+
+
+def train_with_dropout(
+    devices: int, plan: ModelExecutePlan | None, grain: str, seed: int = 0
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
+    model = RoundPipe(dropout_net())
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.05)
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    torch.manual_seed(seed)
+    data = [(torch.randn(8, 8), torch.randn(8, 8)) for _ in range(3)]
+    torch.manual_seed(seed + 100)
+    config = RoundPipeRunConfig(num_microbatch=4, execute_plan=plan, recompute_grain=grain)
+    losses = []
+    for x, y in data:
+        losses.append(
+            model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+        )
+        model.step(step)
+    model.synchronize()
+    return losses, [p.detach().clone() for p in model.model.parameters()]
+
+
+SCHEDULES: dict[str, tuple[int, ModelExecutePlan | None, str]] = {
+    "1dev-single": (1, single_layer_plan(6), "stage"),
+    "3dev-single": (3, single_layer_plan(6), "stage"),
+    "3dev-pairs": (
+        3,
+        make_plan([range(0, 2), range(2, 4)], [range(4, 6), range(2, 4), range(0, 2)]),
+        "stage",
+    ),
+    "2dev-fused-big": (2, make_plan([], [range(0, 6)]), "layer"),
+    "1dev-auto": (1, None, "stage"),
+    "3dev-auto-layer": (3, None, "layer"),
+}
+
+
+def test_same_seed_same_bits_whatever_the_schedule() -> None:
+    runs = {name: train_with_dropout(*schedule) for name, schedule in SCHEDULES.items()}
+    base_losses, base_weights = runs["1dev-single"]
+    for name, (losses, weights) in runs.items():
+        for a, b in zip(losses, base_losses, strict=True):
+            assert torch.equal(a, b), name
+        for a, b in zip(weights, base_weights, strict=True):
+            assert torch.equal(a, b), name
+    # Dropout is really active: another seed gives other losses.
+    other_losses, _ = train_with_dropout(1, single_layer_plan(6), "stage", seed=1)
+    assert not torch.equal(other_losses[0], base_losses[0])
+
+
+def test_recompute_replays_the_forward_draws_under_any_schedule(num_devices: int) -> None:
+    """Gradients equal plain PyTorch replaying the masks that RoundPipe's forward drew."""
+
+    class MaskRecorder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.masks: list[torch.Tensor] = []
+            self.replay: list[torch.Tensor] | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.replay is not None:
+                return x * self.replay.pop(0)
+            mask = (torch.rand_like(x) > 0.4).to(x.dtype)
+            if not roundpipe.doing_recompute():
+                self.masks.append(mask)
+            return x * mask
+
+    torch.manual_seed(7)
+    reference = nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), MaskRecorder()) for _ in range(4)])
+    model = RoundPipe(copy.deepcopy(reference))
+    x, y = torch.randn(6, 6), torch.randn(6, 6)
+    config = RoundPipeRunConfig(num_microbatch=3, execute_plan=single_layer_plan(4))
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    for mine, theirs in zip(model.model, reference, strict=True):
+        theirs[1].replay = list(mine[1].masks)
+    plain_forward_backward(reference, x, y, 3)
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
+# --------------------------------------------------------------------------------------------
+# 8: output_device without CUDA
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cuda_output_device_without_cuda_is_a_value_error() -> None:
+    model = RoundPipe(mlp())
+    with pytest.raises(ValueError, match="output_device"):
+        model(torch.randn(4, 6), roundpipe_run_config=RoundPipeRunConfig(output_device="cuda:0"))
+    with pytest.raises(ValueError, match="output_device"):
+        RoundPipe(mlp(), model_run_config=RoundPipeRunConfig(output_device="cuda:0"))(
+            torch.randn(4, 6)
+        )
