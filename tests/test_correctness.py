@@ -466,3 +466,57 @@ def test_cuda_output_device_without_cuda_is_a_value_error() -> None:
         RoundPipe(mlp(), model_run_config=RoundPipeRunConfig(output_device="cuda:0"))(
             torch.randn(4, 6)
         )
+
+
+# --------------------------------------------------------------------------------------------
+# The failing layer is named, never a wrong one
+# --------------------------------------------------------------------------------------------
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("backward exploded")
+
+
+class BackwardBoom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FailInBackward.apply(x)
+
+
+@pytest.mark.parametrize(
+    ("plan", "grain", "expected"),
+    [
+        # a backward stage, recomputed layer by layer: the exact layer
+        (
+            make_plan([range(0, 4)], [range(4, 5), range(0, 4)]),
+            "layer",
+            r"layer 2 \(BackwardBoom\)",
+        ),
+        # a backward stage recomputed whole: its range, which holds layer 2
+        (make_plan([range(0, 4)], [range(4, 5), range(0, 4)]), "stage", r"one of layers 0-3 \("),
+        # the fused stage: its range
+        (make_plan([range(0, 2)], [range(2, 5), range(0, 2)]), "stage", r"one of layers 2-4 \("),
+        # the fused stage is never recomputed: its range in either grain
+        (make_plan([range(0, 2)], [range(2, 5), range(0, 2)]), "layer", r"one of layers 2-4 \("),
+    ],
+)
+def test_backward_failure_names_the_layer_or_its_stage_never_another(
+    num_devices: int, plan: ModelExecutePlan, grain: str, expected: str
+) -> None:
+    torch.manual_seed(8)
+    net = nn.Sequential(
+        nn.Linear(6, 6), nn.Linear(6, 6), BackwardBoom(), nn.Linear(6, 6), nn.Tanh()
+    )
+    model = RoundPipe(net, name="boom")
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan, recompute_grain=grain)
+    with pytest.raises(ValueError, match=rf"'boom': {expected}.*failed in backward") as error:
+        model.forward_backward(
+            input_args=(torch.randn(4, 6),), label=torch.randn(4, 6), loss_fn=mse, run_config=config
+        )
+    assert "layer 3" not in str(error.value) and "layer 4 (" not in str(error.value)
+    assert isinstance(error.value.__cause__, ValueError)

@@ -401,11 +401,20 @@ class Call:
 
     # -- layer calls -------------------------------------------------------------------------
 
-    def _where(self, layer: int, phase: Phase, microbatch: int) -> str:
-        module = self.runner.layers[layer]
+    def _where(self, layers: int | range, phase: Phase, microbatch: int) -> str:
+        """Who failed: one layer, or, for the backward of a stage (one autograd pass, whose
+        failing node cannot be told apart), the stage's range of layers; never a guess."""
+        if isinstance(layers, int):
+            layers = range(layers, layers + 1)
+        types = ", ".join(type(self.runner.layers[i]).__name__ for i in layers)
+        who = (
+            f"layer {layers.start} ({types})"
+            if len(layers) == 1
+            else f"one of layers {layers.start}-{layers.stop - 1} ({types})"
+        )
         return (
-            f"RoundPipe model '{self.runner.name}': layer {layer} ({type(module).__name__}) "
-            f"failed in {phase} of microbatch {microbatch}"
+            f"RoundPipe model '{self.runner.name}': {who} failed in {phase} of microbatch "
+            f"{microbatch}"
         )
 
     def call_layer(
@@ -499,9 +508,7 @@ class Call:
                     else:
                         torch.autograd.backward(list(loss))
                 except Exception as error:
-                    raise annotate(
-                        error, self._where(stage.layers.stop - 1, "backward", m)
-                    ) from error
+                    raise annotate(error, self._where(stage.layers, "backward", m)) from error
                 self._record_backward(stage.layers, time.perf_counter() - start)
                 self.losses.append(tree_map(lambda t: t.detach(), loss))
                 if loss_spec.keep_outputs:
@@ -539,7 +546,7 @@ class Call:
         try:
             _backward(result, grad)
         except Exception as error:
-            raise annotate(error, self._where(layers.stop - 1, "backward", microbatch)) from error
+            raise annotate(error, self._where(layers, "backward", microbatch)) from error
         self._record_backward(layers, time.perf_counter() - start)
         return _grads_of(inputs)
 
