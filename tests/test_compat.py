@@ -251,12 +251,13 @@ MODULE_NAMES = {
         "doing_recompute",
         "get_recompute_data",
         "OptimizerCtx",
+        "doing_optimizer",
     ],
     "roundpipe.grad_scaler": ["GradScaler"],
     "roundpipe.optim": ["Adam"],
     "roundpipe.timer": ["ModelTimer"],
     "roundpipe.profile": ["annotate", "PROFILER_TYPE"],
-    "roundpipe.models": ["AutoRoundPipe", "wrap_model_to_roundpipe"],
+    "roundpipe.models": ["AutoRoundPipe", "wrap_model", "wrap_model_to_roundpipe"],
     "roundpipe.wrapper": ["wrap_model_to_roundpipe", "AutoRoundPipe", "RoundPipe"],
     "roundpipe.batch": ["RoundPipePackedData"],
 }
@@ -329,3 +330,218 @@ def test_verbose_timer_prints_the_documented_lines(
     seen = {tuple(line.split()[1:3]) for line in lines}
     assert {(str(i), "fwd") for i in range(3)} <= seen
     assert {(str(i), "bwd") for i in range(3)} <= seen
+
+
+# --------------------------------------------------------------------------------------------
+# Wrapping models (0.1.1 docs/API/model: wrap_model_to_roundpipe, AutoRoundPipe; internal APIs)
+
+
+class TwoBranch(nn.Module):
+    """Not a Sequential: two parametrised branches and a parameterless activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.a(x)) + 2 * self.b(x)
+
+
+def two_branch_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(6, 8, generator=generator), torch.randn(6, 8, generator=generator)
+
+
+def mse(model: nn.Module, seed: int) -> torch.Tensor:
+    x, y = two_branch_batch(seed)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def assert_same_params(wrapped: nn.Module, reference: nn.Module, grads: bool) -> None:
+    ours = {n.replace(".model.", "."): p for n, p in wrapped.model.named_parameters()}
+    theirs = dict(reference.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, param in theirs.items():
+        torch.testing.assert_close(
+            ours[name].grad if grads else ours[name], param.grad if grads else param, msg=name
+        )
+
+
+def test_recursive_rule_wraps_children_of_a_two_branch_root(num_devices: int) -> None:
+    # Contract: own params >= lower_threshold bytes or total <= upper_threshold -> RoundPipe;
+    # total < lower_threshold -> num_microbatch=1; the root becomes an AutoRoundPipe over them.
+    torch.manual_seed(0)
+    reference = TwoBranch()
+    wrapped = roundpipe.wrap_model_to_roundpipe(
+        copy.deepcopy(reference), lower_threshold=1, upper_threshold=1
+    )
+    assert isinstance(wrapped, roundpipe.roundpipe.AutoRoundPipe)
+    assert isinstance(wrapped.a, RoundPipe) and isinstance(wrapped.b, RoundPipe)
+    assert isinstance(wrapped.act, RoundPipe) and wrapped.act.model_run_config.num_microbatch == 1
+    assert wrapped.a.model_run_config.num_microbatch is None
+    mse(wrapped, 0).backward()
+    mse(reference, 0).backward()
+    wrapped.synchronize()
+    assert_same_params(wrapped, reference, grads=True)
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_optimizer_ctx_and_step_train_the_wrapped_tree_as_plain_pytorch(
+    num_devices: int, is_async: bool
+) -> None:
+    # Contract: under OptimizerCtx, parameters() are the optimizer copies; step(step_fn) updates
+    # them (asynchronously with staleness 1) and synchronize() publishes the weights.
+    torch.manual_seed(0)
+    reference = TwoBranch()
+    wrapped = roundpipe.wrap_model_to_roundpipe(
+        copy.deepcopy(reference), lower_threshold=1, upper_threshold=1
+    )
+    with roundpipe.OptimizerCtx():
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def step_fn() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    steps = 3
+    for seed in range(steps):
+        mse(wrapped, seed).backward()
+        wrapped.step(step_fn, is_async=is_async)
+        if is_async:
+            wrapped.synchronize()  # train every iteration on the newest weights, as the reference
+        mse(reference, seed).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    wrapped.synchronize()
+    assert_same_params(wrapped, reference, grads=False)
+
+
+def test_thresholds_count_bytes() -> None:
+    # Contract: lower_threshold is in bytes: a float32 Linear(4, 4) (20 parameters, 80 bytes)
+    # is wrapped from lower_threshold=80, not from 20.
+    def wrap(lower: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+        model = nn.Module()
+        model.a = nn.Linear(4, 4).to(dtype)
+        model.forward = lambda x: model.a(x)
+        return roundpipe.wrap_model_to_roundpipe(model, lower_threshold=lower, upper_threshold=0)
+
+    assert isinstance(wrap(80).a, RoundPipe)
+    assert not isinstance(wrap(81).a, RoundPipe)
+    assert isinstance(wrap(160, torch.float64).a, RoundPipe)
+
+
+def test_skip_modules_takes_module_instances(num_devices: int) -> None:
+    # Contract: skip_modules=[model.b] keeps that module unwrapped (it runs on the host).
+    torch.manual_seed(0)
+    reference = TwoBranch()
+    model = copy.deepcopy(reference)
+    wrapped = roundpipe.wrap_model_to_roundpipe(
+        model, lower_threshold=1, upper_threshold=1, skip_modules=[model.b]
+    )
+    assert isinstance(wrapped.a, RoundPipe)
+    assert type(wrapped.b) is nn.Linear and wrapped.b.weight.device.type == "cpu"
+    mse(wrapped, 0).backward()
+    mse(reference, 0).backward()
+    wrapped.synchronize()
+    assert_same_params(wrapped, reference, grads=True)
+
+
+def test_override_config_takes_module_to_run_config() -> None:
+    # Contract: override_config={module: RoundPipeRunConfig} is the run config of that module's
+    # RoundPipe.
+    model = TwoBranch()
+    config = RoundPipeRunConfig(num_microbatch=2)
+    wrapped = roundpipe.wrap_model_to_roundpipe(
+        model, lower_threshold=1, upper_threshold=1, override_config={model.a: config}
+    )
+    assert wrapped.a.model_run_config is config
+    assert wrapped.b.model_run_config is not config
+
+
+def test_auto_roundpipe_constructs_from_one_module(num_devices: int) -> None:
+    # Contract: AutoRoundPipe(model, name=None, optim_dtype=None, **kwargs) wraps a model whose
+    # submodules are RoundPipes; forward, backward and step behave as the plain model.
+    from roundpipe.roundpipe import AutoRoundPipe
+
+    torch.manual_seed(0)
+    reference = TwoBranch()
+    model = copy.deepcopy(reference)
+    model.a = RoundPipe(model.a)
+    wrapped = AutoRoundPipe(model, "two-branch", torch.float32, pin_model="off")
+    assert wrapped.name == "two-branch" and [path for path, _ in wrapped.parts] == ["a"]
+    optimizer = torch.optim.SGD(wrapped.optim_parameters(), lr=0.1)
+    assert len(optimizer.param_groups[0]["params"]) == 4  # a's two and b's two (host glue)
+    mse(wrapped, 0).backward()
+    wrapped.step(lambda: (optimizer.step(), optimizer.zero_grad()), is_async=False)
+    mse(reference, 0).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    assert_same_params(wrapped, reference, grads=False)
+    plain = AutoRoundPipe(TwoBranch())  # no RoundPipe inside: everything is host glue
+    assert plain.parts == [] and plain.name == "TwoBranch"
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        AutoRoundPipe(TwoBranch(), num_microbatch=2)
+
+
+def test_auto_roundpipe_forwards_attributes_as_a_roundpipe() -> None:
+    # Contract: AutoRoundPipe reads, writes and deletes attributes on original_model if set,
+    # else on the wrapped model, as RoundPipe does.
+    from roundpipe.roundpipe import AutoRoundPipe
+
+    inner = TwoBranch()
+    inner.tag = "inner"
+    wrapped = AutoRoundPipe(inner)
+    assert wrapped.tag == "inner"
+    wrapped.tag = "written"
+    assert inner.tag == "written"
+    del wrapped.tag
+    assert not hasattr(inner, "tag")
+    original = nn.Module()
+    original.vocab_size = 7
+    wrapped.set_original_model(original)
+    assert wrapped.vocab_size == 7
+    wrapped.flag = True
+    assert original.flag is True and inner.flag is True
+    del wrapped.flag
+    assert not hasattr(original, "flag") and not hasattr(inner, "flag")
+
+
+def test_wrap_model_without_a_preset_raises_not_implemented() -> None:
+    # Contract: roundpipe.models.wrap_model raises NotImplementedError for a model type without
+    # a sequential preset.
+    from roundpipe.models import wrap_model
+
+    with pytest.raises(NotImplementedError, match="preset"):
+        wrap_model(TwoBranch())
+
+
+def test_preset_lookup_with_none_prints_a_line(capsys: pytest.CaptureFixture[str]) -> None:
+    # Contract: use_sequential_preset=None prints a message when a preset replaces the model;
+    # True and False print nothing.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    roundpipe.wrap_model_to_roundpipe(transformers.LlamaForCausalLM(config))
+    assert "[INFO]" in capsys.readouterr().err
+    roundpipe.wrap_model_to_roundpipe(
+        transformers.LlamaForCausalLM(config), use_sequential_preset=True
+    )
+    assert "[INFO]" not in capsys.readouterr().err
+
+
+def test_doing_optimizer_reports_optimizer_ctx() -> None:
+    # Contract: roundpipe.context.doing_optimizer() is True exactly inside OptimizerCtx.
+    from roundpipe.context import OptimizerCtx, doing_optimizer
+
+    assert not doing_optimizer()
+    with OptimizerCtx():
+        assert doing_optimizer()
+    assert not doing_optimizer()

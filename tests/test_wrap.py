@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from roundpipe import RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
 from roundpipe.roundpipe import AutoRoundPipe
 from torch import nn
 
-HIDDEN = 16  # a Linear(16, 16) has 272 parameters
+HIDDEN = 16  # a Linear(16, 16) has 272 parameters (1088 bytes in float32)
 
 
 class Block(nn.Module):
@@ -43,17 +45,26 @@ class Net(nn.Module):
         return self.head(self.norm(x)).mean(dim=1)
 
 
-def make_pair(**kwargs: object) -> tuple[Net, AutoRoundPipe]:
+def make_pair(
+    configure: Callable[[Net], dict[str, Any]] | None = None, **kwargs: Any
+) -> tuple[Net, AutoRoundPipe]:
+    """A Net and its wrapped copy; ``configure(copy)`` adds arguments naming the copy's modules."""
     torch.manual_seed(0)
     reference = Net()
+    model = copy.deepcopy(reference)
     kwargs.setdefault("lower_threshold", 500)
+    if configure is not None:
+        kwargs.update(configure(model))
     wrapped = wrap_model_to_roundpipe(
-        copy.deepcopy(reference),
-        model_run_config=RoundPipeRunConfig(num_microbatch=3),
-        **kwargs,
+        model, model_run_config=RoundPipeRunConfig(num_microbatch=3), **kwargs
     )
     assert isinstance(wrapped, AutoRoundPipe)
     return reference, wrapped
+
+
+def skip_norm(model: Net) -> dict[str, Any]:
+    """Keep the LayerNorm on the host: its parameters become the AutoRoundPipe's glue."""
+    return {"skip_modules": [model.norm]}
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,11 +92,13 @@ def part_paths(wrapped: AutoRoundPipe) -> list[str]:
 
 def test_recursive_wrapping_matches_the_plain_model(num_devices: int) -> None:
     reference, wrapped = make_pair()
-    # Blocks are chained ModuleList elements, the head a Sequential; embed (512 >= 500)
-    # is a leaf part; the norm (32 < 500) stays on the host.
-    assert part_paths(wrapped) == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
+    # Sizes in bytes (0.1.1): embed's own 2048 >= 500 makes it a part, the blocks are chained
+    # ModuleList elements, the head a Sequential; the norm (128 bytes < 500) is a part that runs
+    # as one microbatch.
+    assert part_paths(wrapped) == ["embed", "blocks.0", "blocks.1", "blocks.2", "norm", "head"]
     assert isinstance(wrapped.model.blocks[0], RoundPipe)
-    assert isinstance(wrapped.model.norm, nn.LayerNorm)
+    assert wrapped.model.norm.model_run_config.num_microbatch == 1
+    assert wrapped.model.embed.model_run_config.num_microbatch == 3
     loss = loss_of(wrapped)
     loss.backward()
     expected = loss_of(reference)
@@ -102,32 +115,52 @@ def test_chained_elements_pass_packed_outputs() -> None:
     assert parts["blocks.2"].model_run_config.merge_output is None  # the parent gets a tensor
 
 
-def test_thresholds_decide_what_is_wrapped() -> None:
-    _, everything_on_host = make_pair(lower_threshold=10**6)
-    assert part_paths(everything_on_host) == []
-    # An upper bound below a block's size splits the blocks into their linears.
-    _, fine = make_pair(upper_threshold=600)
-    assert "blocks.0.up" in part_paths(fine) and "blocks.0" not in part_paths(fine)
-    with pytest.raises(ValueError, match="upper_threshold"):
-        make_pair(upper_threshold=10)
+def test_thresholds_decide_what_is_wrapped(num_devices: int) -> None:
+    # Own sizes below lower and totals above upper: only the Sequential and the ModuleList
+    # elements (always wrapped) become parts; embed and norm stay on the host.
+    _, coarse = make_pair(lower_threshold=10**6, upper_threshold=100)
+    assert part_paths(coarse) == ["blocks.0", "blocks.1", "blocks.2", "head"]
+    assert isinstance(coarse.model.embed, nn.Embedding)
+    # A root whose total size is within upper_threshold is wrapped whole, as one RoundPipe.
+    whole = wrap_model_to_roundpipe(Net(), upper_threshold=10**6)
+    assert isinstance(whole, RoundPipe) and isinstance(whole.model, Net)
+    # The default upper_threshold (size / (devices + 1)) splits the root.
+    assert isinstance(wrap_model_to_roundpipe(Net()), AutoRoundPipe)
     with pytest.raises(ValueError, match="lower_threshold"):
         make_pair(lower_threshold=-1)
+    with pytest.raises(TypeError, match="upper_threshold"):
+        make_pair(upper_threshold=1.5)
 
 
 def test_skip_modules_and_override_config(num_devices: int) -> None:
-    reference, wrapped = make_pair(
-        skip_modules=["head", nn.Embedding],
-        override_config={"norm": {"name": "the-norm"}},
-    )
-    assert part_paths(wrapped) == ["blocks.0", "blocks.1", "blocks.2", "norm"]
-    assert wrapped.model.norm.name == "the-norm"
+    last_block_config = RoundPipeRunConfig(num_microbatch=3, preserve_rng_state=False)
+
+    def configure(model: Net) -> dict[str, Any]:
+        return {
+            "skip_modules": [model.norm, "head", nn.Embedding],
+            "override_config": {
+                "blocks.0": {"name": "first-block"},
+                model.blocks[2]: last_block_config,  # 0.1.1's form: {module: run config}
+            },
+        }
+
+    reference, wrapped = make_pair(configure)
+    assert part_paths(wrapped) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert wrapped.model.blocks[0].name == "first-block"
+    assert wrapped.model.blocks[2].model_run_config is last_block_config
+    assert isinstance(wrapped.model.norm, nn.LayerNorm)
     assert isinstance(wrapped.model.head, nn.Sequential)
+    assert isinstance(wrapped.model.embed, nn.Embedding)
     loss = loss_of(wrapped)
     loss.backward()
     loss_of(reference).backward()
     assert_same_grads(reference, wrapped)
     with pytest.raises(ValueError, match="never reached"):
         make_pair(override_config={"nope": {}})
+    with pytest.raises(TypeError, match="skip_modules"):
+        make_pair(skip_modules=[3])
+    with pytest.raises(TypeError, match="override_config"):
+        make_pair(override_config={"norm": 3})
 
 
 def test_attribute_forwarding_and_original_model_as_on_a_roundpipe() -> None:
@@ -151,7 +184,7 @@ def test_parts_built_without_a_run_config_do_not_share_one() -> None:
     torch.manual_seed(0)
     wrapped = wrap_model_to_roundpipe(Net(), lower_threshold=500)
     assert isinstance(wrapped, AutoRoundPipe)
-    configs = [part.model_run_config for _, part in wrapped.parts]
+    configs = [part.model_run_config for path, part in wrapped.parts if path != "norm"]
     assert len(configs) >= 2
     configs[0].num_microbatch = 2
     assert all(config.num_microbatch is None for config in configs[1:])
@@ -187,7 +220,7 @@ def sgd_reference_steps(reference: Net, steps: int) -> None:
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
 def test_step_updates_parts_and_host_glue_as_one_model(num_devices: int, is_async: bool) -> None:
-    reference, wrapped = make_pair()
+    reference, wrapped = make_pair(skip_norm)
     optim_names = [name for name, _ in wrapped.optim_named_parameters()]
     assert "norm.weight" in optim_names and "blocks.1.model.up.weight" in optim_names
     optimizer = torch.optim.SGD(wrapped.optim_parameters(), lr=0.1)
@@ -217,9 +250,11 @@ def test_checkpoint_mid_async_training_continues_exactly(num_devices: int) -> No
 
     def build() -> tuple[AutoRoundPipe, torch.optim.Optimizer]:
         torch.manual_seed(0)
+        model = Net()
         wrapped = wrap_model_to_roundpipe(
-            Net(),
+            model,
             lower_threshold=500,
+            skip_modules=[model.norm],
             optim_dtype=torch.float64,
             model_run_config=RoundPipeRunConfig(num_microbatch=3),
         )

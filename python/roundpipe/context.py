@@ -135,10 +135,17 @@ def optimizer_context_active() -> bool:
     return _state.optimizer_depth > 0
 
 
+def doing_optimizer() -> bool:
+    """Whether an :class:`OptimizerCtx` is active on this thread (roundpipe 0.1.1's name for
+    :func:`optimizer_context_active`)."""
+    return optimizer_context_active()
+
+
 __all__ = [
     "OptimizerCtx",
     "RecomputeDataError",
     "RecomputeDataValueError",
+    "doing_optimizer",
     "doing_recompute",
     "get_recompute_data",
     "optimizer_context_active",

@@ -1,17 +1,19 @@
-"""Turning an arbitrary model into RoundPipe parts: ``wrap_model_to_roundpipe`` and
-``AutoRoundPipe``.
+"""Turning an arbitrary model into RoundPipe parts: ``wrap_model_to_roundpipe``,
+``wrap_model`` (the presets alone) and ``AutoRoundPipe``.
 
 A model that is (or, through a preset, can be rewritten as) one ``nn.Sequential`` becomes one
-``RoundPipe``. Any other model is converted in place, top-down: large parts become RoundPipes
-and the parents' own ``forward`` keeps running on the host, gluing them together. The root is
-then held by an ``AutoRoundPipe``, which steps every part and the host-side glue parameters as
-one model.
+``RoundPipe``. Any other model is converted in place, top-down, by roundpipe 0.1.1's recursive
+rule (sizes in bytes of parameters and buffers): large parts become RoundPipes and the parents'
+own ``forward`` keeps running on the host, gluing them together. The root is then held by an
+``AutoRoundPipe``, which steps every part and the host-side glue parameters as one model.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,31 +21,63 @@ import torch
 from torch import nn
 
 from roundpipe.context import OptimizerCtx
+from roundpipe.device import device_count
 from roundpipe.forwarding import ForwardingModule
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 
 logger = logging.getLogger("roundpipe")
 
-SkipModules = Sequence[str | type[nn.Module]]
+SkipModules = Iterable[nn.Module | str | type[nn.Module]]
+OverrideValue = RoundPipeRunConfig | Mapping[str, Any]
+OverrideConfig = Mapping[nn.Module | str, OverrideValue]
+
+# RoundPipe constructor keywords an AutoRoundPipe accepts and ignores (its parts are built).
+_IGNORED_AUTO_KWARGS = frozenset({"pin_model", "model_run_config"})
 
 
-def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+def _size_bytes(module: nn.Module, recurse: bool = True) -> int:
+    """Bytes of ``module``'s parameters and buffers (its own only unless ``recurse``)."""
+    tensors = itertools.chain(module.parameters(recurse), module.buffers(recurse))
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _has_own_forward(module: nn.Module) -> bool:
-    return type(module).forward is not nn.Module.forward
+    # The bound method, so a forward assigned to the instance counts too.
+    forward = module.forward
+    return getattr(forward, "__func__", forward) is not nn.Module.forward
 
 
-def _chained_config(config: RoundPipeRunConfig | None) -> RoundPipeRunConfig:
-    """``config`` with ``merge_output=False`` (unless set): the output of a chained ModuleList
-    element stays packed per microbatch and goes straight into the next element's pipeline."""
-    config = RoundPipeRunConfig() if config is None else config
-    fields = {name: getattr(config, name) for name in RoundPipeRunConfig.__slots__}
-    if fields["merge_output"] is None:
+def _derived_config(
+    config: RoundPipeRunConfig | None, chained: bool, single_microbatch: bool
+) -> RoundPipeRunConfig | None:
+    """``config`` adjusted for where the part sits; ``None`` (each part its own default) when
+    nothing changes.
+
+    A chained ModuleList element gets ``merge_output=False`` unless set: its output stays packed
+    per microbatch and goes straight into the next element's pipeline. A module below
+    ``lower_threshold`` runs as one microbatch (splitting it gains nothing)."""
+    if not chained and not single_microbatch:
+        return config
+    base = RoundPipeRunConfig() if config is None else config
+    fields = {name: getattr(base, name) for name in RoundPipeRunConfig.__slots__}
+    if chained and fields["merge_output"] is None:
         fields["merge_output"] = False
+    if single_microbatch:
+        fields["num_microbatch"] = 1
     return RoundPipeRunConfig(**fields)
+
+
+def _override_kwargs(key: object, value: object) -> dict[str, Any]:
+    """An ``override_config`` value as RoundPipe keyword arguments."""
+    if isinstance(value, RoundPipeRunConfig):
+        return {"model_run_config": value}
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(
+        f"override_config[{key!r}] must be a RoundPipeRunConfig or a dict of RoundPipe keyword "
+        f"arguments, got {type(value).__name__}"
+    )
 
 
 class _Converter:
@@ -52,34 +86,47 @@ class _Converter:
     def __init__(
         self,
         lower_threshold: int,
-        upper_threshold: int | None,
-        skip_modules: SkipModules,
-        override_config: dict[str, dict[str, Any]],
+        upper_threshold: int,
+        skip_modules: list[nn.Module | str | type[nn.Module]],
+        override_config: OverrideConfig,
         model_run_config: RoundPipeRunConfig | None,
         name: str,
         roundpipe_kwargs: dict[str, Any],
     ) -> None:
         self.lower, self.upper = lower_threshold, upper_threshold
+        self.skip_ids = {id(s) for s in skip_modules if isinstance(s, nn.Module)}
         self.skip_names = {s for s in skip_modules if isinstance(s, str)}
         self.skip_types = tuple(s for s in skip_modules if isinstance(s, type))
-        self.override_config = override_config
+        self.path_overrides = {
+            key: _override_kwargs(key, value)
+            for key, value in override_config.items()
+            if isinstance(key, str)
+        }
+        self.module_overrides = {
+            id(key): (key, _override_kwargs(key, value))
+            for key, value in override_config.items()
+            if isinstance(key, nn.Module)
+        }
         self.model_run_config = model_run_config
         self.name = name
         self.roundpipe_kwargs = roundpipe_kwargs
-        self.parts: list[tuple[str, RoundPipe]] = []
-        self.unused_overrides = set(override_config)
+        self.unused_paths = set(self.path_overrides)
+        self.unused_modules = set(self.module_overrides)
         self.wrapped_params: set[int] = set()
 
-    def make(self, module: nn.Module, path: str, chained: bool) -> RoundPipe:
+    def make(
+        self, module: nn.Module, path: str, chained: bool = False, single_microbatch: bool = False
+    ) -> RoundPipe:
+        override = self.override_for(module, path)
         kwargs: dict[str, Any] = {
-            "model_run_config": self.model_run_config,
             "name": f"{self.name}:{path or '<root>'}",
             **self.roundpipe_kwargs,
-            **self.override_config.get(path, {}),
+            **override,
         }
-        if chained:
-            kwargs["model_run_config"] = _chained_config(kwargs["model_run_config"])
-        self.unused_overrides.discard(path)
+        if "model_run_config" not in override:  # an overriding config is used as given
+            kwargs["model_run_config"] = _derived_config(
+                self.model_run_config, chained, single_microbatch
+            )
         params = {id(p) for p in module.parameters()}
         if params & self.wrapped_params:
             raise ValueError(
@@ -88,41 +135,39 @@ class _Converter:
                 "skip_modules, or untie the weights"
             )
         self.wrapped_params |= params
-        part = RoundPipe(module, **kwargs)
-        self.parts.append((path, part))
-        return part
+        return RoundPipe(module, **kwargs)
+
+    def override_for(self, module: nn.Module, path: str) -> dict[str, Any]:
+        entry = self.module_overrides.get(id(module))
+        if entry is not None:
+            self.unused_modules.discard(id(module))
+            return entry[1]
+        self.unused_paths.discard(path)
+        return self.path_overrides.get(path, {})
 
     def skipped(self, module: nn.Module, path: str) -> bool:
-        return path in self.skip_names or isinstance(module, self.skip_types)
+        return (
+            id(module) in self.skip_ids
+            or path in self.skip_names
+            or isinstance(module, self.skip_types)
+        )
 
-    def fits_one_part(self, module: nn.Module, size: int, list_element: bool) -> bool:
-        """Whether ``module`` becomes one single-layer RoundPipe rather than being split."""
-        if not _has_own_forward(module):
-            return False
-        if self.upper is not None:
-            return size <= self.upper
-        # Without an upper bound, go as deep as the structure allows: the elements of a
-        # ModuleList (a model's repeated blocks) and modules without parametrised children.
-        return list_element or not any(_numel(child) for child in module.children())
-
-    def convert(
-        self, module: nn.Module, path: str, list_element: bool = False, chained: bool = False
-    ) -> nn.Module:
+    def convert(self, module: nn.Module, path: str) -> nn.Module:
         """``module`` or its replacement; its children are converted in place."""
         if self.skipped(module, path):
             return module
-        if path in self.override_config:
-            return self.make(module, path, chained)
-        size = _numel(module)
-        if size < self.lower and path:  # the root is wrapped whatever its size
-            return module
+        if path in self.path_overrides:  # our extension: a path override forces one part
+            return self.make(module, path)
         if isinstance(module, nn.Sequential):
-            return self.make(module, path, chained)
+            return self.make(module, path)
+        total = _size_bytes(module)
+        if _has_own_forward(module) and (
+            _size_bytes(module, recurse=False) >= self.lower or total <= self.upper
+        ):
+            return self.make(module, path, single_microbatch=total < self.lower)
         if isinstance(module, nn.ModuleList):
             self.convert_list(module, path)
             return module
-        if self.fits_one_part(module, size, list_element):
-            return self.make(module, path, chained)
         for child_name, child in list(module.named_children()):
             replacement = self.convert(child, f"{path}.{child_name}" if path else child_name)
             if replacement is not child:
@@ -130,15 +175,54 @@ class _Converter:
         return module
 
     def convert_list(self, module: nn.ModuleList, path: str) -> None:
-        """Convert the elements; all but the last pass packed outputs on to the next one (the
-        parent's forward is expected to feed each element's output into the next)."""
+        """Every element becomes a RoundPipe; all but the last pass packed outputs on to the next
+        one (the parent's forward is expected to feed each element's output into the next).
+        An element without a forward of its own (a container) is converted like any module."""
         last = len(module) - 1
         for index, child in enumerate(list(module)):
-            replacement = self.convert(
-                child, f"{path}.{index}", list_element=True, chained=index < last
+            child_path = f"{path}.{index}" if path else str(index)
+            if self.skipped(child, child_path):
+                continue
+            if isinstance(child, nn.Sequential) or _has_own_forward(child):
+                module[index] = self.make(child, child_path, chained=index < last)
+            else:
+                module[index] = self.convert(child, child_path)
+
+    def check_overrides_used(self) -> None:
+        if self.unused_paths:
+            raise ValueError(
+                f"override_config names {sorted(self.unused_paths)}, "
+                "which the strategy never reached (no such module path, or inside a skipped or "
+                "wrapped module); use paths from model.named_modules()"
             )
-            if replacement is not child:
-                module[index] = replacement
+        for key in self.unused_modules:
+            module = self.module_overrides[key][0]
+            # roundpipe 0.1.1 ignores such an entry silently; say so, without failing.
+            logger.warning(
+                "override_config entry for a %s was not used: that module did not become a "
+                "RoundPipe of its own (it was recursed into, skipped, or is inside a part)",
+                type(module).__name__,
+            )
+
+
+def _find_parts(model: nn.Module) -> list[tuple[str, RoundPipe]]:
+    """The RoundPipes in ``model``'s module tree (``model`` itself included), by path, outermost
+    only: a RoundPipe's own modules belong to it."""
+    parts: list[tuple[str, RoundPipe]] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module, path: str) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        if isinstance(module, RoundPipe):
+            parts.append((path, module))
+            return
+        for child_name, child in module.named_children():
+            visit(child, f"{path}.{child_name}" if path else child_name)
+
+    visit(model, "")
+    return parts
 
 
 def _no_step() -> None:
@@ -161,7 +245,9 @@ class _GlueState:
 class AutoRoundPipe(ForwardingModule):
     """A model whose large parts run as RoundPipes while its own ``forward`` runs on the host.
 
-    Built by :func:`wrap_model_to_roundpipe` for models that cannot be one ``nn.Sequential``.
+    Built by :func:`wrap_model_to_roundpipe` for models that cannot be one ``nn.Sequential``, or
+    directly as ``AutoRoundPipe(model)`` over a model whose submodules are RoundPipes (the parts,
+    ``parts``: ``(path, RoundPipe)`` pairs in module order).
     Calling it runs the (converted) model's forward; ``.backward()`` on the result runs every
     part's pipelined backward. ``optim_parameters``/``step``/``synchronize`` treat all parts and
     the parameters left on the host (the "glue") as one model; the glue has optimizer copies
@@ -174,6 +260,8 @@ class AutoRoundPipe(ForwardingModule):
     one given to ``set_original_model``), as on a ``RoundPipe``.
     """
 
+    name: str
+    optim_dtype: torch.dtype | None
     parts: list[tuple[str, RoundPipe]]
     _runtime: _GlueState
 
@@ -182,16 +270,54 @@ class AutoRoundPipe(ForwardingModule):
     def __init__(
         self,
         model: nn.Module,
-        parts: Sequence[tuple[str, RoundPipe]],
+        name: str | None = None,
         optim_dtype: torch.dtype | None = None,
+        **kwargs: Any,
     ) -> None:
+        """Hold ``model``, whose RoundPipe submodules (found in its module tree) are its parts.
+
+        Args:
+            model: the model, typically with some submodules replaced by RoundPipes (as
+                :func:`wrap_model_to_roundpipe` does); a model without any runs on the host.
+            name: identifier in logs and errors (default: the model's class name).
+            optim_dtype: dtype of the host glue's optimizer copies (default: each parameter's);
+                the parts keep their own.
+            **kwargs: ``RoundPipe`` keywords that do not apply here (``pin_model``,
+                ``model_run_config``: the parts are built already), accepted and ignored.
+
+        Raises:
+            TypeError: an argument of the wrong type, or an unknown keyword.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+        if optim_dtype is not None and not (
+            isinstance(optim_dtype, torch.dtype) and optim_dtype.is_floating_point
+        ):
+            raise TypeError(
+                f"optim_dtype must be a floating-point torch.dtype, got {optim_dtype!r}"
+            )
+        unknown = sorted(set(kwargs) - _IGNORED_AUTO_KWARGS)
+        if unknown:
+            raise TypeError(
+                f"AutoRoundPipe got unexpected keyword arguments {unknown}; it takes model, name, "
+                f"optim_dtype and ignores {sorted(_IGNORED_AUTO_KWARGS)}"
+            )
+        parts = _find_parts(model)
         part_params = {id(p) for _, part in parts for p in part.model.parameters()}
         glue = [
-            (name, param)
-            for name, param in model.named_parameters()
+            (param_name, param)
+            for param_name, param in model.named_parameters()
             if id(param) not in part_params and param.requires_grad
         ]
-        super().__init__(model, parts=list(parts), _runtime=_GlueState(glue, optim_dtype))
+        super().__init__(
+            model,
+            name=name if name is not None else type(model).__name__,
+            optim_dtype=optim_dtype,
+            parts=parts,
+            _runtime=_GlueState(glue, optim_dtype),
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward (its RoundPipe parts run pipelined)."""
@@ -356,55 +482,134 @@ class AutoRoundPipe(ForwardingModule):
                 param.copy_(copies[id(param)])
 
 
+def wrap_model(model: nn.Module, **roundpipe_kwargs: Any) -> RoundPipe:
+    """``model`` as one RoundPipe through its sequential preset (roundpipe 0.1.1's preset
+    dispatcher; :func:`wrap_model_to_roundpipe` tries it first).
+
+    Args:
+        model: a Hugging Face causal LM with a preset (or a PEFT wrapper around one).
+        **roundpipe_kwargs: ``RoundPipe`` arguments (``model_run_config``, ``name``,
+            ``optim_dtype``, ``pin_model``) and the presets' ``loss_chunk_size``.
+
+    Raises:
+        NotImplementedError: no preset handles ``type(model)``.
+    """
+    from roundpipe.models.presets import find_preset
+
+    preset = find_preset(model)
+    if preset is None:
+        raise NotImplementedError(
+            f"no sequential preset for {type(model).__name__}; presets exist for "
+            "Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM and GptOssForCausalLM. "
+            "Use wrap_model_to_roundpipe(model, use_sequential_preset=False) to wrap it "
+            "recursively."
+        )
+    if "model_run_config" in roundpipe_kwargs and roundpipe_kwargs["model_run_config"] is None:
+        del roundpipe_kwargs["model_run_config"]  # the preset's own default
+    logger.info("roundpipe: wrapping %s with the %s preset", type(model).__name__, preset)
+    return preset.wrap(model, **roundpipe_kwargs)
+
+
+def _check_threshold(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (bytes), got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 (bytes), got {value}")
+
+
+def _checked_skip_modules(skip_modules: SkipModules) -> list[nn.Module | str | type[nn.Module]]:
+    if isinstance(skip_modules, (str, nn.Module)):
+        raise TypeError(
+            "skip_modules must be a container of modules (e.g. [model.head]), module paths or "
+            f"module classes, got a single {type(skip_modules).__name__}; wrap it in a list"
+        )
+    entries = list(skip_modules)
+    for entry in entries:
+        if not isinstance(entry, (nn.Module, str)) and not (
+            isinstance(entry, type) and issubclass(entry, nn.Module)
+        ):
+            raise TypeError(
+                "skip_modules entries must be module instances, module paths (str) or module "
+                f"classes, got {entry!r}"
+            )
+    return entries
+
+
+def _checked_override_config(override_config: OverrideConfig | None) -> OverrideConfig:
+    if override_config is None:
+        return {}
+    if not isinstance(override_config, Mapping):
+        raise TypeError(
+            "override_config must be a dict {module or path: RoundPipeRunConfig or dict of "
+            f"RoundPipe keyword arguments}}, got {type(override_config).__name__}"
+        )
+    for key, value in override_config.items():
+        if not isinstance(key, (nn.Module, str)):
+            raise TypeError(
+                f"override_config keys must be module instances or module paths, got {key!r}"
+            )
+        _override_kwargs(key, value)
+    return override_config
+
+
 def wrap_model_to_roundpipe(
     model: nn.Module,
     use_sequential_preset: bool | None = None,
     lower_threshold: int = 16 * 1024,
     upper_threshold: int | None = None,
     skip_modules: SkipModules = (),
-    override_config: dict[str, dict[str, Any]] | None = None,
+    override_config: OverrideConfig | None = None,
     model_run_config: RoundPipeRunConfig | None = None,
     name: str | None = None,
     **roundpipe_kwargs: Any,
 ) -> RoundPipe | AutoRoundPipe:
     """Wrap ``model`` for pipelined training: a ``RoundPipe`` when it is (or a preset makes it)
-    one ``nn.Sequential``, otherwise an ``AutoRoundPipe`` over parts converted in place.
+    one ``nn.Sequential`` or one part, otherwise an ``AutoRoundPipe`` over parts converted in
+    place.
 
-    Strategy, top-down from the root (module paths as in ``named_modules()``):
+    Strategy (roundpipe 0.1.1's), top-down from the root; sizes are the bytes of a module's
+    parameters and buffers, "own" meaning not counting its children:
 
     1. Presets (unless ``use_sequential_preset=False``): a known Hugging Face causal LM becomes
-       an equivalent ``nn.Sequential(prefix, *decoder_layers, postfix)`` in one RoundPipe.
-       ``use_sequential_preset=True`` demands one (``NotImplementedError`` if there is none).
-    2. Modules named in ``skip_modules`` (paths, or module classes) stay on the host, untouched.
-    3. A path in ``override_config`` becomes one RoundPipe with those keyword arguments merged
-       over ``roundpipe_kwargs`` (e.g. ``{"model.layers.0": {"optim_dtype": torch.float32}}``).
-    4. A module (other than the root) with fewer than ``lower_threshold`` parameters
-       (elements) stays on the host.
-    5. An ``nn.Sequential`` becomes a multi-layer RoundPipe.
-    6. An ``nn.ModuleList``'s elements are converted, and consecutive RoundPipe elements are
-       chained: each passes its output packed per microbatch to the next (so the parent's
-       forward must feed each element's output straight into the next one).
-    7. A module with its own ``forward`` and at most ``upper_threshold`` parameters becomes a
-       single-layer RoundPipe; with ``upper_threshold=None``, ModuleList elements and modules
-       without parametrised children do.
-    8. Otherwise its children are converted the same way and its own forward runs on the host.
+       an equivalent ``nn.Sequential(prefix, *decoder_layers, postfix)`` in one RoundPipe
+       (:func:`wrap_model`). ``use_sequential_preset=True`` demands one
+       (``NotImplementedError`` if there is none); ``None`` prints a line to stderr when one is
+       used.
+    2. A module in ``skip_modules`` stays as it is and runs on the host.
+    3. An ``nn.Sequential`` becomes a multi-layer RoundPipe.
+    4. A module with its own ``forward`` whose own size is ``>= lower_threshold`` or whose total
+       size is ``<= upper_threshold`` becomes a single-layer RoundPipe; if its total size is
+       ``< lower_threshold`` it runs as one microbatch (``num_microbatch=1``).
+    5. Every element of an ``nn.ModuleList`` becomes a RoundPipe, and all but the last pass
+       their output packed per microbatch to the next (``merge_output=False`` unless set), so
+       the parent's forward must feed each element's output straight into the next one.
+    6. Otherwise its children are converted the same way and its own forward runs on the host.
+
+    Extensions: ``skip_modules`` also takes module paths (as in ``named_modules()``) and
+    classes; ``override_config`` also takes paths as keys, which force that module into one
+    RoundPipe, and dicts of ``RoundPipe`` keyword arguments as values.
 
     Args:
         model: the model; converted in place unless a single RoundPipe takes it whole.
         use_sequential_preset: ``None`` uses a preset when one matches, ``True`` requires one,
             ``False`` never uses one.
-        lower_threshold: parameter count below which a module stays on the host.
-        upper_threshold: parameter count up to which a module is wrapped whole.
-        skip_modules: module paths or classes to keep on the host as they are.
-        override_config: per-path RoundPipe keyword arguments (forces that path into one part).
+        lower_threshold: own size in bytes from which a module is wrapped whole; modules
+            smaller in total run as one microbatch.
+        upper_threshold: total size in bytes up to which a module is wrapped whole (default:
+            the model's size divided by the number of devices plus one).
+        skip_modules: modules (instances, paths or classes) to keep on the host as they are.
+        override_config: ``{module or path: RoundPipeRunConfig}`` for the RoundPipe built from
+            that module (a dict value gives RoundPipe keyword arguments instead).
         model_run_config: the run config of every part (default: each part its own, empty one).
         name: base name of the parts in logs and errors (default ``<class name>``).
         **roundpipe_kwargs: further ``RoundPipe`` arguments (``optim_dtype``, ``pin_model``).
 
     Raises:
         NotImplementedError: ``use_sequential_preset=True`` and no preset handles the model.
-        ValueError: a threshold is negative or inverted, or an ``override_config`` path does
-            not name a module the strategy reached.
+        TypeError: an argument or an entry of ``skip_modules``/``override_config`` has the
+            wrong type.
+        ValueError: a negative threshold, an ``override_config`` path the strategy never
+            reached, or two parts sharing parameters.
     """
     from roundpipe.models.presets import find_preset
 
@@ -414,57 +619,41 @@ def wrap_model_to_roundpipe(
         raise TypeError(
             f"use_sequential_preset must be None, True or False, got {use_sequential_preset!r}"
         )
-    if lower_threshold < 0:
-        raise ValueError(f"lower_threshold must be >= 0, got {lower_threshold}")
-    if upper_threshold is not None and upper_threshold < lower_threshold:
-        raise ValueError(
-            f"upper_threshold ({upper_threshold}) must be None or >= lower_threshold "
-            f"({lower_threshold})"
-        )
-    for entry in skip_modules:
-        if not isinstance(entry, (str, type)):
-            raise TypeError(
-                f"skip_modules entries must be module paths (str) or module classes, got {entry!r}"
-            )
-    override_config = dict(override_config or {})
+    _check_threshold("lower_threshold", lower_threshold)
+    if upper_threshold is not None:
+        _check_threshold("upper_threshold", upper_threshold)
+    skip_list = _checked_skip_modules(skip_modules)
+    overrides = _checked_override_config(override_config)
     name = name or type(model).__name__
-    if use_sequential_preset is not False:
-        preset = find_preset(model)
-        if preset is not None:
-            logger.info("roundpipe: wrapping %s with the %s preset", type(model).__name__, preset)
-            return preset.wrap(
-                model,
-                model_run_config=RoundPipeRunConfig()
-                if model_run_config is None
-                else model_run_config,
-                name=name,
-                **roundpipe_kwargs,
+    if use_sequential_preset or (use_sequential_preset is None and find_preset(model)):
+        # Without a preset, wrap_model raises the NotImplementedError that True asks for.
+        wrapped = wrap_model(
+            model, model_run_config=model_run_config, name=name, **roundpipe_kwargs
+        )
+        if use_sequential_preset is None:
+            print(
+                f"[INFO] roundpipe: wrapped {name} ({type(model).__name__}) with its sequential "
+                "preset from roundpipe.models; pass use_sequential_preset=False to wrap it "
+                "recursively instead",
+                file=sys.stderr,
             )
-        if use_sequential_preset:
-            raise NotImplementedError(
-                f"no sequential preset for {type(model).__name__}; presets exist for "
-                "Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM and GptOssForCausalLM. "
-                "Pass use_sequential_preset=None (or False) to wrap it recursively."
-            )
+        return wrapped
+    if upper_threshold is None:
+        upper_threshold = _size_bytes(model) // (device_count() + 1)
     converter = _Converter(
         lower_threshold,
         upper_threshold,
-        skip_modules,
-        override_config,
+        skip_list,
+        overrides,
         model_run_config,
         name,
         roundpipe_kwargs,
     )
     root = converter.convert(model, "")
-    if converter.unused_overrides:
-        raise ValueError(
-            f"override_config names {sorted(converter.unused_overrides)}, which the strategy "
-            "never reached (no such module path, or inside a skipped or wrapped module); use "
-            "paths from model.named_modules()"
-        )
+    converter.check_overrides_used()
     if isinstance(root, RoundPipe):
         return root
-    return AutoRoundPipe(root, converter.parts, roundpipe_kwargs.get("optim_dtype"))
+    return AutoRoundPipe(root, name=name, optim_dtype=roundpipe_kwargs.get("optim_dtype"))
 
 
-__all__ = ["AutoRoundPipe", "wrap_model_to_roundpipe"]
+__all__ = ["AutoRoundPipe", "wrap_model", "wrap_model_to_roundpipe"]
