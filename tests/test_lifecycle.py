@@ -1,0 +1,214 @@
+"""Lifecycle and faults on the Python side: fork after training, Ctrl-C with a slow or blocked
+step, errors of asynchronous work, and checkpoints with bad entries.
+
+Cases that could hang run in subprocesses with timeouts, so a regression fails instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
+
+CPU_ENV = {**os.environ, "ROUNDPIPE_DEVICE_KIND": "cpu", "ROUNDPIPE_CPU_DEVICES": "3"}
+
+PRELUDE = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    import torch
+    from torch import nn
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+
+    def new_model(seed):
+        torch.manual_seed(seed)
+        return RoundPipe(nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)]))
+
+    config = RoundPipeRunConfig(num_microbatch=2)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    loss_fn = lambda out, label: out.square().mean()
+
+    def train(model, optimizer, steps, step_fn=None):
+        losses = []
+        for _ in range(steps):
+            loss = model.forward_backward(input_args=(x,), loss_fn=loss_fn, run_config=config)
+            model.step(step_fn or (lambda: (optimizer.step(), optimizer.zero_grad())))
+            losses.append(float(loss))
+        return losses
+    """
+)
+
+
+def _run(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=CPU_ENV,
+    )
+
+
+# -- fork ------------------------------------------------------------------------------------
+
+FORK_SCRIPT = """
+    model = new_model(0)
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    train(model, optimizer, 3)  # the last step is still in flight when we fork
+
+    def child(case):
+        if case == "exit":
+            sys.exit(0)
+        if case == "inference":
+            with torch.no_grad():
+                out = model(x)
+            print("inference", float(out.square().sum()), flush=True)
+        elif case == "train":
+            print("train", train(model, optimizer, 2), flush=True)
+        elif case == "new_model":
+            other = new_model(5)
+            opt = torch.optim.SGD(other.optim_parameters(), lr=0.1)
+            print("new_model", train(other, opt, 2), flush=True)
+        sys.exit(0)
+
+    case = sys.argv[1]
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        child(case)
+    _, status = os.waitpid(pid, 0)
+    print("child_status", os.waitstatus_to_exitcode(status), flush=True)
+    print("child_seconds", time.monotonic() - started, flush=True)
+    # The parent runs the same work as the child, unaffected by it.
+    if case == "inference":
+        with torch.no_grad():
+            print("inference", float(model(x).square().sum()), flush=True)
+    elif case == "train":
+        print("train", train(model, optimizer, 2), flush=True)
+    elif case == "new_model":
+        other = new_model(5)
+        opt = torch.optim.SGD(other.optim_parameters(), lr=0.1)
+        print("new_model", train(other, opt, 2), flush=True)
+    model.synchronize()
+"""
+
+
+@pytest.mark.parametrize("case", ["exit", "inference", "train", "new_model"])
+def test_forked_child_after_training_with_a_step_in_flight(case: str) -> None:
+    result = _run(FORK_SCRIPT, case)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "child_status 0" in lines, result.stdout + result.stderr
+    seconds = next(float(line.split()[1]) for line in lines if line.startswith("child_seconds"))
+    assert seconds < 30.0
+    if case != "exit":
+        # Child and parent both printed the same work's result from the same state.
+        outputs = [line for line in lines if line.startswith(case)]
+        assert len(outputs) == 2 and outputs[0] == outputs[1], result.stdout
+
+
+DATALOADER_SCRIPT = """
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = new_model(0)
+    reference = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    reference.load_state_dict(model.model.state_dict())
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(32, 16, generator=torch.Generator().manual_seed(2)))
+    # One step first: the optimizer thread has run before the workers fork.
+    train(model, optimizer, 1)
+    model.synchronize()
+    ref_loss = lambda inputs: sum(reference(c).square().mean() for c in inputs.chunk(2))
+    ref_loss(x).backward()  # forward_backward sums its microbatches' losses
+    ref_optimizer.step()
+    for epoch in range(2):
+        loader = DataLoader(data, batch_size=8, num_workers=2, multiprocessing_context="fork")
+        for (batch,) in loader:
+            model.forward_backward(input_args=(batch,), loss_fn=loss_fn, run_config=config)
+            model.step(lambda: (optimizer.step(), optimizer.zero_grad()), is_async=False)
+            ref_optimizer.zero_grad()
+            ref_loss(batch).backward()
+            ref_optimizer.step()
+    model.synchronize()
+    for got, want in zip(model.model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    print("done", flush=True)
+"""
+
+
+def test_dataloader_with_fork_workers_feeds_training_and_exits() -> None:
+    result = _run(DATALOADER_SCRIPT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["done"], result.stdout + result.stderr
+
+
+# -- Ctrl-C ----------------------------------------------------------------------------------
+
+SIGINT_SCRIPT = """
+    model = new_model(0)
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    never = threading.Event()
+
+    def slow_step():
+        print("in step", flush=True)
+        time.sleep(3.0)
+        optimizer.step()
+
+    def blocked_step():
+        print("in step", flush=True)
+        never.wait()
+
+    step_fn = {"slow": slow_step, "blocked": blocked_step}[sys.argv[1]]
+    train(model, optimizer, 1, step_fn)
+    if sys.argv[2] == "synchronize":
+        model.synchronize()
+    else:
+        while True:  # training goes on; the next step() waits for the running one
+            train(model, optimizer, 1, step_fn)
+"""
+
+
+def _interrupt(*args: str) -> tuple[float, float, int, str]:
+    """Start the script, send SIGINT once the step runs; (seconds to the KeyboardInterrupt
+    traceback's end, seconds to exit, exit status, stderr)."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(SIGINT_SCRIPT), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=CPU_ENV,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "in step"
+        time.sleep(0.3)  # the main thread is inside its wait
+        sent = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=20)
+        exited = time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return exited, exited, process.returncode, stderr
+
+
+@pytest.mark.parametrize("step", ["slow", "blocked"])
+@pytest.mark.parametrize("where", ["synchronize", "training"])
+def test_ctrl_c_exits_within_seconds_with_a_step_in_flight(step: str, where: str) -> None:
+    _, exited, status, stderr = _interrupt(step, where)
+    assert "KeyboardInterrupt" in stderr
+    assert status == -signal.SIGINT, stderr  # as Python exits on an uncaught Ctrl-C
+    assert exited < 5.0
+    assert "Fatal Python error" not in stderr and "terminate called" not in stderr
