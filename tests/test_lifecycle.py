@@ -212,3 +212,92 @@ def test_ctrl_c_exits_within_seconds_with_a_step_in_flight(step: str, where: str
     assert status == -signal.SIGINT, stderr  # as Python exits on an uncaught Ctrl-C
     assert exited < 5.0
     assert "Fatal Python error" not in stderr and "terminate called" not in stderr
+
+
+# -- errors of asynchronous work -------------------------------------------------------------
+
+
+def _trained(num_devices: int, steps: int = 1) -> tuple[RoundPipe, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = RoundPipe(nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)]), name="net")
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    config = RoundPipeRunConfig(num_microbatch=2)
+    for _ in range(steps):
+        model.forward_backward(
+            input_args=(torch.randn(8, 16),), loss_fn=lambda o, _: o.square().mean(),
+            run_config=config,
+        )
+        model.step(lambda: (optimizer.step(), optimizer.zero_grad()))
+    return model, optimizer
+
+
+class _ScaleTrouble(ArithmeticError):
+    pass
+
+
+def _failing_update(scaler: GradScaler) -> _ScaleTrouble:
+    """Make the scaler's next update fail on the optimizer thread (fault injection)."""
+    cause = _ScaleTrouble("update failed")
+
+    def fail(new_scale: Any, iteration: int) -> None:
+        raise cause
+
+    scaler._update = fail  # type: ignore[method-assign]
+    return cause
+
+
+@pytest.mark.parametrize("where", ["step", "synchronize", "getter", "up_to_date_getter"])
+def test_failed_async_scaler_update_reaches_the_caller(where: str, num_devices: int) -> None:
+    model, optimizer = _trained(num_devices)
+    scaler = GradScaler()
+    cause = _failing_update(scaler)
+    scaler.update(is_async=True)  # returns at once; the failure happens on the optimizer thread
+    with pytest.raises(_ScaleTrouble) as raised:
+        if where == "step":
+            model.step(lambda: optimizer.step())
+        elif where == "synchronize":
+            model.synchronize()
+        elif where == "getter":
+            model.synchronize()  # the update has run by then
+            scaler.get_scale()
+        else:
+            scaler.get_scale(up_to_date=True)
+    assert raised.value is cause or raised.value.__cause__ is cause
+    # Reported once; the model goes on training.
+    model.synchronize()
+    scaler.get_scale(up_to_date=True)
+
+
+def test_step_fn_error_names_the_model_and_phase_and_keeps_type(num_devices: int) -> None:
+    model, optimizer = _trained(num_devices)
+    cause = KeyError("no such state")
+
+    def bad_step() -> None:
+        raise cause
+
+    model.synchronize()
+    model.forward_backward(
+        input_args=(torch.randn(8, 16),), loss_fn=lambda o, _: o.square().mean()
+    )
+    model.step(bad_step)
+    with pytest.raises(KeyError) as raised:
+        model.synchronize()
+    assert raised.value.__cause__ is cause
+    assert "optimizer step (step_fn)" in str(raised.value)
+    assert "no such state" in str(raised.value)
+    model.synchronize()  # raised once
+
+
+def test_update_accepts_a_tensor_new_scale() -> None:
+    scaler = GradScaler(init_scale=8.0)
+    reference = torch.amp.GradScaler("cpu", init_scale=8.0)
+    new_scale = torch.tensor(3.0)
+    reference.scale(torch.ones(()))  # torch's scaler creates its scale lazily
+    scaler.update(new_scale, is_async=False)
+    reference.update(new_scale)
+    assert scaler.get_scale(up_to_date=True) == reference.get_scale() == 3.0
+    for bad in (torch.tensor([1.0, 2.0]), torch.tensor(2), torch.tensor(1.0, requires_grad=True)):
+        with pytest.raises(ValueError, match="new_scale"):
+            scaler.update(bad)
+    with pytest.raises(ValueError, match="new_scale"):
+        scaler.update(torch.tensor(float("nan")))

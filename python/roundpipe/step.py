@@ -84,12 +84,18 @@ def submit_detached(job: Callable[[], None]) -> None:
     _detached.append(submit(job))
 
 
-def raise_detached_errors() -> None:
-    """Re-raise the first error of the detached jobs that have run (with its own type and
-    ``__cause__``), without waiting for one still queued."""
-    while _detached and _detached[0].query():
-        event = _detached.pop(0)
-        event.synchronize()
+def raise_detached_errors(wait: bool = False) -> None:
+    """Re-raise the first error of the detached jobs (with its own type and ``__cause__``): of
+    those that have run, or, with ``wait``, of all queued so far."""
+    while _detached and (wait or _detached[0].query()):
+        try:
+            _detached[0].synchronize()
+        except KeyboardInterrupt:
+            raise  # the job is still queued or running: it stays listed
+        except BaseException:
+            _detached.pop(0)
+            raise
+        _detached.pop(0)
 
 
 def drain_optimizer_thread() -> None:
@@ -302,7 +308,7 @@ class StepPipeline:
                 raise
             self._job = None
             self._written = self._write_back()
-        raise_detached_errors()
+        raise_detached_errors(wait=True)
 
     def _fused_targets(
         self, copies: dict[int, OptimizerCopy], slots: list[Any], in_place: bool
