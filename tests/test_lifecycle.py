@@ -301,3 +301,134 @@ def test_update_accepts_a_tensor_new_scale() -> None:
             scaler.update(bad)
     with pytest.raises(ValueError, match="new_scale"):
         scaler.update(torch.tensor(float("nan")))
+
+
+# -- checkpoints with bad entries ------------------------------------------------------------
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Everything a load could change: weights, optimizer copies, pending gradients."""
+    with torch.no_grad():
+        state = {f"param.{k}": v.detach().clone() for k, v in model.named_parameters()}
+        state.update(
+            {f"copy.{k}": v.detach().clone() for k, v in model.optim_named_parameters()}
+        )
+    state.update({f"saved.{k}": v.clone() for k, v in model.state_dict().items()})
+    return state
+
+
+def _assert_unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    after = _snapshot(model)
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+
+
+def _model_with_pending_grads(num_devices: int) -> tuple[RoundPipe, dict[str, Any]]:
+    model, _ = _trained(num_devices, steps=2)
+    # Gradients accumulated but not stepped: saved as _roundpipe.grads.
+    model.forward_backward(
+        input_args=(torch.randn(8, 16),), loss_fn=lambda o, _: o.square().mean()
+    )
+    checkpoint = {k: v * 2 for k, v in model.state_dict().items()}  # differs from the model
+    checkpoint["_roundpipe.grads"] = model.state_dict()["_roundpipe.grads"].flip(0)
+    return model, checkpoint
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        ("_roundpipe.optim.model.1.weight", torch.ones(1, 16)),
+        ("_roundpipe.optim.model.1.weight", torch.ones(16)),
+        ("_roundpipe.optim.model.1.weight", torch.ones(16, 16, dtype=torch.int64)),
+        ("model.2.weight", torch.ones(16)),
+        ("model.2.bias", "not a tensor"),
+        ("_roundpipe.grads", torch.zeros(8, dtype=torch.uint8)),
+    ],
+    ids=["copy-1x16", "copy-16", "copy-int", "weight-16", "bias-str", "grads-size"],
+)
+@pytest.mark.parametrize("strict", [True, False])
+def test_bad_entry_fails_the_load_and_changes_nothing(
+    corrupt: tuple[str, Any], strict: bool, num_devices: int
+) -> None:
+    model, checkpoint = _model_with_pending_grads(num_devices)
+    key, value = corrupt
+    checkpoint[key] = value
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError, match=f"(?s)Error\\(s\\) in loading state_dict.*{key}"):
+        model.load_state_dict(checkpoint, strict=strict)
+    _assert_unchanged(model, before)
+
+
+def test_unknown_and_missing_keys_as_pytorch_reports_them(num_devices: int) -> None:
+    model, checkpoint = _model_with_pending_grads(num_devices)
+    del checkpoint["model.3.bias"]
+    checkpoint["_roundpipe.optim.model.9.weight"] = torch.ones(16, 16)
+    checkpoint["_roundpipe.momentum"] = torch.ones(3)
+    checkpoint["model.extra"] = torch.ones(3)
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError) as raised:
+        model.load_state_dict(checkpoint)
+    message = str(raised.value)
+    assert message.startswith("Error(s) in loading state_dict for RoundPipe:")
+    assert 'Missing key(s) in state_dict: "model.3.bias".' in message
+    for key in ("_roundpipe.optim.model.9.weight", "_roundpipe.momentum", "model.extra"):
+        assert f'"{key}"' in message.split("Unexpected key(s)")[1]
+    _assert_unchanged(model, before)
+
+    # strict=False loads the rest and returns the keys, as nn.Module.load_state_dict does.
+    plain = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    plain_result = plain.load_state_dict(
+        {k.removeprefix("model."): v for k, v in checkpoint.items() if k.startswith("model.")},
+        strict=False,
+    )
+    result = model.load_state_dict(checkpoint, strict=False)
+    assert result.missing_keys == [f"model.{k}" for k in plain_result.missing_keys]
+    assert sorted(result.unexpected_keys) == sorted(
+        ["_roundpipe.optim.model.9.weight", "_roundpipe.momentum", "model.extra"]
+    )
+    torch.testing.assert_close(model.model[0].weight, checkpoint["model.0.weight"])
+    torch.testing.assert_close(
+        dict(model.optim_named_parameters())["model.0.weight"],
+        checkpoint["_roundpipe.optim.model.0.weight"],
+    )
+
+
+def test_a_good_checkpoint_still_loads_exactly(num_devices: int) -> None:
+    model, checkpoint = _model_with_pending_grads(num_devices)
+    model.load_state_dict(checkpoint)
+    saved = model.state_dict()
+    assert saved.keys() == checkpoint.keys()
+    for key, value in checkpoint.items():
+        assert torch.equal(saved[key], value), key
+
+
+class _Glued(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(16, 16)
+        self.body = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(x)))
+
+
+@pytest.mark.parametrize("bad", ["shape", "unknown"])
+def test_auto_roundpipe_glue_entries_are_validated(bad: str) -> None:
+    torch.manual_seed(0)
+    model = wrap_model_to_roundpipe(_Glued())
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    model(torch.randn(4, 16)).square().mean().backward()
+    model.step(lambda: (optimizer.step(), optimizer.zero_grad()))
+    checkpoint = {k: v + 1 for k, v in model.state_dict().items()}
+    glue = [k for k in checkpoint if k.startswith("_roundpipe.glue.")]
+    assert glue
+    if bad == "shape":
+        checkpoint[glue[0]] = checkpoint[glue[0]].reshape(-1)[:1]
+    else:
+        checkpoint["_roundpipe.glue.nothing.weight"] = torch.ones(2)
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError, match="Error\\(s\\) in loading state_dict for AutoRoundPipe"):
+        model.load_state_dict(checkpoint)
+    _assert_unchanged(model, before)
