@@ -12,14 +12,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
 from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
+from torch import nn
 
 CPU_ENV = {**os.environ, "ROUNDPIPE_DEVICE_KIND": "cpu", "ROUNDPIPE_CPU_DEVICES": "3"}
 
@@ -224,7 +222,8 @@ def _trained(num_devices: int, steps: int = 1) -> tuple[RoundPipe, torch.optim.O
     config = RoundPipeRunConfig(num_microbatch=2)
     for _ in range(steps):
         model.forward_backward(
-            input_args=(torch.randn(8, 16),), loss_fn=lambda o, _: o.square().mean(),
+            input_args=(torch.randn(8, 16),),
+            loss_fn=lambda o, _: o.square().mean(),
             run_config=config,
         )
         model.step(lambda: (optimizer.step(), optimizer.zero_grad()))
@@ -268,17 +267,15 @@ def test_failed_async_scaler_update_reaches_the_caller(where: str, num_devices: 
     scaler.get_scale(up_to_date=True)
 
 
-def test_step_fn_error_names_the_model_and_phase_and_keeps_type(num_devices: int) -> None:
-    model, optimizer = _trained(num_devices)
+def test_step_fn_error_names_the_phase_and_keeps_type(num_devices: int) -> None:
+    model, _ = _trained(num_devices)
     cause = KeyError("no such state")
 
     def bad_step() -> None:
         raise cause
 
     model.synchronize()
-    model.forward_backward(
-        input_args=(torch.randn(8, 16),), loss_fn=lambda o, _: o.square().mean()
-    )
+    model.forward_backward(input_args=(torch.randn(8, 16),), loss_fn=lambda o, _: o.square().mean())
     model.step(bad_step)
     with pytest.raises(KeyError) as raised:
         model.synchronize()
@@ -310,9 +307,7 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     """Everything a load could change: weights, optimizer copies, pending gradients."""
     with torch.no_grad():
         state = {f"param.{k}": v.detach().clone() for k, v in model.named_parameters()}
-        state.update(
-            {f"copy.{k}": v.detach().clone() for k, v in model.optim_named_parameters()}
-        )
+        state.update({f"copy.{k}": v.detach().clone() for k, v in model.optim_named_parameters()})
     state.update({f"saved.{k}": v.clone() for k, v in model.state_dict().items()})
     return state
 
@@ -327,9 +322,7 @@ def _assert_unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> None
 def _model_with_pending_grads(num_devices: int) -> tuple[RoundPipe, dict[str, Any]]:
     model, _ = _trained(num_devices, steps=2)
     # Gradients accumulated but not stepped: saved as _roundpipe.grads.
-    model.forward_backward(
-        input_args=(torch.randn(8, 16),), loss_fn=lambda o, _: o.square().mean()
-    )
+    model.forward_backward(input_args=(torch.randn(8, 16),), loss_fn=lambda o, _: o.square().mean())
     checkpoint = {k: v * 2 for k, v in model.state_dict().items()}  # differs from the model
     checkpoint["_roundpipe.grads"] = model.state_dict()["_roundpipe.grads"].flip(0)
     return model, checkpoint

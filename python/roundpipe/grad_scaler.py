@@ -165,9 +165,7 @@ class GradScaler:
             return None
         return optimizer.step(*args, **kwargs)
 
-    def update(
-        self, new_scale: float | torch.Tensor | None = None, is_async: bool = True
-    ) -> None:
+    def update(self, new_scale: float | torch.Tensor | None = None, is_async: bool = True) -> None:
         """Adjust the scale for later iterations: back off after inf/NaN, grow after
         ``growth_interval`` clean steps, or set ``new_scale`` (a number, or a one-element
         floating tensor without grad, read now as ``torch.amp.GradScaler`` does).

@@ -115,8 +115,7 @@ def _quoted(keys: list[str]) -> str:
 def _load_error(module: nn.Module, error_msgs: list[str]) -> RuntimeError:
     """The error ``nn.Module.load_state_dict`` raises, with the same wording."""
     return RuntimeError(
-        f"Error(s) in loading state_dict for {type(module).__name__}:\n\t"
-        + "\n\t".join(error_msgs)
+        f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(error_msgs)
     )
 
 
@@ -152,8 +151,8 @@ class OptimizerCopiesView(nn.Module):
             error_msgs.append(f'"{key}" must be a tensor, got {type(value).__name__}')
         elif value.shape != like.shape:
             error_msgs.append(
-                f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
-                f"the shape in current model is {like.shape}."
+                f"size mismatch for {key}: copying a param with shape {value.shape} from "
+                f"checkpoint, the shape in current model is {like.shape}."
             )
         elif (value.is_floating_point(), value.is_complex()) != (
             like.is_floating_point(),
@@ -193,9 +192,7 @@ class OptimizerCopiesView(nn.Module):
         if strict and (missing or unexpected):
             keys = [("Missing", missing), ("Unexpected", unexpected)]
             error_msgs[:0] = [
-                f"{kind} key(s) in state_dict: {_quoted(found)}. "
-                for kind, found in keys
-                if found
+                f"{kind} key(s) in state_dict: {_quoted(found)}. " for kind, found in keys if found
             ]
         if error_msgs:
             raise _load_error(self, error_msgs)

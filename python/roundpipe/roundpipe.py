@@ -352,7 +352,9 @@ class RoundPipe(ForwardingModule):
     def _load_own_state(self, entries: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
         # Staged as they are ("grads", "optim.<name>"), applied by refresh_copies.
         runtime = self._runtime
-        known = {f"optim.model.{name}": p for name, p in self._trainable_named_parameters()}
+        known: dict[str, torch.Tensor] = {
+            f"optim.model.{name}": p for name, p in self._trainable_named_parameters()
+        }
         known["grads"] = runtime.memory.grads
         runtime.loaded_copies = {}
         for key in [key for key in entries if key in known]:
