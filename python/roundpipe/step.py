@@ -18,9 +18,12 @@ parameter arena, an asynchronous one into a staging arena (the iteration in flig
 parameters), from which the write-back copies them without casting. GradScaler's inf/NaN check is
 a read-only pass before it, since a step with a non-finite gradient must not change anything.
 
-An exception in ``step_fn`` is re-raised at the next ``step``, ``synchronize`` or forward call,
-and the failed step's weights are not written back. (A synchronous step's fused pass writes them
-in place as it updates the copies, so a failure after that pass leaves them matching the copies.)
+An exception in ``step_fn`` is re-raised at the next ``step``, ``synchronize`` or forward call
+(same type, the original as ``__cause__``, the message naming the model and phase), and the
+failed step's weights are not written back. (A synchronous step's fused pass writes them in
+place as it updates the copies, so a failure after that pass leaves them matching the copies.)
+Other asynchronous jobs (``GradScaler.update`` queued from the main thread) report their errors
+the same way (:func:`submit_detached`).
 """
 
 from __future__ import annotations
