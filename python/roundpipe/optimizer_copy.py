@@ -178,23 +178,28 @@ class OptimizerCopiesView(nn.Module):
             if key in state_dict and isinstance(like, Tensor):
                 self._check_entry(key, state_dict[key], like, error_msgs)
         unexpected = [key for key in state_dict if key not in expected]
-        for path, view in self.named_modules(remove_duplicate=False):
-            if isinstance(view, OptimizerCopiesView):
-                own = f"{path}.{view._own_state_prefix}" if path else view._own_state_prefix
-                entries = {
-                    key.removeprefix(own): value
-                    for key, value in state_dict.items()
-                    if key.startswith(own)
-                }
-                view._load_own_state(entries, own, error_msgs)
-                left = {f"{own}{key}" for key in entries}  # not taken: unexpected
-                unexpected = [key for key in unexpected if not key.startswith(own) or key in left]
+        views = [
+            (f"{path}.{view._own_state_prefix}" if path else view._own_state_prefix, view)
+            for path, view in self.named_modules(remove_duplicate=False)
+            if isinstance(view, OptimizerCopiesView)
+        ]
+        for own, view in views:
+            entries = {
+                key.removeprefix(own): value
+                for key, value in state_dict.items()
+                if key.startswith(own)
+            }
+            view._load_own_state(entries, own, error_msgs)
+            left = {f"{own}{key}" for key in entries}  # not taken: unexpected
+            unexpected = [key for key in unexpected if not key.startswith(own) or key in left]
         if strict and (missing or unexpected):
             keys = [("Missing", missing), ("Unexpected", unexpected)]
             error_msgs[:0] = [
                 f"{kind} key(s) in state_dict: {_quoted(found)}. " for kind, found in keys if found
             ]
         if error_msgs:
+            for own, view in views:  # nothing staged stays behind
+                view._load_own_state({}, own, [])
             raise _load_error(self, error_msgs)
 
     def _save_to_state_dict(
