@@ -10,6 +10,7 @@ skipped and the scale backs off; ``growth_interval`` clean steps in a row grow i
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -20,7 +21,13 @@ from torch.utils._pytree import tree_map
 from roundpipe._native import _C
 from roundpipe.optim import Adam
 from roundpipe.optimizer_copy import gradient_of
-from roundpipe.step import current_iteration, drain_optimizer_thread, in_step_job
+from roundpipe.step import (
+    current_iteration,
+    drain_optimizer_thread,
+    in_step_job,
+    raise_detached_errors,
+    submit_detached,
+)
 
 _T = TypeVar("_T")
 
@@ -28,6 +35,8 @@ _T = TypeVar("_T")
 def _positive(name: str, value: Any, above_one: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
     if value <= (1.0 if above_one else 0.0):
         bound = "> 1" if above_one else "> 0"
         raise ValueError(f"{name} must be {bound}, got {value}")
@@ -44,6 +53,18 @@ def _all_finite(grads: list[torch.Tensor]) -> bool:
     if native and not _C.all_finite(native):
         return False
     return all(bool(torch.isfinite(g).all()) for g in others)
+
+
+def _scalar(value: Any) -> Any:
+    """``value``, or the number in a one-element floating tensor without grad."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.numel() != 1 or not value.is_floating_point() or value.requires_grad:
+        raise ValueError(
+            "new_scale as a tensor must have one floating-point element and no grad, got "
+            f"shape {tuple(value.shape)}, dtype {value.dtype}, requires_grad={value.requires_grad}"
+        )
+    return float(value.item())
 
 
 class GradScaler:
@@ -144,25 +165,26 @@ class GradScaler:
             return None
         return optimizer.step(*args, **kwargs)
 
-    def update(self, new_scale: float | None = None, is_async: bool = True) -> None:
+    def update(self, new_scale: float | torch.Tensor | None = None, is_async: bool = True) -> None:
         """Adjust the scale for later iterations: back off after inf/NaN, grow after
-        ``growth_interval`` clean steps, or set ``new_scale``.
+        ``growth_interval`` clean steps, or set ``new_scale`` (a number, or a one-element
+        floating tensor without grad, read now as ``torch.amp.GradScaler`` does).
 
         Inside ``step_fn`` it applies at once. Called elsewhere, ``is_async=True`` queues it on
-        the optimizer thread behind the steps already submitted; ``is_async=False`` waits for
-        them and applies now."""
+        the optimizer thread behind the steps already submitted (an error it raises there is
+        raised by the next ``step()``, ``synchronize()``, forward or getter of this class);
+        ``is_async=False`` waits for them and applies now."""
         if not self._enabled:
             return
-        if new_scale is not None:
-            new_scale = _positive("new_scale", new_scale)
+        scale = None if new_scale is None else _positive("new_scale", _scalar(new_scale))
         iteration = current_iteration()
         if in_step_job():
-            self._update(new_scale, iteration)
+            self._update(scale, iteration)
         elif is_async:
-            _C.submit_optimizer_job(lambda: self._update(new_scale, iteration))
+            submit_detached(lambda: self._update(scale, iteration))
         else:
             drain_optimizer_thread()
-            self._update(new_scale, iteration)
+            self._update(scale, iteration)
 
     def _update(self, new_scale: float | None, iteration: int) -> None:
         found_inf = any(self._unscaled.values())
@@ -185,8 +207,12 @@ class GradScaler:
     # -- getters and setters -------------------------------------------------------------------
 
     def _read(self, value: Callable[[], _T], up_to_date: bool) -> _T:
+        """``value()``, after the queued steps and updates with ``up_to_date``; raises the error
+        of an asynchronous update that failed."""
         if up_to_date:
             drain_optimizer_thread()
+        else:
+            raise_detached_errors()
         return value()
 
     def get_scale(self, up_to_date: bool = False) -> float:

@@ -34,14 +34,17 @@ class GradientState:
 
     def wait_pending(self) -> None:
         """Wait for every gradient transfer of earlier calls; the first error is raised and the
-        rest are dropped."""
+        rest are dropped. A Ctrl-C leaves the unfinished ones pending (waited for next time)."""
         pending = self.pending
         try:
             while pending:
                 pending[0].synchronize()
                 pending.pop(0)
-        finally:
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
             pending.clear()
+            raise
 
     def begin_call(self) -> None:
         """Before a call that accumulates gradients: finish the previous call's accumulation and

@@ -16,7 +16,9 @@ resolves what is left when ``step_fn`` returns (:meth:`OptimizerCopy.resolve_gra
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -93,12 +95,40 @@ def gradient_of(param: Tensor) -> Tensor | None:
     return param.grad
 
 
+_saving = threading.local()
+
+
+@contextmanager
+def _regular_entries_only() -> Iterator[None]:
+    """``state_dict()`` inside leaves out the runtime's own entries (nothing is cloned)."""
+    _saving.regular_only = True
+    try:
+        yield
+    finally:
+        _saving.regular_only = False
+
+
+def _quoted(keys: list[str]) -> str:
+    return ", ".join(f'"{key}"' for key in keys)
+
+
+def _load_error(module: nn.Module, error_msgs: list[str]) -> RuntimeError:
+    """The error ``nn.Module.load_state_dict`` raises, with the same wording."""
+    return RuntimeError(
+        f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(error_msgs)
+    )
+
+
 class OptimizerCopiesView(nn.Module):
     """``parameters()`` / ``named_parameters()`` that return the optimizer copies inside
     :class:`OptimizerCtx` and the model's parameters otherwise, and ``state_dict`` entries of the
     runtime's own (the copies, for instance) under ``_own_state_prefix``. Subclasses define
     ``optim_named_parameters(prefix, remove_duplicate)``, ``_own_state`` and
-    ``_load_own_state``."""
+    ``_load_own_state``.
+
+    Loading is all or nothing: ``_check_state_dict`` validates every entry before anything
+    changes, and ``_load_own_state`` only checks and stages the own entries (the subclass applies
+    them once the parameters are loaded)."""
 
     _own_state_prefix = "_roundpipe."
 
@@ -107,13 +137,77 @@ class OptimizerCopiesView(nn.Module):
         raise NotImplementedError
 
     def _load_own_state(self, entries: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
-        """Take the checkpoint's entries under ``prefix`` (their keys without it)."""
+        """Check the checkpoint's entries under ``prefix`` (their keys without it), note what is
+        wrong in ``error_msgs``, stage them to apply after the load, and remove from ``entries``
+        the keys taken: those left are unexpected keys. Changes nothing of the model."""
         raise NotImplementedError
+
+    @staticmethod
+    def _check_entry(key: str, value: Any, like: Tensor, error_msgs: list[str]) -> None:
+        """Note in ``error_msgs`` why checkpoint entry ``value`` cannot be loaded into ``like``
+        (shape exact, same kind of dtype: copying casts a float to another float, but never makes a
+        float of an integer or drops an imaginary part)."""
+        if not isinstance(value, Tensor):
+            error_msgs.append(f'"{key}" must be a tensor, got {type(value).__name__}')
+        elif value.shape != like.shape:
+            error_msgs.append(
+                f"size mismatch for {key}: copying a param with shape {value.shape} from "
+                f"checkpoint, the shape in current model is {like.shape}."
+            )
+        elif (value.is_floating_point(), value.is_complex()) != (
+            like.is_floating_point(),
+            like.is_complex(),
+        ) or (not like.is_floating_point() and not like.is_complex() and value.dtype != like.dtype):
+            error_msgs.append(
+                f"dtype mismatch for {key}: the checkpoint holds {value.dtype}, the current model "
+                f"{like.dtype}."
+            )
+
+    def _check_state_dict(self, state_dict: Any, strict: bool) -> None:
+        """Raise what ``load_state_dict(state_dict, strict)`` would raise, before it changes
+        anything: a ``TypeError`` for a non-mapping, a ``RuntimeError`` worded as
+        ``nn.Module.load_state_dict``'s for entries of the wrong shape or dtype and, under
+        ``strict``, missing or unexpected keys (unknown own entries included)."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
+        with _regular_entries_only():
+            expected = nn.Module.state_dict(self, keep_vars=True)
+        error_msgs: list[str] = []
+        missing = [key for key in expected if key not in state_dict]
+        for key, like in expected.items():
+            if key in state_dict and isinstance(like, Tensor):
+                self._check_entry(key, state_dict[key], like, error_msgs)
+        unexpected = [key for key in state_dict if key not in expected]
+        views = [
+            (f"{path}.{view._own_state_prefix}" if path else view._own_state_prefix, view)
+            for path, view in self.named_modules(remove_duplicate=False)
+            if isinstance(view, OptimizerCopiesView)
+        ]
+        for own, view in views:
+            entries = {
+                key.removeprefix(own): value
+                for key, value in state_dict.items()
+                if key.startswith(own)
+            }
+            view._load_own_state(entries, own, error_msgs)
+            left = {f"{own}{key}" for key in entries}  # not taken: unexpected
+            unexpected = [key for key in unexpected if not key.startswith(own) or key in left]
+        if strict and (missing or unexpected):
+            keys = [("Missing", missing), ("Unexpected", unexpected)]
+            error_msgs[:0] = [
+                f"{kind} key(s) in state_dict: {_quoted(found)}. " for kind, found in keys if found
+            ]
+        if error_msgs:
+            for own, view in views:  # nothing staged stays behind
+                view._load_own_state({}, own, [])
+            raise _load_error(self, error_msgs)
 
     def _save_to_state_dict(
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
     ) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if getattr(_saving, "regular_only", False):
+            return
         for key, value in self._own_state().items():
             destination[f"{prefix}{self._own_state_prefix}{key}"] = value
 
@@ -136,6 +230,7 @@ class OptimizerCopiesView(nn.Module):
             key.removeprefix(own): value for key, value in state_dict.items() if key.startswith(own)
         }
         self._load_own_state(entries, own, error_msgs)
+        unexpected_keys.extend(f"{own}{key}" for key in entries)
 
     def optim_named_parameters(
         self, prefix: str = "", remove_duplicate: bool = True

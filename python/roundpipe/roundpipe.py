@@ -348,6 +348,7 @@ class RoundPipe(ForwardingModule):
                 "load with assign=False"
             )
         self.drain()
+        self._check_state_dict(state_dict, strict)  # nothing changes unless all of it loads
         result = super().load_state_dict(state_dict, strict=strict)
         self.refresh_copies()
         return result
@@ -357,7 +358,13 @@ class RoundPipe(ForwardingModule):
         ``_roundpipe.optim.*`` entries, or from the loaded parameters (existing copies only,
         unless the checkpoint has some)."""
         runtime = self._runtime
-        saved_copies, runtime.loaded_copies = runtime.loaded_copies, {}
+        staged, runtime.loaded_copies = runtime.loaded_copies, {}
+        grads = staged.pop("grads", None)  # the checkpoint's gradients not yet stepped
+        if grads is not None:
+            with torch.no_grad():
+                runtime.memory.grads.copy_(grads)
+            runtime.gradients.dirty = True
+        saved_copies = {key.removeprefix("optim."): value for key, value in staged.items()}
         if saved_copies or runtime.steps.has_copies():
             with torch.no_grad():
                 for (name, copy), (_, param) in zip(
@@ -378,24 +385,17 @@ class RoundPipe(ForwardingModule):
         return entries
 
     def _load_own_state(self, entries: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
+        # Staged as they are ("grads", "optim.<name>"), applied by refresh_copies.
         runtime = self._runtime
-        grads = entries.get("grads")
-        arena = runtime.memory.grads
-        if grads is not None:
-            if grads.shape != arena.shape:
-                error_msgs.append(
-                    f"{prefix}grads holds {grads.numel()} bytes but this model's gradient arena "
-                    f"{arena.numel()}: the checkpoint is of another model"
-                )
-            else:
-                with torch.no_grad():
-                    arena.copy_(grads)
-                runtime.gradients.dirty = True
-        runtime.loaded_copies = {
-            key.removeprefix("optim."): value
-            for key, value in entries.items()
-            if key.startswith("optim.")
+        known: dict[str, torch.Tensor] = {
+            f"optim.model.{name}": p for name, p in self._trainable_named_parameters()
         }
+        known["grads"] = runtime.memory.grads
+        runtime.loaded_copies = {}
+        for key in [key for key in entries if key in known]:
+            value = entries.pop(key)
+            self._check_entry(f"{prefix}{key}", value, known[key], error_msgs)
+            runtime.loaded_copies[key] = value
 
     def _trainable_named_parameters(
         self, remove_duplicate: bool = True

@@ -18,15 +18,22 @@ parameter arena, an asynchronous one into a staging arena (the iteration in flig
 parameters), from which the write-back copies them without casting. GradScaler's inf/NaN check is
 a read-only pass before it, since a step with a non-finite gradient must not change anything.
 
-An exception in ``step_fn`` is re-raised at the next ``step``, ``synchronize`` or forward call,
-and the failed step's weights are not written back. (A synchronous step's fused pass writes them
-in place as it updates the copies, so a failure after that pass leaves them matching the copies.)
+An exception in ``step_fn`` is re-raised at the next ``step``, ``synchronize`` or forward call
+(same type, the original as ``__cause__``, the message naming the model and phase), and the
+failed step's weights are not written back. (A synchronous step's fused pass writes them in
+place as it updates the copies, so a failure after that pass leaves them matching the copies.)
+Other asynchronous jobs (``GradScaler.update`` queued from the main thread) report their errors
+the same way (:func:`submit_detached`).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
+import signal
+import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,11 +44,22 @@ from roundpipe.context import OptimizerCtx
 from roundpipe.memory import ModelMemory
 from roundpipe.optim import fused_writeback
 from roundpipe.optimizer_copy import OptimizerCopy
+from roundpipe.pipeline import annotate
 
 # Iterations are counted by the steps submitted in this process. The main thread is in iteration
 # `_submitted`; a job runs on behalf of the iteration that submitted it (see current_iteration).
 _submitted = 0
 _job = threading.local()
+# Events of asynchronous jobs that no model waits for (GradScaler.update(is_async=True)): their
+# errors are raised by the next step(), synchronize(), forward or GradScaler getter.
+_detached: list[Any] = []
+# Whether this process has queued optimizer work (the fork and exit hooks have nothing to do
+# otherwise, and must not start the optimizer thread).
+_used_optimizer_thread = False
+
+# How long interpreter exit waits for a step in flight after a KeyboardInterrupt (or another
+# uncaught exception) before it leaves without it.
+EXIT_AFTER_ERROR_SECONDS = 2.0
 
 
 def current_iteration() -> int:
@@ -56,18 +74,119 @@ def in_step_job() -> bool:
     return getattr(_job, "iteration", None) is not None
 
 
+def submit(job: Callable[[], None]) -> Any:
+    """Queue ``job`` on the optimizer thread (first in, first out); returns its event."""
+    global _used_optimizer_thread
+    _used_optimizer_thread = True
+    return _C.submit_optimizer_job(job)
+
+
+def submit_detached(job: Callable[[], None]) -> None:
+    """Queue ``job`` on the optimizer thread; its error is raised by :func:`raise_detached_errors`
+    once it has run."""
+    _detached.append(submit(job))
+
+
+def raise_detached_errors(wait: bool = False) -> None:
+    """Re-raise the first error of the detached jobs (with its own type and ``__cause__``): of
+    those that have run, or, with ``wait``, of all queued so far."""
+    while _detached and (wait or _detached[0].query()):
+        try:
+            _detached[0].synchronize()
+        except KeyboardInterrupt:
+            raise  # the job is still queued or running: it stays listed
+        except BaseException:
+            _detached.pop(0)
+            raise
+        _detached.pop(0)
+
+
 def drain_optimizer_thread() -> None:
-    """Wait until every step submitted so far has run (the thread is first in, first out)."""
+    """Wait until every step submitted so far has run (the thread is first in, first out), then
+    raise the errors of detached jobs."""
     if not in_step_job():
-        _C.submit_optimizer_job(lambda: None).synchronize()
+        submit(lambda: None).synchronize()
+        raise_detached_errors()
+
+
+def _wait_for_optimizer_thread(seconds: float | None) -> bool:
+    """Wait (interruptibly) until the jobs queued so far have run, at most ``seconds`` (None: no
+    bound). True if they have."""
+    marker = submit(lambda: None)
+    if seconds is None:
+        marker.synchronize()
+        return True
+    deadline = time.monotonic() + seconds
+    while not marker.query():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _exiting_after_error() -> bool:
+    """Whether the interpreter is exiting because of an uncaught exception (Ctrl-C included):
+    the exception was printed and kept in ``sys.last_value``."""
+    return isinstance(getattr(sys, "last_value", None), BaseException)
+
+
+def _leave_now() -> None:
+    """Exit at once, without waiting for a step that still runs on the optimizer thread: a
+    normal interpreter shutdown would stop that thread mid-Python when it next takes the GIL
+    (which aborts the process) or wait for it forever. Output is flushed first; the exit status
+    is what an uncaught KeyboardInterrupt gives (killed by SIGINT), 1 for another error."""
+    if "logging" in sys.modules:
+        sys.modules["logging"].shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        os._exit(130)  # SIGINT is ignored or blocked: the shell's code for it
+    os._exit(1)
 
 
 @atexit.register
 def _drain_native_workers() -> None:
     """Finish every queued native job (optimizer steps included) while the interpreter is still
     alive: jobs may hold tensors that own Python objects, which must not be released during
-    shutdown. Errors of unfinished steps stay with their events, unreported at exit."""
+    shutdown. Errors of unfinished steps stay with their events, unreported at exit.
+
+    A step still running is waited for on a normal exit (a Ctrl-C during that wait gives it up);
+    after an uncaught exception (a Ctrl-C) at most ``EXIT_AFTER_ERROR_SECONDS``. A step given up
+    is left unfinished: the process exits at once, skipping the rest of the exit handlers."""
+    if _used_optimizer_thread:
+        bound = EXIT_AFTER_ERROR_SECONDS if _exiting_after_error() else None
+        try:
+            finished = _wait_for_optimizer_thread(bound)
+        except KeyboardInterrupt:
+            sys.last_value = KeyboardInterrupt()
+            finished = False
+        if not finished:
+            _leave_now()
+    # Only copy engines and the weight writer are left: native work that never waits on Python.
     _C.drain_workers()
+
+
+def _drain_before_fork() -> None:
+    """Let the optimizer thread finish its queued steps before ``fork()``, so the child inherits
+    finished steps and consistent optimizer copies instead of a step it cannot complete (native
+    threads do not survive fork). Skipped inside a step (the thread would wait for itself)."""
+    if not _used_optimizer_thread or in_step_job():
+        return
+    _wait_for_optimizer_thread(None)
+    _C.drain_workers()
+
+
+def _forget_parent_jobs() -> None:
+    """In a forked child: the parent's detached jobs are not the child's to report."""
+    _detached.clear()
+
+
+os.register_at_fork(before=_drain_before_fork, after_in_child=_forget_parent_jobs)
 
 
 _NATIVE_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -95,8 +214,12 @@ def _hand_over(pairs: list[tuple[OptimizerCopy, torch.Tensor]]) -> None:
 class StepPipeline:
     """Optimizer copies and in-flight optimizer work of one model."""
 
-    def __init__(self, memory: ModelMemory, optim_dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, memory: ModelMemory, optim_dtype: torch.dtype | None, name: str | None = None
+    ) -> None:
         self.memory = memory
+        # How step_fn's errors name the step.
+        self.where = f"model {name!r}, optimizer step" if name else "optimizer step"
         self.optim_dtype = optim_dtype
         self._copies: dict[int, OptimizerCopy] | None = None
         self._spare_grads: torch.Tensor | None = None
@@ -154,6 +277,8 @@ class StepPipeline:
                 with OptimizerCtx(), fused_writeback(targets) as fused:
                     step_fn(*args, **kwargs)
                 self._fused, self._fused_in_place = fused, in_place
+            except Exception as error:
+                raise annotate(error, f"{self.where} (step_fn)") from error
             finally:
                 # Pending gradients that step_fn neither consumed nor dropped become real ones
                 # before their arena is reused.
@@ -168,18 +293,25 @@ class StepPipeline:
             finally:
                 _job.iteration = None
 
-        self._job = _C.submit_optimizer_job(job)
+        self._job = submit(job)
         if not is_async:
             self.finish()
             self.memory.wait_writes()
 
     def finish(self) -> None:
         """Wait for the last step, re-raise its error, and queue its weights' write-back."""
-        job, self._job = self._job, None
-        if job is None:
-            return
-        job.synchronize()  # a failed step raises here; its weights are not written back
-        self._written = self._write_back()
+        job = self._job
+        if job is not None:
+            try:
+                job.synchronize()  # a failed step raises here; its weights are not written back
+            except KeyboardInterrupt:
+                raise  # the step is still running: the next finish() waits for it again
+            except BaseException:
+                self._job = None
+                raise
+            self._job = None
+            self._written = self._write_back()
+        raise_detached_errors(wait=True)
 
     def _fused_targets(
         self, copies: dict[int, OptimizerCopy], slots: list[Any], in_place: bool
@@ -233,12 +365,12 @@ class StepPipeline:
         """Re-raise a finished step's error without waiting for a running one. A step that
         succeeded keeps its write-back for the next ``step()`` (staleness 1)."""
         job = self._job
-        if job is None or not job.query():
-            return
-        try:
-            job.synchronize()
-        except BaseException:
-            self.finish()
+        if job is not None and job.query():
+            try:
+                job.synchronize()
+            except BaseException:
+                self.finish()
+        raise_detached_errors()
 
 
 __all__ = ["StepPipeline"]

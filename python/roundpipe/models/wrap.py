@@ -427,6 +427,7 @@ class AutoRoundPipe(ForwardingModule):
         parts = [part for _, part in self.parts]
         for part in parts:
             part.drain()  # gradient transfers may still be landing in the arenas
+        self._check_state_dict(state_dict, strict)  # nothing changes unless all of it loads
         result = super().load_state_dict(state_dict, strict=strict)
         for part in parts:
             part.refresh_copies()
@@ -447,7 +448,13 @@ class AutoRoundPipe(ForwardingModule):
         return {name: glue.copies[id(param)].detach().clone() for name, param in glue.params}
 
     def _load_own_state(self, entries: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
-        self._runtime.loaded = entries
+        glue = self._runtime
+        known = dict(glue.params)
+        glue.loaded = {}
+        for key in [key for key in entries if key in known]:
+            value = entries.pop(key)
+            self._check_entry(f"{prefix}{key}", value, known[key], error_msgs)
+            glue.loaded[key] = value
 
     # -- internals ---------------------------------------------------------------------------
 
