@@ -219,7 +219,7 @@ class StepPipeline:
     ) -> None:
         self.memory = memory
         # How step_fn's errors name the step.
-        self.where = f"model {name!r}, optimizer step" if name else "optimizer step"
+        self.where = f"RoundPipe model {name!r}: optimizer step" if name else "optimizer step"
         self.optim_dtype = optim_dtype
         self._copies: dict[int, OptimizerCopy] | None = None
         self._spare_grads: torch.Tensor | None = None
