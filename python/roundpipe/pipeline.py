@@ -21,7 +21,7 @@ import copy
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -80,38 +80,55 @@ def _on_cuda() -> bool:
     return _C.device_kind() == "cuda"
 
 
-def to_device(tree: Any, device_index: int) -> Any:
+def to_device(tree: Any, device_index: int, after: Any = None) -> Any:
     """``tree`` with its tensors on device ``device_index`` (identity on virtual CPU devices).
 
-    On CUDA the copies run on the activation lane, ordered after everything issued so far, and
-    the device's current stream is made to wait for them.
+    On CUDA the copies run on the activation lane and the device's current stream is made to wait
+    for them. A copy from another device follows what was issued there so far; a copy from the
+    host follows ``after`` (the event of the copy that filled that host memory, if any).
     """
     if not _on_cuda():
         return tree
     device = devices()[device_index]
-    last: list[Any] = [None]
+    copies: list[Any] = []
 
     def move(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor) or leaf.device == device:
             return leaf
         moved = torch.empty_like(leaf, device=device)
-        after = _C.record_event(leaf.device.index) if leaf.is_cuda else None
-        last[0] = _C.copy_async(device_index, moved, leaf, "activation", after)
+        source_ready = _C.record_event(leaf.device.index) if leaf.is_cuda else after
+        if not leaf.is_cuda and not leaf.is_pinned():
+            # A pageable source would make the copy synchronous with the host (the driver stages
+            # it on the calling thread); torch's host allocator keeps this one until it ran.
+            leaf = leaf.pin_memory()
+        copies.append(_C.copy_async(device_index, moved, leaf, "activation", source_ready))
         return moved
 
     moved_tree = tree_map(move, tree)
-    if last[0] is not None:
-        last[0].block_current_stream(device_index)
+    # Every copy, not only the last: a copy whose `after` is still running on the host is issued
+    # later by the engine's worker, out of order with the others.
+    for copied in copies:
+        copied.block_current_stream(device_index)
     return moved_tree
 
 
 def to_host(tree: Any, device_index: int) -> tuple[Any, Any]:
-    """``tree`` with its tensors copied to (pinned) host memory, and the event of the copies.
+    """``tree`` with its tensors copied to (pinned) host memory, and the one event of the copies.
 
-    Identity with no event on virtual CPU devices (detached, since host copies never carry a
-    graph)."""
+    The copies run on device ``device_index``'s activation lane after what was issued there so
+    far; a leaf on another device first moves to ``device_index`` (ordered by PyTorch on both
+    devices' current streams), so the event covers every leaf. Identity with no event on virtual
+    CPU devices (detached, since host copies never carry a graph)."""
     if not _on_cuda():
         return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree), None
+    device = devices()[device_index]
+
+    def gather(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.is_cuda and leaf.device != device:
+            return leaf.detach().to(device, non_blocking=True)
+        return leaf
+
+    tree = tree_map(gather, tree)
     after = _C.record_event(device_index)
     last: list[Any] = [None]
 
@@ -119,6 +136,8 @@ def to_host(tree: Any, device_index: int) -> tuple[Any, Any]:
         if not isinstance(leaf, torch.Tensor) or not leaf.is_cuda:
             return leaf
         host = torch.empty(leaf.shape, dtype=leaf.dtype, pin_memory=True)
+        # One lane, issued in order (`after` is a device event, so none is deferred): the last
+        # copy's event covers all of them.
         last[0] = _C.copy_async(device_index, host, leaf.detach(), "activation", after)
         return host
 
@@ -157,6 +176,23 @@ def _device_of(value: Any) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def _device_guard(device: torch.device) -> AbstractContextManager[Any]:
+    """``device`` made the current CUDA device (for code that launches on the current device:
+    Triton kernels, ``device="cuda"`` factories, ``torch.cuda.current_stream()``)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+def _buffer_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A working copy of a module buffer on ``device``. On CUDA it goes through page-locked
+    memory, so the upload is asynchronous on the current stream (torch's host allocator keeps
+    that memory until the copy ran)."""
+    if device.type != "cuda":
+        return host.clone()
+    staging = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    staging.copy_(host)
+    return staging.to(device, non_blocking=True)
+
+
 class ResidentStage:
     """A stage's parameters (and gradient buffer, for backward) resident on one device."""
 
@@ -189,8 +225,10 @@ class ResidentStage:
             views = []
             for slot in memory.layers[index].slots:
                 view = typed_view(self.buffer, slot.offset - begin, slot.param)
+                # As the parameter, also in forward stages (they run without grad): a layer that
+                # checks `p.requires_grad` sees what it would see on the parameter itself.
+                view.requires_grad_(slot.param.requires_grad)
                 if self.grad_buffer is not None and slot.grad_offset is not None:
-                    view.requires_grad_(True)
                     view.grad = typed_view(
                         self.grad_buffer, slot.grad_offset - grad_begin, slot.param
                     )
@@ -199,51 +237,75 @@ class ResidentStage:
 
     @contextmanager
     def bound(self, keep_buffer_updates: bool) -> Iterator[None]:
-        """Bind the layers' modules to the device copies while the stage computes.
+        """Bind the layers' modules to the device copies while the stage computes, with the
+        stage's device as the current CUDA device.
 
-        Buffers (BatchNorm statistics) are bound to device copies too; with
-        ``keep_buffer_updates`` (forward passes) their new values are written back to the host
-        afterwards, otherwise (recompute) they are dropped.
+        Buffers (BatchNorm statistics) are bound to device copies too, made from their host
+        values after the buffer writes of earlier stages settled; with ``keep_buffer_updates``
+        (forward passes) their new values are queued for writing back to the host buffers (see
+        :meth:`ModelMemory.defer_buffer_write`; on CUDA the download is asynchronous), otherwise
+        (recompute) they are dropped.
         """
-        self.uploaded.block_current_stream(self.device_index)
         device = devices()[self.device_index]
-        bound_buffers: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
-        try:
-            for index in self.layers:
-                layer = self.memory.layers[index]
-                for slot, view in zip(layer.slots, self.views[index], strict=True):
-                    for owner, name in slot.owners:
-                        # The device copy (a plain tensor) stands in for the parameter.
-                        owner._parameters[name] = cast(torch.nn.Parameter, view)
-                for owner, name in layer.buffers:
-                    host = owner._buffers[name]
-                    assert host is not None
-                    working = host.to(device, copy=True)
-                    owner._buffers[name] = working
-                    bound_buffers.append((owner, name, host, working))
-            yield
-            if keep_buffer_updates:
-                with torch.no_grad():
-                    for _, _, host, working in bound_buffers:
-                        host.copy_(working)
-        finally:
-            for index in self.layers:
-                for slot in self.memory.layers[index].slots:
-                    for owner, name in slot.owners:
-                        owner._parameters[name] = slot.param
-            for owner, name, host, _ in bound_buffers:
-                owner._buffers[name] = host
+        memory = self.memory
+        memory.settle_buffers(self.layers)
+        bound_buffers: list[tuple[int, torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        with _device_guard(device):
+            self.uploaded.block_current_stream(self.device_index)
+            try:
+                for index in self.layers:
+                    layer = memory.layers[index]
+                    for slot, view in zip(layer.slots, self.views[index], strict=True):
+                        for owner, name in slot.owners:
+                            # The device copy (a plain tensor) stands in for the parameter.
+                            owner._parameters[name] = cast(torch.nn.Parameter, view)
+                    for owner, name in layer.buffers:
+                        host = owner._buffers[name]
+                        assert host is not None
+                        working = _buffer_to_device(host, device)
+                        owner._buffers[name] = working
+                        bound_buffers.append((index, owner, name, host, working))
+                yield
+                if keep_buffer_updates:
+                    # Every bound buffer, changed or not: an update through `.data` leaves no
+                    # trace in `_version`, and the download is asynchronous and small.
+                    for index, _, _, host, working in bound_buffers:
+                        memory.defer_buffer_write(index, host, *self._buffer_to_host(working))
+            finally:
+                for index in self.layers:
+                    for slot in memory.layers[index].slots:
+                        for owner, name in slot.owners:
+                            owner._parameters[name] = slot.param
+                for _, owner, name, host, _ in bound_buffers:
+                    owner._buffers[name] = host
+
+    def _buffer_to_host(self, working: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The host source of a buffer's write-back and the event after which it holds the
+        values (None: already there)."""
+        if not working.is_cuda:
+            return working, None
+        with torch.no_grad():
+            staging = torch.empty(working.shape, dtype=working.dtype, pin_memory=True)
+            staging.copy_(working, non_blocking=True)
+        return staging, _C.record_event(self.device_index)
 
     def download_grads(self) -> list[Any]:
-        """Accumulate this stage's device gradients into the host arena; returns the events."""
+        """Accumulate this stage's device gradients into the host arena; returns the events.
+
+        On CUDA the downloads go through the model's page-locked staging at the stage's own
+        offsets (see :meth:`ModelMemory.download_staging`)."""
         assert self.grad_buffer is not None
         grad_begin, _ = self.memory.grad_range(self.layers)
+        staging = self.memory.download_staging() if self.grad_buffer.is_cuda else None
         after = _C.record_event(self.device_index)
         events = []
         for begin, end, dtype in self.memory.grad_runs(self.layers):
             host = self.memory.grads[begin:end].view(dtype)
             local = self.grad_buffer[begin - grad_begin : end - grad_begin].view(dtype)
-            events.append(_C.accumulate_async(self.device_index, host, local, after))
+            through = None if staging is None else staging[begin:end].view(dtype)
+            events.append(
+                _C.accumulate_async(self.device_index, host, local, after, staging=through)
+            )
         return events
 
 
@@ -316,7 +378,8 @@ class Call:
     preserve_rng_state: bool
     saving: bool = field(init=False)  # keep what backward stages need (grads on)
     backward_starts: set[int] = field(default_factory=set)
-    saved_inputs: dict[tuple[int, int], Any] = field(default_factory=dict)
+    # (inputs, event of their copy to the host or None) per (first layer, microbatch).
+    saved_inputs: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     # Every random draw of layer l for microbatch m comes from a generator seeded with
     # (rng_seed, l, m): the same whatever the plan, stage boundaries, device or device count.
     rng_seed: int = field(default_factory=lambda: _draw_call_seed())
@@ -373,13 +436,17 @@ class Call:
         one's upload already issued; ``values`` are the per-microbatch inputs of the first.
 
         Every upload issued is waited for before returning (also on errors), so no copy into or
-        out of a freed buffer is left in flight.
+        out of a freed buffer is left in flight, and the layers' buffers hold their new values.
         """
-        with _rng_scope(), _Uploads(self.runner.memory, stages) as uploads:
-            for stage in stages:
-                # No reference to a stage outlives its turn: its device buffers are freed before
-                # the upload after next is allocated.
-                values = self._run_stage(stage.kind, uploads.next(), values, loss)
+        memory = self.runner.memory
+        with _rng_scope(), _Uploads(memory, stages) as uploads:
+            try:
+                for stage in stages:
+                    # No reference to a stage outlives its turn: its device buffers are freed
+                    # before the upload after next is allocated.
+                    values = self._run_stage(stage.kind, uploads.next(), values, loss)
+            finally:
+                memory.settle_buffers()
         return values
 
     def _run_stage(
@@ -438,12 +505,23 @@ class Call:
 
     def _model_input(self, microbatch: int, value: Any, device_index: int) -> Any:
         """Microbatch ``microbatch`` of the call's inputs on the device, once the upstream
-        model's transfers of it (if any) have landed. Waiting per microbatch lets the first
-        microbatches start while later ones are still in flight."""
-        if self.input_events:
-            for event in self.input_events[microbatch]:
+        model's transfers of it (if any) have landed: ordered per microbatch on the device (no host
+        wait on CUDA), so the first microbatches start while later ones are still in flight."""
+        events = self.input_events[microbatch] if self.input_events else []
+        if not _on_cuda():
+            for event in events:
                 event.synchronize()
-        return to_device(value, device_index)
+            return value
+        if not events:
+            return to_device(value, device_index)
+        if len(events) == 1:
+            return to_device(value, device_index, events[0])
+        # Joined on the device, not on the host: the current stream waits for each (a host wait
+        # only where a transfer's host part is still running) and an event recorded after those
+        # waits orders the uploads.
+        for event in events:
+            event.block_current_stream(device_index)
+        return to_device(value, device_index, _C.record_event(device_index))
 
     # -- stages ------------------------------------------------------------------------------
 
@@ -455,14 +533,16 @@ class Call:
                     moved = self._model_input(m, value, stage.device_index)
                     if self.saving and 0 in self.backward_starts:
                         # The user's own inputs, requires_grad flags included (chained models).
-                        self.saved_inputs[(0, m)] = _unshared(value, moved)
+                        self.saved_inputs[(0, m)] = (_unshared(value, moved), None)
                     value = moved
                 else:
                     value = to_device(value, stage.device_index)
                 for layer in stage.layers:
                     if self.saving and layer > 0 and layer in self.backward_starts:
                         host, event = to_host(value, stage.device_index)
-                        self.saved_inputs[(layer, m)] = _unshared(host, value)
+                        # With its copy's event: the backward stage, maybe on another device,
+                        # uploads it after the copy landed.
+                        self.saved_inputs[(layer, m)] = (_unshared(host, value), event)
                         if event is not None:
                             self.pending.append(event)
                     value = self.call_layer(layer, m, value, stage.device_index, recompute=False)
@@ -527,8 +607,10 @@ class Call:
     def _recompute_backward(
         self, layers: range, microbatch: int, grad: Any, stage: ResidentStage
     ) -> Any:
-        saved = self.saved_inputs[(layers.start, microbatch)]
-        inputs = self._differentiable_input(layers.start, microbatch, saved, stage.device_index)
+        saved, landed = self.saved_inputs[(layers.start, microbatch)]
+        inputs = self._differentiable_input(
+            layers.start, microbatch, saved, stage.device_index, landed
+        )
         with torch.enable_grad():
             result = _writable(inputs, saved)
             for layer in layers:
@@ -544,10 +626,11 @@ class Call:
         return _grads_of(inputs)
 
     def _differentiable_input(
-        self, layer: int, microbatch: int, value: Any, device_index: int
+        self, layer: int, microbatch: int, value: Any, device_index: int, landed: Any = None
     ) -> Any:
         """The stage input on the device as fresh leaves: activations require grad (when
-        floating point); for layer 0, exactly the user's tensors that required grad do."""
+        floating point); for layer 0, exactly the user's tensors that required grad do.
+        ``landed``: the event of the copy that put ``value`` in host memory, if any."""
         leaves, spec = tree_flatten(value)
         wanted = [
             isinstance(leaf, torch.Tensor) and (layer > 0 or leaf.requires_grad) for leaf in leaves
@@ -555,7 +638,7 @@ class Call:
         if layer == 0:
             moved, _ = tree_flatten(self._model_input(microbatch, value, device_index))
         else:
-            moved, _ = tree_flatten(to_device(value, device_index))
+            moved, _ = tree_flatten(to_device(value, device_index, landed))
         fresh = []
         for leaf, wants_grad in zip(moved, wanted, strict=True):
             if isinstance(leaf, torch.Tensor):
@@ -683,23 +766,27 @@ def _writable(inputs: Any, saved: Any = None) -> Any:
 
 class _Uploads:
     """The stages of one run made resident in order, each next one's upload issued before the
-    current one computes; on exit every upload issued has landed."""
+    current one computes; on exit every upload issued has landed (those of stages already run
+    too: on several devices, or behind a deferred copy, the last one's landing does not imply
+    theirs, and the host arena must not change or go away while one still reads it)."""
 
     def __init__(self, memory: ModelMemory, stages: Sequence[Stage]) -> None:
         self.memory, self.stages = memory, stages
         self.issued: list[ResidentStage] = []
+        self.uploads: list[Any] = []
         self.index = 0
 
     def __enter__(self) -> _Uploads:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for resident in self.issued:
-            resident.uploaded.synchronize()
+        for uploaded in self.uploads:
+            uploaded.synchronize()
 
     def _upload(self, stage: Stage) -> None:
         resident = ResidentStage(self.memory, stage.layers, _next_device(), stage.kind != "forward")
         self.issued.append(resident)
+        self.uploads.append(resident.uploaded)
 
     def next(self) -> ResidentStage:
         """The next stage, resident; issues the upload of the one after it."""
