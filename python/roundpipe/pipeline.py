@@ -18,8 +18,10 @@ accumulation per dtype run, asynchronously.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -35,7 +37,7 @@ from roundpipe.memory import ModelMemory, typed_view
 from roundpipe.scheduler import ModelExecutePlan, RunType
 
 if TYPE_CHECKING:
-    from roundpipe.timer import ModelTimer
+    from roundpipe.timer import Action, ModelTimer
 
 Phase = Literal["forward", "recompute", "backward", "loss"]
 StageKind = Literal["forward", "fused", "backward"]
@@ -172,6 +174,49 @@ def _device_of(value: Any) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# NVTX ranges (docs/profiling.md)
+# --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _nvtx_usable() -> bool:
+    """Whether this torch can emit NVTX ranges (a CUDA build)."""
+    try:
+        torch.cuda.nvtx.range_push("roundpipe")  # type: ignore[no-untyped-call]
+        torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def _nvtx_enabled() -> bool:
+    """Whether a call marks NVTX ranges: on CUDA devices, where a profiler may record them (with
+    none attached a range costs next to nothing); never on virtual CPU devices."""
+    return _on_cuda() and _nvtx_usable()
+
+
+@contextmanager
+def _nvtx_range(name: str) -> Iterator[None]:
+    torch.cuda.nvtx.range_push(name)  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
+
+
+def _marked(
+    model: str | None, kind: str, layers: range, microbatch: int | None = None
+) -> AbstractContextManager[Any]:
+    """The NVTX range ``roundpipe/<model>/<kind>/L<first>[-<last>][/mb<microbatch>]``; nothing
+    when ``model`` is None (ranges off)."""
+    if model is None:
+        return nullcontext()
+    label = f"L{layers.start}" if len(layers) == 1 else f"L{layers.start}-{layers.stop - 1}"
+    name = f"roundpipe/{model}/{kind}/{label}"
+    return _nvtx_range(name if microbatch is None else f"{name}/mb{microbatch}")
+
+
+# --------------------------------------------------------------------------------------------
 # Stage residency
 # --------------------------------------------------------------------------------------------
 
@@ -194,27 +239,36 @@ def _buffer_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class ResidentStage:
-    """A stage's parameters (and gradient buffer, for backward) resident on one device."""
+    """A stage's parameters (and gradient buffer, for backward) resident on one device.
+
+    ``nvtx_model``: the model's name when its upload and download are marked as NVTX ranges."""
 
     def __init__(
-        self, memory: ModelMemory, layers: range, device_index: int, with_grads: bool
+        self,
+        memory: ModelMemory,
+        layers: range,
+        device_index: int,
+        with_grads: bool,
+        nvtx_model: str | None = None,
     ) -> None:
         self.memory, self.layers, self.device_index = memory, layers, device_index
+        self.nvtx_model = nvtx_model
         device = devices()[device_index]
         begin, end = memory.param_range(layers)
         self.buffer = torch.empty(end - begin, dtype=torch.uint8, device=device)
         fence = memory.fence(layers)
-        if memory.params is not None:
-            self.uploaded = _C.copy_async(
-                device_index, self.buffer, memory.params[begin:end], "parameter", fence
-            )
-        else:
-            # One copy per parameter from its own storage, all on the parameter lane, which runs
-            # them in order: the last one's event covers the stage.
-            self.uploaded = _C.record_event(device_index)
-            for offset, source in memory.param_sources(layers):
-                target = self.buffer[offset - begin : offset - begin + source.numel()]
-                self.uploaded = _C.copy_async(device_index, target, source, "parameter", fence)
+        with _marked(nvtx_model, "upload", layers):
+            if memory.params is not None:
+                self.uploaded = _C.copy_async(
+                    device_index, self.buffer, memory.params[begin:end], "parameter", fence
+                )
+            else:
+                # One copy per parameter from its own storage, all on the parameter lane, which
+                # runs them in order: the last one's event covers the stage.
+                self.uploaded = _C.record_event(device_index)
+                for offset, source in memory.param_sources(layers):
+                    target = self.buffer[offset - begin : offset - begin + source.numel()]
+                    self.uploaded = _C.copy_async(device_index, target, source, "parameter", fence)
         self.grad_buffer: torch.Tensor | None = None
         grad_begin = 0
         if with_grads:
@@ -299,19 +353,53 @@ class ResidentStage:
         staging = self.memory.download_staging() if self.grad_buffer.is_cuda else None
         after = _C.record_event(self.device_index)
         events = []
-        for begin, end, dtype in self.memory.grad_runs(self.layers):
-            host = self.memory.grads[begin:end].view(dtype)
-            local = self.grad_buffer[begin - grad_begin : end - grad_begin].view(dtype)
-            through = None if staging is None else staging[begin:end].view(dtype)
-            events.append(
-                _C.accumulate_async(self.device_index, host, local, after, staging=through)
-            )
+        with _marked(self.nvtx_model, "download", self.layers):
+            for begin, end, dtype in self.memory.grad_runs(self.layers):
+                host = self.memory.grads[begin:end].view(dtype)
+                local = self.grad_buffer[begin - grad_begin : end - grad_begin].view(dtype)
+                through = None if staging is None else staging[begin:end].view(dtype)
+                events.append(
+                    _C.accumulate_async(self.device_index, host, local, after, staging=through)
+                )
         return events
 
 
 # --------------------------------------------------------------------------------------------
 # One call
 # --------------------------------------------------------------------------------------------
+
+
+class _Stopwatch:
+    """Times one piece of a stage for the model's timer (none: nothing): the host clock on
+    virtual CPU devices, whose compute is synchronous; on CUDA timing events on the device's
+    current stream, which the timer reads once they completed, so nothing waits for the GPU."""
+
+    def __init__(self, timer: ModelTimer | None, device_index: int) -> None:
+        self.timer = timer
+        self.stream: torch.cuda.Stream | None = None
+        self.start: Any = None
+        if timer is None:
+            return
+        if _on_cuda():
+            self.stream = torch.cuda.current_stream(devices()[device_index])
+            self.start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            self.start.record(self.stream)
+        else:
+            self.start = time.perf_counter()
+
+    def stop(self, layers: range, action: Action) -> None:
+        """The time since the start, split evenly over ``layers``, recorded as ``action``."""
+        timer = self.timer
+        if timer is None:
+            return
+        if self.stream is None:
+            share = (time.perf_counter() - self.start) / len(layers)
+            for layer in layers:
+                timer.record(layer, action, share)
+            return
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end.record(self.stream)
+        timer.record_later(layers, action, self.start, end)
 
 
 @dataclass(frozen=True)
@@ -391,6 +479,8 @@ class Call:
     # The fused stage's outputs (if kept) on the output device, and the events of their copies.
     outputs: list[Any] = field(default_factory=list)
     output_events: list[Any] = field(default_factory=list)
+    # Whether this call marks NVTX ranges (decided once per call).
+    nvtx: bool = field(init=False, default_factory=_nvtx_enabled)
 
     def __post_init__(self) -> None:
         self.saving = self.run_type != "infer"
@@ -439,7 +529,8 @@ class Call:
         out of a freed buffer is left in flight, and the layers' buffers hold their new values.
         """
         memory = self.runner.memory
-        with _rng_scope(), _Uploads(memory, stages) as uploads:
+        nvtx_model = self.runner.name if self.nvtx else None
+        with _rng_scope(), _Uploads(memory, stages, nvtx_model) as uploads:
             try:
                 for stage in stages:
                     # No reference to a stage outlives its turn: its device buffers are freed
@@ -482,14 +573,16 @@ class Call:
         phase: Phase = "recompute" if recompute else "forward"
         # Recompute replays the forward's draws, unless asked for fresh randomness.
         fresh = recompute and not self.preserve_rng_state
+        if recompute and not fresh and _on_cuda():
+            _warn_if_replay_differs(tuple(devices()))
         _seed_generators(_layer_seed(self.rng_seed, layer, microbatch, fresh), device_index)
         call = context._LayerCall(
             self.recompute_store, layer, microbatch, recompute, saving_enabled=self.saving
         )
         module = self.runner.layers[layer]
-        start = time.perf_counter()
+        watch = _Stopwatch(self.runner.timer, device_index)
         try:
-            with context.layer_call(call):
+            with self._mark(phase, range(layer, layer + 1), microbatch), context.layer_call(call):
                 if layer == 0:
                     args, kwargs = value
                     result = module(*args, **kwargs)
@@ -497,16 +590,23 @@ class Call:
                     result = module(value)
         except Exception as error:
             raise annotate(error, self._where(layer, phase, microbatch)) from error
-        if self.runner.timer is not None and not _on_cuda():
-            self.runner.timer.record(
-                layer, "re" if recompute else "fwd", time.perf_counter() - start
-            )
+        watch.stop(range(layer, layer + 1), "re" if recompute else "fwd")
         return result
+
+    def _mark(
+        self, kind: str, layers: range, microbatch: int | None = None
+    ) -> AbstractContextManager[Any]:
+        """The NVTX range of ``kind`` over ``layers`` (see :func:`_marked`) if the call marks."""
+        return _marked(self.runner.name if self.nvtx else None, kind, layers, microbatch)
 
     def _model_input(self, microbatch: int, value: Any, device_index: int) -> Any:
         """Microbatch ``microbatch`` of the call's inputs on the device, once the upstream
         model's transfers of it (if any) have landed: ordered per microbatch on the device (no host
         wait on CUDA), so the first microbatches start while later ones are still in flight."""
+        with self._mark("activation", range(0, 1), microbatch):
+            return self._joined_input(microbatch, value, device_index)
+
+    def _joined_input(self, microbatch: int, value: Any, device_index: int) -> Any:
         events = self.input_events[microbatch] if self.input_events else []
         if not _on_cuda():
             for event in events:
@@ -536,10 +636,12 @@ class Call:
                         self.saved_inputs[(0, m)] = (_unshared(value, moved), None)
                     value = moved
                 else:
-                    value = to_device(value, stage.device_index)
+                    with self._mark("activation", stage.layers[:1], m):
+                        value = to_device(value, stage.device_index)
                 for layer in stage.layers:
                     if self.saving and layer > 0 and layer in self.backward_starts:
-                        host, event = to_host(value, stage.device_index)
+                        with self._mark("activation", range(layer, layer + 1), m):
+                            host, event = to_host(value, stage.device_index)
                         # With its copy's event: the backward stage, maybe on another device,
                         # uploads it after the copy landed.
                         self.saved_inputs[(layer, m)] = (_unshared(host, value), event)
@@ -572,17 +674,18 @@ class Call:
                     )
                     raise annotate(error, where) from error
                 _check_loss(loss, self.runner.name)
-                start = time.perf_counter()
+                watch = _Stopwatch(self.runner.timer, stage.device_index)
                 try:
-                    if isinstance(loss, torch.Tensor):
-                        torch.autograd.backward(loss)
-                    else:
-                        torch.autograd.backward(list(loss))
+                    with self._mark("backward", stage.layers, m):
+                        if isinstance(loss, torch.Tensor):
+                            torch.autograd.backward(loss)
+                        else:
+                            torch.autograd.backward(list(loss))
                 except Exception as error:
                     raise annotate(
                         error, self._where(stage.layers.stop - 1, "backward", m)
                     ) from error
-                self._record_backward(stage.layers, time.perf_counter() - start)
+                watch.stop(stage.layers, "bwd")
                 self.losses.append(tree_map(lambda t: t.detach(), loss))
                 if loss_spec.keep_outputs:
                     self.outputs.append(tree_map(_detach_leaf, result))
@@ -617,12 +720,13 @@ class Call:
                 result = self.call_layer(
                     layer, microbatch, result, stage.device_index, recompute=True
                 )
-        start = time.perf_counter()
+        watch = _Stopwatch(self.runner.timer, stage.device_index)
         try:
-            _backward(result, grad)
+            with self._mark("backward", layers, microbatch):
+                _backward(result, grad)
         except Exception as error:
             raise annotate(error, self._where(layers.stop - 1, "backward", microbatch)) from error
-        self._record_backward(layers, time.perf_counter() - start)
+        watch.stop(layers, "bwd")
         return _grads_of(inputs)
 
     def _differentiable_input(
@@ -638,7 +742,8 @@ class Call:
         if layer == 0:
             moved, _ = tree_flatten(self._model_input(microbatch, value, device_index))
         else:
-            moved, _ = tree_flatten(to_device(value, device_index, landed))
+            with self._mark("activation", range(layer, layer + 1), microbatch):
+                moved, _ = tree_flatten(to_device(value, device_index, landed))
         fresh = []
         for leaf, wants_grad in zip(moved, wanted, strict=True):
             if isinstance(leaf, torch.Tensor):
@@ -647,13 +752,6 @@ class Call:
                     leaf.requires_grad_(True)
             fresh.append(leaf)
         return tree_unflatten(fresh, spec)
-
-    def _record_backward(self, layers: range, seconds: float) -> None:
-        if self.runner.timer is None or _on_cuda():
-            return
-        share = seconds / len(layers)
-        for layer in layers:
-            self.runner.timer.record(layer, "bwd", share)
 
 
 def _check_loss(loss: Any, name: str) -> None:
@@ -699,6 +797,27 @@ def _seed_generators(seed: int, device_index: int) -> None:
     torch.default_generator.manual_seed(seed)
     if _on_cuda():
         torch.cuda.default_generators[devices()[device_index].index].manual_seed(seed)
+
+
+@functools.cache
+def _warn_if_replay_differs(pool: tuple[torch.device, ...]) -> None:
+    """Warn (once per pool) when recompute may not replay the forward's random draws.
+
+    A layer's draws come from a generator seeded per (call, layer, microbatch), so a recompute on
+    another GPU replays them exactly when the GPUs are alike; but random kernels (dropout) size
+    their grids by the SM count, and GPUs with different counts split the same random stream
+    differently."""
+    counts = sorted({torch.cuda.get_device_properties(d).multi_processor_count for d in pool})
+    if len(counts) > 1:
+        warnings.warn(
+            "RoundPipe: preserve_rng_state=True on GPUs with different SM counts "
+            f"({', '.join(map(str, counts))}): a layer recomputed on another GPU than its "
+            "forward may draw different random values (dropout masks), so its gradients would "
+            "not match the forward. Use GPUs of one model (CUDA_VISIBLE_DEVICES), or "
+            "preserve_rng_state=False if fresh randomness in recompute is acceptable.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 @contextmanager
@@ -770,8 +889,10 @@ class _Uploads:
     too: on several devices, or behind a deferred copy, the last one's landing does not imply
     theirs, and the host arena must not change or go away while one still reads it)."""
 
-    def __init__(self, memory: ModelMemory, stages: Sequence[Stage]) -> None:
-        self.memory, self.stages = memory, stages
+    def __init__(
+        self, memory: ModelMemory, stages: Sequence[Stage], nvtx_model: str | None
+    ) -> None:
+        self.memory, self.stages, self.nvtx_model = memory, stages, nvtx_model
         self.issued: list[ResidentStage] = []
         self.uploads: list[Any] = []
         self.index = 0
@@ -784,7 +905,9 @@ class _Uploads:
             uploaded.synchronize()
 
     def _upload(self, stage: Stage) -> None:
-        resident = ResidentStage(self.memory, stage.layers, _next_device(), stage.kind != "forward")
+        resident = ResidentStage(
+            self.memory, stage.layers, _next_device(), stage.kind != "forward", self.nvtx_model
+        )
         self.issued.append(resident)
         self.uploads.append(resident.uploaded)
 
