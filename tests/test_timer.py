@@ -169,3 +169,17 @@ def test_record_later_rejects_bad_arguments() -> None:
         timer.record_later(range(0, 1), "forward", FakeEvent(0), FakeEvent(1))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="layers"):
         timer.record_later(range(1, 3), "fwd", FakeEvent(0), FakeEvent(1))
+
+
+def test_unread_device_timings_stay_bounded() -> None:
+    timer = ModelTimer(1, [1])
+    timer.MAX_UNREAD = 8  # type: ignore[misc]
+    pending = [(FakeEvent(0.0), FakeEvent(1.0)) for _ in range(20)]
+    for start, end in pending:
+        timer.record_later(range(0, 1), "fwd", start, end)
+    assert len(timer._unread) <= 8
+    for start, end in pending:
+        start.done = end.done = True
+    assert timer.estimate(0, "fwd") is None
+    timer.collect()
+    assert timer.estimate(0, "fwd") == pytest.approx(1e-3)

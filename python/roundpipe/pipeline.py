@@ -102,7 +102,7 @@ def to_device(tree: Any, device_index: int, after: Any = None) -> Any:
         if not leaf.is_cuda and not leaf.is_pinned():
             # A pageable source would make the copy synchronous with the host (the driver stages
             # it on the calling thread); torch's host allocator keeps this one until it ran.
-            leaf = leaf.pin_memory()
+            leaf = leaf.detach().pin_memory()
         copies.append(_C.copy_async(device_index, moved, leaf, "activation", source_ready))
         return moved
 

@@ -54,7 +54,8 @@ class ModelTimer:
     CHANGE_THRESHOLD: ClassVar[float] = 0.05
     #: Forward seconds per parameter byte assumed before any layer has been timed.
     STAND_IN_SECONDS_PER_BYTE: ClassVar[float] = 1e-10
-    #: Device timings waiting for their events beyond which record_later folds in the finished.
+    #: Device timings waiting for their events beyond which record_later folds in the finished
+    #: ones (and keeps at most half as many).
     MAX_UNREAD: ClassVar[int] = 4096
 
     def __init__(self, num_layers: int, layer_bytes: Sequence[int], name: str = "model") -> None:
@@ -108,6 +109,9 @@ class ModelTimer:
             crowded = len(self._unread) > self.MAX_UNREAD
         if crowded:  # nobody plans by this timer (explicit plans): keep the list short
             self.collect()
+            with self._lock:
+                # Still crowded: the GPU is far behind; keep the newest timings.
+                del self._unread[: len(self._unread) - self.MAX_UNREAD // 2]
 
     def collect(self) -> None:
         """Record the device timings whose end event has completed; never waits."""
