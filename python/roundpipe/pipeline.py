@@ -264,7 +264,9 @@ class ResidentStage:
                 )
             else:
                 # One copy per parameter from its own storage, all on the parameter lane, which
-                # runs them in order: the last one's event covers the stage.
+                # runs them in order: the last one's event covers the stage. On CUDA a pageable
+                # source is staged by the driver on the issuing thread (this one, unless a queued
+                # weight write defers the copy to the engine's worker): slower, as documented.
                 self.uploaded = _C.record_event(device_index)
                 for offset, source in memory.param_sources(layers):
                     target = self.buffer[offset - begin : offset - begin + source.numel()]
