@@ -545,3 +545,71 @@ def test_doing_optimizer_reports_optimizer_ctx() -> None:
     with OptimizerCtx():
         assert doing_optimizer()
     assert not doing_optimizer()
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters and buffers as a layer sees them
+
+
+class SeesItsParameters(nn.Linear):
+    """Records ``requires_grad`` of its parameters in every forward pass (recompute included)."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.bias.requires_grad_(False)
+        self.seen: list[tuple[bool, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((self.weight.requires_grad, self.bias.requires_grad))
+        return super().forward(x)
+
+
+def test_parameters_keep_requires_grad_in_every_stage(num_devices: int) -> None:
+    # 0.1.1 ran layers on device copies of the parameters with their requires_grad flags; a
+    # forward stage runs without grad, but a layer that checks the flag sees the parameter's.
+    model = RoundPipe(nn.Sequential(SeesItsParameters(), nn.Tanh(), SeesItsParameters()))
+    x = torch.randn(6, 4)
+    model(x).sum().backward()
+    model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.sum())
+    with torch.no_grad():
+        model(x)
+    for layer in (model.model[0], model.model[2]):
+        assert layer.seen and set(layer.seen) == {(True, False)}
+
+
+class SavesItsWeight(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        roundpipe.save_for_recompute(self.weight)
+        return super().forward(x)
+
+
+def test_saving_a_parameter_for_recompute_raises_in_a_forward_stage(num_devices: int) -> None:
+    # The parameter requires grad (0.1.1 refused it as any such tensor); saving .detach() works.
+    model = RoundPipe(nn.Sequential(SavesItsWeight(4, 4), nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="requires grad"):
+        model(torch.randn(6, 4))
+
+
+class CountsThroughData(nn.Module):
+    """Advances a buffer through ``.data`` (which leaves the tensor's version counter alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.data.add_(1)
+        return x * 2
+
+
+def test_buffer_updates_through_data_are_kept(num_devices: int) -> None:
+    model = RoundPipe(nn.Sequential(CountsThroughData(), nn.Linear(4, 4), CountsThroughData()))
+    config = RoundPipeRunConfig(num_microbatch=3)
+    model.forward_backward(
+        input_args=(torch.randn(6, 4),), loss_fn=lambda out, _: out.sum(), run_config=config
+    )
+    # Once per microbatch in the forward (fused last stage included), never in recompute.
+    assert model.model[0].count.item() == 3 and model.model[2].count.item() == 3
+    with torch.no_grad():
+        model(torch.randn(6, 4), roundpipe_run_config=config)
+    assert model.model[0].count.item() == 6 and model.model[2].count.item() == 6

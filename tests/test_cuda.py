@@ -473,3 +473,88 @@ def test_uploads_overlap_compute(pin_model: str) -> None:
     compute_only = cuda_seconds(lambda: [torch.cuda._sleep(cycles) for _ in range(layers)])
     both = cuda_seconds(forward_of(cycles))
     assert both < 0.85 * (upload_only + compute_only), (both, upload_only, compute_only)
+
+
+class OnCurrentDevice(nn.Linear):
+    """Adds a tensor made on the *current* CUDA device (as Triton kernels and ``device="cuda"``
+    factories do) and records which device was current."""
+
+    def __init__(self) -> None:
+        super().__init__(32, 32)
+        self.seen: list[tuple[int, int | None]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((torch.cuda.current_device(), x.device.index))
+        return super().forward(x) + torch.zeros(32, device="cuda")
+
+
+def test_stage_compute_runs_with_its_device_current() -> None:
+    """Finding 3 (meaningful with 2+ GPUs; on one the current device is always right)."""
+    torch.manual_seed(17)
+    reference = nn.Sequential(*[OnCurrentDevice() for _ in range(4)]).cuda()
+    model = RoundPipe(copy.deepcopy(reference).cpu())
+    x, y = torch.randn(6, 32), torch.randn(6, 32)
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=per_layer_plan(4))
+    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    model.synchronize()
+    expected = plain_on_gpu(reference, x, y, 2)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    assert_grads_close(model.model, reference)
+    for layer in model.model:
+        assert layer.seen and all(current == device for current, device in layer.seen)
+
+
+def test_batchnorm_buffers_advance_as_in_pytorch() -> None:
+    """Finding 4: buffers bound and written back asynchronously, read back by recompute."""
+    torch.manual_seed(18)
+    reference = nn.Sequential(
+        nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 32), nn.BatchNorm1d(32)
+    ).cuda()
+    model = RoundPipe(copy.deepcopy(reference).cpu())
+    config = RoundPipeRunConfig(num_microbatch=3, execute_plan=per_layer_plan(5))
+    for _ in range(3):
+        x, y = torch.randn(12, 32), torch.randn(12, 32)
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+        plain_on_gpu(reference, x, y, 3)
+    model.synchronize()
+    for (name, ours), (_, theirs) in zip(
+        model.model.named_buffers(), reference.named_buffers(), strict=True
+    ):
+        assert ours.device.type == "cpu", name
+        torch.testing.assert_close(ours, theirs.cpu(), rtol=1e-5, atol=1e-6)
+    assert_grads_close(model.model, reference)
+
+
+def test_layers_are_timed_on_cuda() -> None:
+    """Finding 9: the timer gets device times; a slow layer shows up as slow."""
+    torch.manual_seed(19)
+    layers = [Sleepy(256, 20_000_000 if i == 2 else 0) for i in range(4)]
+    model = RoundPipe(nn.Sequential(*layers))
+    x, y = torch.randn(6, 256), torch.randn(6, 256)
+    for _ in range(2):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    model.synchronize()
+    torch.cuda.synchronize()
+    timer = model._runtime.timer
+    timer.collect()
+    forward = [timer.estimate(i, "fwd") for i in range(4)]
+    assert all(seconds is not None and seconds > 0 for seconds in forward), forward
+    others = max(s for i, s in enumerate(forward) if i != 2 and s is not None)
+    assert forward[2] is not None and forward[2] > 5 * others, forward
+    assert all(timer.estimate(i, "bwd") is not None for i in range(4))
+
+
+def test_gradient_arenas_are_pageable_and_downloads_use_exact_pinned_staging() -> None:
+    """Finding 8."""
+    from roundpipe._native import _C
+
+    model = RoundPipe(mlp())
+    x, y = torch.randn(6, 32), torch.randn(6, 32)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    model.step(lambda: None)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+    model.synchronize()
+    memory = model._runtime.memory
+    assert not _C.is_page_locked(memory.grads)
+    staging = memory.download_staging()
+    assert _C.is_page_locked(staging) and staging.numel() == memory.grads.numel()

@@ -126,3 +126,60 @@ def test_constructor_rejects_bad_arguments() -> None:
         ModelTimer(2, [1])
     with pytest.raises(ValueError, match="non-negative"):
         ModelTimer(1, [-1])
+
+
+class FakeEvent:
+    """A stand-in for a timing CUDA event: completes when told, at a given time in ms."""
+
+    def __init__(self, at_ms: float) -> None:
+        self.at_ms, self.done = at_ms, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end_event: FakeEvent) -> float:
+        assert self.done and end_event.done  # CUDA raises on events not yet complete
+        return end_event.at_ms - self.at_ms
+
+
+def test_device_timings_are_read_only_once_complete_and_split_over_layers() -> None:
+    timer = ModelTimer(3, [10, 10, 10])
+    first = (FakeEvent(0.0), FakeEvent(6.0))
+    second = (FakeEvent(10.0), FakeEvent(11.0))
+    timer.record_later(range(1, 3), "bwd", *first)
+    timer.record_later(range(0, 1), "fwd", *second)
+    version = timer.version  # reads what completed; nothing has
+    assert timer.estimate(1, "bwd") is None and timer.estimate(0, "fwd") is None
+    for event in second:
+        event.done = True
+    assert timer.version > version
+    assert timer.estimate(0, "fwd") == pytest.approx(1e-3)
+    assert timer.estimate(1, "bwd") is None  # still in flight, kept for later
+    for event in first:
+        event.done = True
+    profile = timer.profile([10, 10, 10], [10, 10, 10])
+    assert profile.backward_seconds[1] == pytest.approx(3e-3)  # 6 ms over two layers
+    assert profile.backward_seconds[2] == pytest.approx(3e-3)
+    assert timer.estimate(0, "bwd") is None
+
+
+def test_record_later_rejects_bad_arguments() -> None:
+    timer = ModelTimer(2, [1, 1])
+    with pytest.raises(ValueError, match="action"):
+        timer.record_later(range(0, 1), "forward", FakeEvent(0), FakeEvent(1))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="layers"):
+        timer.record_later(range(1, 3), "fwd", FakeEvent(0), FakeEvent(1))
+
+
+def test_unread_device_timings_stay_bounded() -> None:
+    timer = ModelTimer(1, [1])
+    timer.MAX_UNREAD = 8  # type: ignore[misc]
+    pending = [(FakeEvent(0.0), FakeEvent(1.0)) for _ in range(20)]
+    for start, end in pending:
+        timer.record_later(range(0, 1), "fwd", start, end)
+    assert len(timer._unread) <= 8
+    for start, end in pending:
+        start.done = end.done = True
+    assert timer.estimate(0, "fwd") is None
+    timer.collect()
+    assert timer.estimate(0, "fwd") == pytest.approx(1e-3)

@@ -4,7 +4,9 @@ Every parameter of the model lives in one flat host arena (pinned per ``pin_mode
 layers back to back, and each ``nn.Parameter`` becomes a view into it, so user code that reads or
 loads parameters keeps working. A stage, being a contiguous range of layers, uploads in a single
 copy; its gradients come back in one accumulation per dtype run. Gradients of parameters that
-require grad live in a second flat arena with the same layer order.
+require grad live in a second flat arena with the same layer order. That one is pageable (only
+host code reads and writes it: accumulation, the optimizer); device gradients come back through
+one page-locked staging area of the same layout.
 
 With ``pin_model="off"`` the parameters stay where they are (pageable memory, for example
 memory-mapped weights, which are then never read into anonymous memory as a whole): the arena
@@ -123,7 +125,11 @@ class ModelMemory:
         self.params: torch.Tensor | None = (
             None if pin_model == "off" else _C.allocate_host_arena(param_cursor, pin_model)
         )
-        self.grads = _C.allocate_host_arena(grad_cursor, pin_model)
+        self.grads = _C.allocate_host_arena(grad_cursor, "off")
+        self._download_staging: torch.Tensor | None = None
+        # Buffer values a stage computed, per layer, not yet written into the module's buffer:
+        # (buffer, source, event after which source holds the values, or None).
+        self._buffer_writes: dict[int, list[tuple[torch.Tensor, torch.Tensor, Any]]] = {}
         # Writes into the parameter arena queued on the weight writer: per layer, the sequence
         # number and event of the latest one. The writer is first in first out.
         self._writes: dict[int, tuple[int, Any]] = {}
@@ -199,8 +205,34 @@ class ModelMemory:
                     alias_grad.zero_()
 
     def new_grad_arena(self) -> torch.Tensor:
-        """Another zeroed gradient arena of the same layout and pinning."""
-        return _C.allocate_host_arena(self.grads.numel(), self.pin_model)
+        """Another zeroed (pageable) gradient arena of the same layout."""
+        return _C.allocate_host_arena(self.grads.numel(), "off")
+
+    def download_staging(self) -> torch.Tensor:
+        """Page-locked staging for gradient downloads, exactly the size and layout of the gradient
+        arena (allocated on first use). A range may be used again once the download through it
+        completed: the stages of one call have disjoint ranges, and a call that downloads
+        gradients first waits for the downloads of the calls before it."""
+        if self._download_staging is None:
+            self._download_staging = _C.allocate_pinned_staging(self.grads.numel())
+        return self._download_staging
+
+    def defer_buffer_write(
+        self, layer: int, buffer: torch.Tensor, source: torch.Tensor, landed: Any
+    ) -> None:
+        """Queue ``buffer.copy_(source)`` for when ``landed`` (the event of the copy that fills
+        ``source``, or None) completed: new buffer values of ``layer``, applied by
+        :meth:`settle_buffers` without stalling the stage that computed them."""
+        self._buffer_writes.setdefault(layer, []).append((buffer, source, landed))
+
+    def settle_buffers(self, layers: range | None = None) -> None:
+        """Apply the queued buffer writes of ``layers`` (default: all), in the order queued."""
+        for layer in list(self._buffer_writes) if layers is None else layers:
+            with torch.no_grad():
+                for buffer, source, landed in self._buffer_writes.pop(layer, []):
+                    if landed is not None:
+                        landed.synchronize()
+                    buffer.copy_(source)
 
     def slots(self) -> Iterator[ParamSlot]:
         """Every parameter once, in its first layer (aliases excluded)."""

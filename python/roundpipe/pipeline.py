@@ -18,10 +18,12 @@ accumulation per dtype run, asynchronously.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -35,7 +37,7 @@ from roundpipe.memory import ModelMemory, typed_view
 from roundpipe.scheduler import ModelExecutePlan, RunType
 
 if TYPE_CHECKING:
-    from roundpipe.timer import ModelTimer
+    from roundpipe.timer import Action, ModelTimer
 
 Phase = Literal["forward", "recompute", "backward", "loss"]
 StageKind = Literal["forward", "fused", "backward"]
@@ -80,38 +82,55 @@ def _on_cuda() -> bool:
     return _C.device_kind() == "cuda"
 
 
-def to_device(tree: Any, device_index: int) -> Any:
+def to_device(tree: Any, device_index: int, after: Any = None) -> Any:
     """``tree`` with its tensors on device ``device_index`` (identity on virtual CPU devices).
 
-    On CUDA the copies run on the activation lane, ordered after everything issued so far, and
-    the device's current stream is made to wait for them.
+    On CUDA the copies run on the activation lane and the device's current stream is made to wait
+    for them. A copy from another device follows what was issued there so far; a copy from the
+    host follows ``after`` (the event of the copy that filled that host memory, if any).
     """
     if not _on_cuda():
         return tree
     device = devices()[device_index]
-    last: list[Any] = [None]
+    copies: list[Any] = []
 
     def move(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor) or leaf.device == device:
             return leaf
         moved = torch.empty_like(leaf, device=device)
-        after = _C.record_event(leaf.device.index) if leaf.is_cuda else None
-        last[0] = _C.copy_async(device_index, moved, leaf, "activation", after)
+        source_ready = _C.record_event(leaf.device.index) if leaf.is_cuda else after
+        if not leaf.is_cuda and not leaf.is_pinned():
+            # A pageable source would make the copy synchronous with the host (the driver stages
+            # it on the calling thread); torch's host allocator keeps this one until it ran.
+            leaf = leaf.detach().pin_memory()
+        copies.append(_C.copy_async(device_index, moved, leaf, "activation", source_ready))
         return moved
 
     moved_tree = tree_map(move, tree)
-    if last[0] is not None:
-        last[0].block_current_stream(device_index)
+    # Every copy, not only the last: a copy whose `after` is still running on the host is issued
+    # later by the engine's worker, out of order with the others.
+    for copied in copies:
+        copied.block_current_stream(device_index)
     return moved_tree
 
 
 def to_host(tree: Any, device_index: int) -> tuple[Any, Any]:
-    """``tree`` with its tensors copied to (pinned) host memory, and the event of the copies.
+    """``tree`` with its tensors copied to (pinned) host memory, and the one event of the copies.
 
-    Identity with no event on virtual CPU devices (detached, since host copies never carry a
-    graph)."""
+    The copies run on device ``device_index``'s activation lane after what was issued there so
+    far; a leaf on another device first moves to ``device_index`` (ordered by PyTorch on both
+    devices' current streams), so the event covers every leaf. Identity with no event on virtual
+    CPU devices (detached, since host copies never carry a graph)."""
     if not _on_cuda():
         return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree), None
+    device = devices()[device_index]
+
+    def gather(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.is_cuda and leaf.device != device:
+            return leaf.detach().to(device, non_blocking=True)
+        return leaf
+
+    tree = tree_map(gather, tree)
     after = _C.record_event(device_index)
     last: list[Any] = [None]
 
@@ -119,6 +138,8 @@ def to_host(tree: Any, device_index: int) -> tuple[Any, Any]:
         if not isinstance(leaf, torch.Tensor) or not leaf.is_cuda:
             return leaf
         host = torch.empty(leaf.shape, dtype=leaf.dtype, pin_memory=True)
+        # One lane, issued in order (`after` is a device event, so none is deferred): the last
+        # copy's event covers all of them.
         last[0] = _C.copy_async(device_index, host, leaf.detach(), "activation", after)
         return host
 
@@ -153,32 +174,103 @@ def _device_of(value: Any) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# NVTX ranges (docs/profiling.md)
+# --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _nvtx_usable() -> bool:
+    """Whether this torch can emit NVTX ranges (a CUDA build)."""
+    try:
+        torch.cuda.nvtx.range_push("roundpipe")  # type: ignore[no-untyped-call]
+        torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def _nvtx_enabled() -> bool:
+    """Whether a call marks NVTX ranges: on CUDA devices, where a profiler may record them (with
+    none attached a range costs next to nothing); never on virtual CPU devices."""
+    return _on_cuda() and _nvtx_usable()
+
+
+@contextmanager
+def _nvtx_range(name: str) -> Iterator[None]:
+    torch.cuda.nvtx.range_push(name)  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
+
+
+def _marked(
+    model: str | None, kind: str, layers: range, microbatch: int | None = None
+) -> AbstractContextManager[Any]:
+    """The NVTX range ``roundpipe/<model>/<kind>/L<first>[-<last>][/mb<microbatch>]``; nothing
+    when ``model`` is None (ranges off)."""
+    if model is None:
+        return nullcontext()
+    label = f"L{layers.start}" if len(layers) == 1 else f"L{layers.start}-{layers.stop - 1}"
+    name = f"roundpipe/{model}/{kind}/{label}"
+    return _nvtx_range(name if microbatch is None else f"{name}/mb{microbatch}")
+
+
+# --------------------------------------------------------------------------------------------
 # Stage residency
 # --------------------------------------------------------------------------------------------
 
 
+def _device_guard(device: torch.device) -> AbstractContextManager[Any]:
+    """``device`` made the current CUDA device (for code that launches on the current device:
+    Triton kernels, ``device="cuda"`` factories, ``torch.cuda.current_stream()``)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+def _buffer_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A working copy of a module buffer on ``device``. On CUDA it goes through page-locked
+    memory, so the upload is asynchronous on the current stream (torch's host allocator keeps
+    that memory until the copy ran)."""
+    if device.type != "cuda":
+        return host.clone()
+    staging = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    staging.copy_(host)
+    return staging.to(device, non_blocking=True)
+
+
 class ResidentStage:
-    """A stage's parameters (and gradient buffer, for backward) resident on one device."""
+    """A stage's parameters (and gradient buffer, for backward) resident on one device.
+
+    ``nvtx_model``: the model's name when its upload and download are marked as NVTX ranges."""
 
     def __init__(
-        self, memory: ModelMemory, layers: range, device_index: int, with_grads: bool
+        self,
+        memory: ModelMemory,
+        layers: range,
+        device_index: int,
+        with_grads: bool,
+        nvtx_model: str | None = None,
     ) -> None:
         self.memory, self.layers, self.device_index = memory, layers, device_index
+        self.nvtx_model = nvtx_model
         device = devices()[device_index]
         begin, end = memory.param_range(layers)
         self.buffer = torch.empty(end - begin, dtype=torch.uint8, device=device)
         fence = memory.fence(layers)
-        if memory.params is not None:
-            self.uploaded = _C.copy_async(
-                device_index, self.buffer, memory.params[begin:end], "parameter", fence
-            )
-        else:
-            # One copy per parameter from its own storage, all on the parameter lane, which runs
-            # them in order: the last one's event covers the stage.
-            self.uploaded = _C.record_event(device_index)
-            for offset, source in memory.param_sources(layers):
-                target = self.buffer[offset - begin : offset - begin + source.numel()]
-                self.uploaded = _C.copy_async(device_index, target, source, "parameter", fence)
+        with _marked(nvtx_model, "upload", layers):
+            if memory.params is not None:
+                self.uploaded = _C.copy_async(
+                    device_index, self.buffer, memory.params[begin:end], "parameter", fence
+                )
+            else:
+                # One copy per parameter from its own storage, all on the parameter lane, which
+                # runs them in order: the last one's event covers the stage. On CUDA a pageable
+                # source is staged by the driver on the issuing thread (this one, unless a queued
+                # weight write defers the copy to the engine's worker): slower, as documented.
+                self.uploaded = _C.record_event(device_index)
+                for offset, source in memory.param_sources(layers):
+                    target = self.buffer[offset - begin : offset - begin + source.numel()]
+                    self.uploaded = _C.copy_async(device_index, target, source, "parameter", fence)
         self.grad_buffer: torch.Tensor | None = None
         grad_begin = 0
         if with_grads:
@@ -189,8 +281,10 @@ class ResidentStage:
             views = []
             for slot in memory.layers[index].slots:
                 view = typed_view(self.buffer, slot.offset - begin, slot.param)
+                # As the parameter, also in forward stages (they run without grad): a layer that
+                # checks `p.requires_grad` sees what it would see on the parameter itself.
+                view.requires_grad_(slot.param.requires_grad)
                 if self.grad_buffer is not None and slot.grad_offset is not None:
-                    view.requires_grad_(True)
                     view.grad = typed_view(
                         self.grad_buffer, slot.grad_offset - grad_begin, slot.param
                     )
@@ -199,57 +293,115 @@ class ResidentStage:
 
     @contextmanager
     def bound(self, keep_buffer_updates: bool) -> Iterator[None]:
-        """Bind the layers' modules to the device copies while the stage computes.
+        """Bind the layers' modules to the device copies while the stage computes, with the
+        stage's device as the current CUDA device.
 
-        Buffers (BatchNorm statistics) are bound to device copies too; with
-        ``keep_buffer_updates`` (forward passes) their new values are written back to the host
-        afterwards, otherwise (recompute) they are dropped.
+        Buffers (BatchNorm statistics) are bound to device copies too, made from their host
+        values after the buffer writes of earlier stages settled; with ``keep_buffer_updates``
+        (forward passes) their new values are queued for writing back to the host buffers (see
+        :meth:`ModelMemory.defer_buffer_write`; on CUDA the download is asynchronous), otherwise
+        (recompute) they are dropped.
         """
-        self.uploaded.block_current_stream(self.device_index)
         device = devices()[self.device_index]
-        bound_buffers: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
-        try:
-            for index in self.layers:
-                layer = self.memory.layers[index]
-                for slot, view in zip(layer.slots, self.views[index], strict=True):
-                    for owner, name in slot.owners:
-                        # The device copy (a plain tensor) stands in for the parameter.
-                        owner._parameters[name] = cast(torch.nn.Parameter, view)
-                for owner, name in layer.buffers:
-                    host = owner._buffers[name]
-                    assert host is not None
-                    working = host.to(device, copy=True)
-                    owner._buffers[name] = working
-                    bound_buffers.append((owner, name, host, working))
-            yield
-            if keep_buffer_updates:
-                with torch.no_grad():
-                    for _, _, host, working in bound_buffers:
-                        host.copy_(working)
-        finally:
-            for index in self.layers:
-                for slot in self.memory.layers[index].slots:
-                    for owner, name in slot.owners:
-                        owner._parameters[name] = slot.param
-            for owner, name, host, _ in bound_buffers:
-                owner._buffers[name] = host
+        memory = self.memory
+        memory.settle_buffers(self.layers)
+        bound_buffers: list[tuple[int, torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        with _device_guard(device):
+            self.uploaded.block_current_stream(self.device_index)
+            try:
+                for index in self.layers:
+                    layer = memory.layers[index]
+                    for slot, view in zip(layer.slots, self.views[index], strict=True):
+                        for owner, name in slot.owners:
+                            # The device copy (a plain tensor) stands in for the parameter.
+                            owner._parameters[name] = cast(torch.nn.Parameter, view)
+                    for owner, name in layer.buffers:
+                        host = owner._buffers[name]
+                        assert host is not None
+                        working = _buffer_to_device(host, device)
+                        owner._buffers[name] = working
+                        bound_buffers.append((index, owner, name, host, working))
+                yield
+                if keep_buffer_updates:
+                    # Every bound buffer, changed or not: an update through `.data` leaves no
+                    # trace in `_version`, and the download is asynchronous and small.
+                    for index, _, _, host, working in bound_buffers:
+                        memory.defer_buffer_write(index, host, *self._buffer_to_host(working))
+            finally:
+                for index in self.layers:
+                    for slot in memory.layers[index].slots:
+                        for owner, name in slot.owners:
+                            owner._parameters[name] = slot.param
+                for _, owner, name, host, _ in bound_buffers:
+                    owner._buffers[name] = host
+
+    def _buffer_to_host(self, working: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The host source of a buffer's write-back and the event after which it holds the
+        values (None: already there)."""
+        if not working.is_cuda:
+            return working, None
+        with torch.no_grad():
+            staging = torch.empty(working.shape, dtype=working.dtype, pin_memory=True)
+            staging.copy_(working, non_blocking=True)
+        return staging, _C.record_event(self.device_index)
 
     def download_grads(self) -> list[Any]:
-        """Accumulate this stage's device gradients into the host arena; returns the events."""
+        """Accumulate this stage's device gradients into the host arena; returns the events.
+
+        On CUDA the downloads go through the model's page-locked staging at the stage's own
+        offsets (see :meth:`ModelMemory.download_staging`)."""
         assert self.grad_buffer is not None
         grad_begin, _ = self.memory.grad_range(self.layers)
+        staging = self.memory.download_staging() if self.grad_buffer.is_cuda else None
         after = _C.record_event(self.device_index)
         events = []
-        for begin, end, dtype in self.memory.grad_runs(self.layers):
-            host = self.memory.grads[begin:end].view(dtype)
-            local = self.grad_buffer[begin - grad_begin : end - grad_begin].view(dtype)
-            events.append(_C.accumulate_async(self.device_index, host, local, after))
+        with _marked(self.nvtx_model, "download", self.layers):
+            for begin, end, dtype in self.memory.grad_runs(self.layers):
+                host = self.memory.grads[begin:end].view(dtype)
+                local = self.grad_buffer[begin - grad_begin : end - grad_begin].view(dtype)
+                through = None if staging is None else staging[begin:end].view(dtype)
+                events.append(
+                    _C.accumulate_async(self.device_index, host, local, after, staging=through)
+                )
         return events
 
 
 # --------------------------------------------------------------------------------------------
 # One call
 # --------------------------------------------------------------------------------------------
+
+
+class _Stopwatch:
+    """Times one piece of a stage for the model's timer (none: nothing): the host clock on
+    virtual CPU devices, whose compute is synchronous; on CUDA timing events on the device's
+    current stream, which the timer reads once they completed, so nothing waits for the GPU."""
+
+    def __init__(self, timer: ModelTimer | None, device_index: int) -> None:
+        self.timer = timer
+        self.stream: torch.cuda.Stream | None = None
+        self.start: Any = None
+        if timer is None:
+            return
+        if _on_cuda():
+            self.stream = torch.cuda.current_stream(devices()[device_index])
+            self.start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            self.start.record(self.stream)
+        else:
+            self.start = time.perf_counter()
+
+    def stop(self, layers: range, action: Action) -> None:
+        """The time since the start, split evenly over ``layers``, recorded as ``action``."""
+        timer = self.timer
+        if timer is None:
+            return
+        if self.stream is None:
+            share = (time.perf_counter() - self.start) / len(layers)
+            for layer in layers:
+                timer.record(layer, action, share)
+            return
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end.record(self.stream)
+        timer.record_later(layers, action, self.start, end)
 
 
 @dataclass(frozen=True)
@@ -316,7 +468,8 @@ class Call:
     preserve_rng_state: bool
     saving: bool = field(init=False)  # keep what backward stages need (grads on)
     backward_starts: set[int] = field(default_factory=set)
-    saved_inputs: dict[tuple[int, int], Any] = field(default_factory=dict)
+    # (inputs, event of their copy to the host or None) per (first layer, microbatch).
+    saved_inputs: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     # Every random draw of layer l for microbatch m comes from a generator seeded with
     # (rng_seed, l, m): the same whatever the plan, stage boundaries, device or device count.
     rng_seed: int = field(default_factory=lambda: _draw_call_seed())
@@ -328,6 +481,8 @@ class Call:
     # The fused stage's outputs (if kept) on the output device, and the events of their copies.
     outputs: list[Any] = field(default_factory=list)
     output_events: list[Any] = field(default_factory=list)
+    # Whether this call marks NVTX ranges (decided once per call).
+    nvtx: bool = field(init=False, default_factory=_nvtx_enabled)
 
     def __post_init__(self) -> None:
         self.saving = self.run_type != "infer"
@@ -373,13 +528,18 @@ class Call:
         one's upload already issued; ``values`` are the per-microbatch inputs of the first.
 
         Every upload issued is waited for before returning (also on errors), so no copy into or
-        out of a freed buffer is left in flight.
+        out of a freed buffer is left in flight, and the layers' buffers hold their new values.
         """
-        with _rng_scope(), _Uploads(self.runner.memory, stages) as uploads:
-            for stage in stages:
-                # No reference to a stage outlives its turn: its device buffers are freed before
-                # the upload after next is allocated.
-                values = self._run_stage(stage.kind, uploads.next(), values, loss)
+        memory = self.runner.memory
+        nvtx_model = self.runner.name if self.nvtx else None
+        with _rng_scope(), _Uploads(memory, stages, nvtx_model) as uploads:
+            try:
+                for stage in stages:
+                    # No reference to a stage outlives its turn: its device buffers are freed
+                    # before the upload after next is allocated.
+                    values = self._run_stage(stage.kind, uploads.next(), values, loss)
+            finally:
+                memory.settle_buffers()
         return values
 
     def _run_stage(
@@ -424,14 +584,16 @@ class Call:
         phase: Phase = "recompute" if recompute else "forward"
         # Recompute replays the forward's draws, unless asked for fresh randomness.
         fresh = recompute and not self.preserve_rng_state
+        if recompute and not fresh and _on_cuda():
+            _warn_if_replay_differs(tuple(devices()))
         _seed_generators(_layer_seed(self.rng_seed, layer, microbatch, fresh), device_index)
         call = context._LayerCall(
             self.recompute_store, layer, microbatch, recompute, saving_enabled=self.saving
         )
         module = self.runner.layers[layer]
-        start = time.perf_counter()
+        watch = _Stopwatch(self.runner.timer, device_index)
         try:
-            with context.layer_call(call):
+            with self._mark(phase, range(layer, layer + 1), microbatch), context.layer_call(call):
                 if layer == 0:
                     args, kwargs = value
                     result = module(*args, **kwargs)
@@ -439,20 +601,38 @@ class Call:
                     result = module(value)
         except Exception as error:
             raise annotate(error, self._where(layer, phase, microbatch)) from error
-        if self.runner.timer is not None and not _on_cuda():
-            self.runner.timer.record(
-                layer, "re" if recompute else "fwd", time.perf_counter() - start
-            )
+        watch.stop(range(layer, layer + 1), "re" if recompute else "fwd")
         return result
+
+    def _mark(
+        self, kind: str, layers: range, microbatch: int | None = None
+    ) -> AbstractContextManager[Any]:
+        """The NVTX range of ``kind`` over ``layers`` (see :func:`_marked`) if the call marks."""
+        return _marked(self.runner.name if self.nvtx else None, kind, layers, microbatch)
 
     def _model_input(self, microbatch: int, value: Any, device_index: int) -> Any:
         """Microbatch ``microbatch`` of the call's inputs on the device, once the upstream
-        model's transfers of it (if any) have landed. Waiting per microbatch lets the first
-        microbatches start while later ones are still in flight."""
-        if self.input_events:
-            for event in self.input_events[microbatch]:
+        model's transfers of it (if any) have landed: ordered per microbatch on the device (no host
+        wait on CUDA), so the first microbatches start while later ones are still in flight."""
+        with self._mark("activation", range(0, 1), microbatch):
+            return self._joined_input(microbatch, value, device_index)
+
+    def _joined_input(self, microbatch: int, value: Any, device_index: int) -> Any:
+        events = self.input_events[microbatch] if self.input_events else []
+        if not _on_cuda():
+            for event in events:
                 event.synchronize()
-        return to_device(value, device_index)
+            return value
+        if not events:
+            return to_device(value, device_index)
+        if len(events) == 1:
+            return to_device(value, device_index, events[0])
+        # Joined on the device, not on the host: the current stream waits for each (a host wait
+        # only where a transfer's host part is still running) and an event recorded after those
+        # waits orders the uploads.
+        for event in events:
+            event.block_current_stream(device_index)
+        return to_device(value, device_index, _C.record_event(device_index))
 
     # -- stages ------------------------------------------------------------------------------
 
@@ -464,14 +644,18 @@ class Call:
                     moved = self._model_input(m, value, stage.device_index)
                     if self.saving and 0 in self.backward_starts:
                         # The user's own inputs, requires_grad flags included (chained models).
-                        self.saved_inputs[(0, m)] = _unshared(value, moved)
+                        self.saved_inputs[(0, m)] = (_unshared(value, moved), None)
                     value = moved
                 else:
-                    value = to_device(value, stage.device_index)
+                    with self._mark("activation", stage.layers[:1], m):
+                        value = to_device(value, stage.device_index)
                 for layer in stage.layers:
                     if self.saving and layer > 0 and layer in self.backward_starts:
-                        host, event = to_host(value, stage.device_index)
-                        self.saved_inputs[(layer, m)] = _unshared(host, value)
+                        with self._mark("activation", range(layer, layer + 1), m):
+                            host, event = to_host(value, stage.device_index)
+                        # With its copy's event: the backward stage, maybe on another device,
+                        # uploads it after the copy landed.
+                        self.saved_inputs[(layer, m)] = (_unshared(host, value), event)
                         if event is not None:
                             self.pending.append(event)
                     value = self.call_layer(layer, m, value, stage.device_index, recompute=False)
@@ -501,15 +685,16 @@ class Call:
                     )
                     raise annotate(error, where) from error
                 _check_loss(loss, self.runner.name)
-                start = time.perf_counter()
+                watch = _Stopwatch(self.runner.timer, stage.device_index)
                 try:
-                    if isinstance(loss, torch.Tensor):
-                        torch.autograd.backward(loss)
-                    else:
-                        torch.autograd.backward(list(loss))
+                    with self._mark("backward", stage.layers, m):
+                        if isinstance(loss, torch.Tensor):
+                            torch.autograd.backward(loss)
+                        else:
+                            torch.autograd.backward(list(loss))
                 except Exception as error:
                     raise annotate(error, self._where(stage.layers, "backward", m)) from error
-                self._record_backward(stage.layers, time.perf_counter() - start)
+                watch.stop(stage.layers, "bwd")
                 self.losses.append(tree_map(lambda t: t.detach(), loss))
                 if loss_spec.keep_outputs:
                     self.outputs.append(tree_map(_detach_leaf, result))
@@ -534,27 +719,31 @@ class Call:
     def _recompute_backward(
         self, layers: range, microbatch: int, grad: Any, stage: ResidentStage
     ) -> Any:
-        saved = self.saved_inputs[(layers.start, microbatch)]
-        inputs = self._differentiable_input(layers.start, microbatch, saved, stage.device_index)
+        saved, landed = self.saved_inputs[(layers.start, microbatch)]
+        inputs = self._differentiable_input(
+            layers.start, microbatch, saved, stage.device_index, landed
+        )
         with torch.enable_grad():
             result = _writable(inputs, saved)
             for layer in layers:
                 result = self.call_layer(
                     layer, microbatch, result, stage.device_index, recompute=True
                 )
-        start = time.perf_counter()
+        watch = _Stopwatch(self.runner.timer, stage.device_index)
         try:
-            _backward(result, grad)
+            with self._mark("backward", layers, microbatch):
+                _backward(result, grad)
         except Exception as error:
             raise annotate(error, self._where(layers, "backward", microbatch)) from error
-        self._record_backward(layers, time.perf_counter() - start)
+        watch.stop(layers, "bwd")
         return _grads_of(inputs)
 
     def _differentiable_input(
-        self, layer: int, microbatch: int, value: Any, device_index: int
+        self, layer: int, microbatch: int, value: Any, device_index: int, landed: Any = None
     ) -> Any:
         """The stage input on the device as fresh leaves: activations require grad (when
-        floating point); for layer 0, exactly the user's tensors that required grad do."""
+        floating point); for layer 0, exactly the user's tensors that required grad do.
+        ``landed``: the event of the copy that put ``value`` in host memory, if any."""
         leaves, spec = tree_flatten(value)
         wanted = [
             isinstance(leaf, torch.Tensor) and (layer > 0 or leaf.requires_grad) for leaf in leaves
@@ -562,7 +751,8 @@ class Call:
         if layer == 0:
             moved, _ = tree_flatten(self._model_input(microbatch, value, device_index))
         else:
-            moved, _ = tree_flatten(to_device(value, device_index))
+            with self._mark("activation", range(layer, layer + 1), microbatch):
+                moved, _ = tree_flatten(to_device(value, device_index, landed))
         fresh = []
         for leaf, wants_grad in zip(moved, wanted, strict=True):
             if isinstance(leaf, torch.Tensor):
@@ -571,13 +761,6 @@ class Call:
                     leaf.requires_grad_(True)
             fresh.append(leaf)
         return tree_unflatten(fresh, spec)
-
-    def _record_backward(self, layers: range, seconds: float) -> None:
-        if self.runner.timer is None or _on_cuda():
-            return
-        share = seconds / len(layers)
-        for layer in layers:
-            self.runner.timer.record(layer, "bwd", share)
 
 
 def _check_loss(loss: Any, name: str) -> None:
@@ -623,6 +806,27 @@ def _seed_generators(seed: int, device_index: int) -> None:
     torch.default_generator.manual_seed(seed)
     if _on_cuda():
         torch.cuda.default_generators[devices()[device_index].index].manual_seed(seed)
+
+
+@functools.cache
+def _warn_if_replay_differs(pool: tuple[torch.device, ...]) -> None:
+    """Warn (once per pool) when recompute may not replay the forward's random draws.
+
+    A layer's draws come from a generator seeded per (call, layer, microbatch), so a recompute on
+    another GPU replays them exactly when the GPUs are alike; but random kernels (dropout) size
+    their grids by the SM count, and GPUs with different counts split the same random stream
+    differently."""
+    counts = sorted({torch.cuda.get_device_properties(d).multi_processor_count for d in pool})
+    if len(counts) > 1:
+        warnings.warn(
+            "RoundPipe: preserve_rng_state=True on GPUs with different SM counts "
+            f"({', '.join(map(str, counts))}): a layer recomputed on another GPU than its "
+            "forward may draw different random values (dropout masks), so its gradients would "
+            "not match the forward. Use GPUs of one model (CUDA_VISIBLE_DEVICES), or "
+            "preserve_rng_state=False if fresh randomness in recompute is acceptable.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 @contextmanager
@@ -690,23 +894,31 @@ def _writable(inputs: Any, saved: Any = None) -> Any:
 
 class _Uploads:
     """The stages of one run made resident in order, each next one's upload issued before the
-    current one computes; on exit every upload issued has landed."""
+    current one computes; on exit every upload issued has landed (those of stages already run
+    too: on several devices, or behind a deferred copy, the last one's landing does not imply
+    theirs, and the host arena must not change or go away while one still reads it)."""
 
-    def __init__(self, memory: ModelMemory, stages: Sequence[Stage]) -> None:
-        self.memory, self.stages = memory, stages
+    def __init__(
+        self, memory: ModelMemory, stages: Sequence[Stage], nvtx_model: str | None
+    ) -> None:
+        self.memory, self.stages, self.nvtx_model = memory, stages, nvtx_model
         self.issued: list[ResidentStage] = []
+        self.uploads: list[Any] = []
         self.index = 0
 
     def __enter__(self) -> _Uploads:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for resident in self.issued:
-            resident.uploaded.synchronize()
+        for uploaded in self.uploads:
+            uploaded.synchronize()
 
     def _upload(self, stage: Stage) -> None:
-        resident = ResidentStage(self.memory, stage.layers, _next_device(), stage.kind != "forward")
+        resident = ResidentStage(
+            self.memory, stage.layers, _next_device(), stage.kind != "forward", self.nvtx_model
+        )
         self.issued.append(resident)
+        self.uploads.append(resident.uploaded)
 
     def next(self) -> ResidentStage:
         """The next stage, resident; issues the upload of the one after it."""

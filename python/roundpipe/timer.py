@@ -1,11 +1,14 @@
 """Online per-layer timing: the estimates :meth:`ModelExecutePlan.auto` plans with.
 
 The runtime measures every layer's forward (``"fwd"``), recompute (``"re"``) and backward
-(``"bwd"``) time of each microbatch (CUDA events on GPUs, the host clock on virtual CPU devices) and
-calls :meth:`ModelTimer.record`. Estimates are exponential moving averages with bias correction
-(as in Adam): after ``t`` records ``x_1..x_t`` the estimate is
-``sum(beta**(t-i) * (1-beta) * x_i) / (1 - beta**t)``, so the first record is taken as is and old
-records fade with ``SMOOTHING = beta``.
+(``"bwd"``) time of each microbatch and calls :meth:`ModelTimer.record`: with the host clock on
+virtual CPU devices; on GPUs with timing CUDA events on the compute stream, handed over with
+:meth:`ModelTimer.record_later` and read once they completed (never waiting for the GPU) when the
+timer is next asked for its ``version`` or ``profile``.
+
+Estimates are exponential moving averages with bias correction (as in Adam): after ``t`` records
+``x_1..x_t`` the estimate is ``sum(beta**(t-i) * (1-beta) * x_i) / (1 - beta**t)``, so the first
+record is taken as is and old records fade with ``SMOOTHING = beta``.
 
 Before a layer has a timing, its parameter bytes stand in: forward time = bytes x the seconds per
 byte of the layers already timed (or ``STAND_IN_SECONDS_PER_BYTE`` before any), recompute = the
@@ -24,12 +27,21 @@ import math
 import sys
 import threading
 from collections.abc import Sequence
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 from roundpipe.scheduler import LayerProfile
 
 Action = Literal["fwd", "re", "bwd"]
 _ACTIONS: tuple[Action, ...] = ("fwd", "re", "bwd")
+
+
+class TimingEvent(Protocol):
+    """What :meth:`ModelTimer.record_later` needs of an event (``torch.cuda.Event`` with
+    ``enable_timing=True``)."""
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end_event: Any, /) -> float: ...
 
 
 class ModelTimer:
@@ -42,6 +54,9 @@ class ModelTimer:
     CHANGE_THRESHOLD: ClassVar[float] = 0.05
     #: Forward seconds per parameter byte assumed before any layer has been timed.
     STAND_IN_SECONDS_PER_BYTE: ClassVar[float] = 1e-10
+    #: Device timings waiting for their events beyond which record_later folds in the finished
+    #: ones (and keeps at most half as many).
+    MAX_UNREAD: ClassVar[int] = 4096
 
     def __init__(self, num_layers: int, layer_bytes: Sequence[int], name: str = "model") -> None:
         """Args:
@@ -66,6 +81,8 @@ class ModelTimer:
         # Estimate of each (action, layer) as of the last version bump; None until timed.
         self._planned: dict[Action, list[float | None]] = {a: [None] * num_layers for a in _ACTIONS}
         self._version = 0
+        # Device timings not read yet: (layers sharing the time, action, start, end).
+        self._unread: list[tuple[range, Action, TimingEvent, TimingEvent]] = []
 
     @property
     def num_layers(self) -> int:
@@ -74,8 +91,43 @@ class ModelTimer:
     @property
     def version(self) -> int:
         """Increases only when estimates changed enough to re-plan (see the module docstring)."""
+        self.collect()
         with self._lock:
             return self._version
+
+    def record_later(
+        self, layers: range, action: Action, start: TimingEvent, end: TimingEvent
+    ) -> None:
+        """Record the device time from ``start`` to ``end`` (milliseconds, as CUDA events tell
+        it), split evenly over ``layers``, once ``end`` has completed (see :meth:`collect`)."""
+        if action not in _ACTIONS:
+            raise ValueError(f"action must be 'fwd', 're' or 'bwd', got {action!r}")
+        if not layers or layers.start < 0 or layers.stop > self.num_layers:
+            raise ValueError(f"layers must be a non-empty range within [0, {self.num_layers})")
+        with self._lock:
+            self._unread.append((layers, action, start, end))
+            crowded = len(self._unread) > self.MAX_UNREAD
+        if crowded:  # nobody plans by this timer (explicit plans): keep the list short
+            self.collect()
+            with self._lock:
+                # Still crowded: the GPU is far behind; keep the newest timings.
+                del self._unread[: len(self._unread) - self.MAX_UNREAD // 2]
+
+    def collect(self) -> None:
+        """Record the device timings whose end event has completed; never waits."""
+        with self._lock:
+            unread, self._unread = self._unread, []
+        waiting = []
+        for layers, action, start, end in unread:
+            if not end.query():
+                waiting.append((layers, action, start, end))
+                continue
+            share = max(start.elapsed_time(end), 0.0) / 1e3 / len(layers)
+            for layer in layers:
+                self.record(layer, action, share)
+        if waiting:
+            with self._lock:
+                self._unread[:0] = waiting
 
     def record(self, layer: int, action: Action, seconds: float) -> None:
         """Fold one measured time of ``layer`` doing ``action`` into its estimate."""
@@ -113,6 +165,7 @@ class ModelTimer:
 
     def profile(self, forward_bytes: Sequence[int], backward_bytes: Sequence[int]) -> LayerProfile:
         """Current estimates of every layer, with byte-size stand-ins for untimed ones."""
+        self.collect()
         with self._lock:
             timed = [i for i in range(self.num_layers) if self._records["fwd"][i] > 0]
             timed_bytes = sum(self._bytes[i] for i in timed)
@@ -140,4 +193,4 @@ class ModelTimer:
         return stand_in if estimate is None else estimate
 
 
-__all__ = ["Action", "ModelTimer"]
+__all__ = ["Action", "ModelTimer", "TimingEvent"]
