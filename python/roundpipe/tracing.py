@@ -421,6 +421,7 @@ class Tracer:
         **args: Any,
     ) -> None:
         """Add the span ``[start, end)`` (marks from :meth:`mark` of the same device)."""
+        _check_lane(phase, lane, device)
         details = {"model": model, "stage": stage, "layers": layers, "microbatch": microbatch}
         if isinstance(start, int) and isinstance(end, int):
             event = self._event(phase, lane, device, start, end, details, args)
@@ -447,6 +448,7 @@ class Tracer:
     ) -> None:
         """Add a copy issued just now on a copy-engine ``lane`` whose completion is the native
         event ``done`` (see the module docstring for how its start and end are found)."""
+        _check_lane(phase, lane, device)
         issued = time.perf_counter_ns()
         details = {"model": model, "stage": stage, "layers": layers, "microbatch": microbatch}
         end: Mark = None
@@ -497,12 +499,6 @@ class Tracer:
         details: Mapping[str, Any],
         args: Mapping[str, Any],
     ) -> TraceEvent:
-        if phase not in PHASES:
-            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-        lanes = HOST_LANES if device is None else DEVICE_LANES
-        if lane not in lanes:
-            where = "host" if device is None else "device"
-            raise ValueError(f"lane of a {where} event must be one of {lanes}, got {lane!r}")
         return TraceEvent(
             phase=phase,
             lane=lane,
@@ -516,6 +512,8 @@ class Tracer:
     def _resolve_locked(self, final: bool) -> None:
         """Turn pending spans whose device events completed into events, oldest first; with
         ``final``, wait for the rest."""
+        if not self._pending:
+            return
         still: collections.deque[_Pending] = collections.deque()
         now = time.perf_counter_ns()
         while self._pending:
@@ -566,6 +564,15 @@ class Tracer:
         return start_ns, clock.host_ns(pending.device, end)
 
 
+def _check_lane(phase: str, lane: str, device: int | None) -> None:
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    lanes = HOST_LANES if device is None else DEVICE_LANES
+    if lane not in lanes:
+        where = "host" if device is None else "device"
+        raise ValueError(f"lane of a {where} event must be one of {lanes}, got {lane!r}")
+
+
 class _CudaClock:
     """CUDA event marks converted to host time (see the module docstring). Untested without a GPU:
     kept to the few torch.cuda calls it needs."""
@@ -576,6 +583,7 @@ class _CudaClock:
         self._torch = torch
         self._references: dict[int, tuple[torch.cuda.Event, int]] = {}
         self._side_streams: dict[int, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()  # first use of a device may come from several threads
 
     def mark(self, device: int) -> torch.cuda.Event:
         self._reference(device)
@@ -586,9 +594,10 @@ class _CudaClock:
     def after(self, device: int, done: Any) -> torch.cuda.Event:
         """An event that completes right after the native event ``done``, on an idle side stream."""
         self._reference(device)
-        stream = self._side_streams.get(device)
-        if stream is None:
-            stream = self._side_streams[device] = self._torch.cuda.Stream(device)
+        with self._lock:
+            stream = self._side_streams.get(device)
+            if stream is None:
+                stream = self._side_streams[device] = self._torch.cuda.Stream(device)
         event = self._torch.cuda.Event(enable_timing=True)
         with self._torch.cuda.stream(stream):
             done.block_current_stream(device)
@@ -609,12 +618,15 @@ class _CudaClock:
     def _reference(self, device: int) -> None:
         if device in self._references:
             return
-        # On a fresh stream the reference event fires at once, so its host time is now.
-        stream = self._torch.cuda.Stream(device)
-        event = self._torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-        event.synchronize()
-        self._references[device] = (event, time.perf_counter_ns())
+        with self._lock:
+            if device in self._references:
+                return
+            # On a fresh stream the reference event fires at once, so its host time is now.
+            stream = self._torch.cuda.Stream(device)
+            event = self._torch.cuda.Event(enable_timing=True)
+            event.record(stream)
+            event.synchronize()
+            self._references[device] = (event, time.perf_counter_ns())
 
 
 # --------------------------------------------------------------------------------------------
