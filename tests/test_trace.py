@@ -284,7 +284,9 @@ def test_predicted_fused_schedule_by_hand() -> None:
     # Stage 1 (fused L1: forward + backward = 3 s) on device 1: mb0 [1, 4), mb1 [4, 7).
     # Stage 2 (backward L0: recompute 1 s + backward 2 s) on device 0: mb0 [4, 7), mb1 [7, 10).
     plan = make_plan([range(0, 1)], [range(1, 2), range(0, 1)])
-    predicted = rt.predict_trace(plan, profile(2), "fused", num_microbatch=2, num_devices=2)
+    predicted = plan.simulate(
+        profile(2), "fused", num_microbatch=2, num_devices=2, upload_bytes_per_second=0.0
+    )
     assert predicted.kind == "predicted"
     assert spans(predicted) == [
         ("forward", 0, 0, 0, 0, 1),
@@ -302,7 +304,9 @@ def test_predicted_train_schedule_runs_backward_after_forward_on_the_next_device
     # Forward call: L0 on device 0 [0, 1), L1 on device 1 [1, 2) (one microbatch).
     # Backward call starts at 2 on the next device in round-robin order (device 0 again).
     plan = make_plan([range(0, 1), range(1, 2)], [range(0, 2)])
-    predicted = rt.predict_trace(plan, profile(2), "train", num_microbatch=1, num_devices=2)
+    predicted = plan.simulate(
+        profile(2), "train", num_microbatch=1, num_devices=2, upload_bytes_per_second=0.0
+    )
     assert spans(predicted) == [
         ("forward", 0, 0, 0, 0, 1),
         ("forward", 1, 1, 0, 1, 2),
@@ -314,22 +318,26 @@ def test_predicted_train_schedule_runs_backward_after_forward_on_the_next_device
 def test_predicted_uploads_delay_compute() -> None:
     # 100 bytes per layer at 50 B/s: the stage's upload takes 2 s before it can compute.
     plan = make_plan([range(0, 1)], [])
-    predicted = rt.predict_trace(
-        plan, profile(1), "infer", num_microbatch=1, num_devices=1, upload_bytes_per_second=50.0
+    predicted = plan.simulate(
+        profile(1), "infer", num_microbatch=1, num_devices=1, upload_bytes_per_second=50.0
     )
     assert spans(predicted) == [("forward", 0, 0, 0, 2, 3)]
 
 
-def test_predict_rejects_bad_arguments() -> None:
+def test_simulate_rejects_bad_arguments() -> None:
     plan = make_plan([range(0, 2)], [])
     with pytest.raises(ValueError, match="num_microbatch"):
-        rt.predict_trace(plan, profile(2), "infer", num_microbatch=0, num_devices=1)
+        plan.simulate(profile(2), "infer", num_microbatch=0, num_devices=1)
     with pytest.raises(TypeError, match="num_devices"):
-        rt.predict_trace(plan, profile(2), "infer", num_microbatch=1, num_devices=1.5)  # type: ignore[arg-type]
+        plan.simulate(profile(2), "infer", num_microbatch=1, num_devices=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="upload_bytes_per_second"):
+        plan.simulate(profile(2), "infer", upload_bytes_per_second=-1.0)
     with pytest.raises(ValueError, match="layers"):
-        rt.predict_trace(plan, profile(3), "infer", num_microbatch=1, num_devices=1)
-    with pytest.raises(TypeError, match="profile"):
-        rt.predict_trace(plan, [1.0], "infer", num_microbatch=1, num_devices=1)  # type: ignore[arg-type]
+        plan.simulate(profile(3), "infer", num_microbatch=1, num_devices=1)
+    with pytest.raises(ValueError, match="run_type"):
+        plan.simulate(profile(2), "both")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="LayerProfile"):
+        plan.simulate([1.0])  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,7 +350,7 @@ def test_plot_writes_a_png_that_opens(tmp_path: Path) -> None:
     from roundpipe.plot import plot_trace
 
     plan = make_plan([range(0, 2), range(2, 4)], [range(4, 6), range(2, 4), range(0, 2)])
-    predicted = rt.predict_trace(plan, profile(6, 1e-3), "fused", num_microbatch=4, num_devices=3)
+    predicted = plan.simulate(profile(6, 1e-3), "fused", num_microbatch=4, num_devices=3)
     measured = rt.Trace(
         [
             event("forward", 0, "compute", 0, 3000),

@@ -49,15 +49,13 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 from roundpipe._native import _C
-from roundpipe.device import device_kind
 
 if TYPE_CHECKING:
     import torch
 
-    from roundpipe.scheduler import LayerProfile, ModelExecutePlan, RunType
 
 Phase = Literal[
     "forward",
@@ -438,7 +436,7 @@ class Tracer:
         phase: Phase,
         *,
         model: str,
-        device: int,
+        device: int | None,
         lane: str,
         done: Any,
         stage: int | None = None,
@@ -446,13 +444,14 @@ class Tracer:
         microbatch: int | None = None,
         **args: Any,
     ) -> None:
-        """Add a copy issued just now on a copy-engine ``lane`` whose completion is the native
-        event ``done`` (see the module docstring for how its start and end are found)."""
+        """Add a copy issued just now on a copy-engine ``lane`` (or the host's ``writer``) whose
+        completion is the native event ``done`` (the module docstring says how its start and end
+        are found)."""
         _check_lane(phase, lane, device)
         issued = time.perf_counter_ns()
         details = {"model": model, "stage": stage, "layers": layers, "microbatch": microbatch}
         end: Mark = None
-        if self._on_cuda():
+        if device is not None and self._on_cuda():
             end = self._cuda_clock().after(device, done)
         with self._lock:
             self._pending.append(
@@ -481,7 +480,7 @@ class Tracer:
     # -- internals ---------------------------------------------------------------------------
 
     def _on_cuda(self) -> bool:
-        return device_kind() == "cuda"
+        return _C.device_kind() == "cuda"
 
     def _cuda_clock(self) -> _CudaClock:
         with self._lock:
@@ -562,6 +561,59 @@ class Tracer:
             return None
         start_ns = start if isinstance(start, int) else clock.host_ns(pending.device, start)
         return start_ns, clock.host_ns(pending.device, end)
+
+
+class StageTrace:
+    """The events of one stage on one device, sharing model, stage index, layers and device:
+    what the pipeline holds while a trace is recorded (see :func:`stage_trace`)."""
+
+    def __init__(self, tracer: Tracer, model: str, device: int, stage: int, layers: range) -> None:
+        self.tracer, self.model, self.device = tracer, model, device
+        self.stage, self.layers = stage, layers
+
+    def mark(self) -> Mark:
+        """Now, on this stage's device."""
+        return self.tracer.mark(self.device)
+
+    def span(
+        self,
+        phase: Phase,
+        start: Mark,
+        microbatch: int | None = None,
+        layers: range | None = None,
+        lane: str = "compute",
+    ) -> None:
+        """Record ``phase`` from ``start`` until now (``layers`` default to the stage's)."""
+        self.tracer.record(
+            phase,
+            model=self.model,
+            device=self.device,
+            lane=lane,
+            start=start,
+            end=self.mark(),
+            stage=self.stage,
+            layers=self.layers if layers is None else layers,
+            microbatch=microbatch,
+        )
+
+    def transfer(self, phase: Phase, lane: str, done: Any, microbatch: int | None = None) -> None:
+        """Record a copy of this stage issued just now that completes with ``done``."""
+        self.tracer.record_transfer(
+            phase,
+            model=self.model,
+            device=self.device,
+            lane=lane,
+            done=done,
+            stage=self.stage,
+            layers=self.layers,
+            microbatch=microbatch,
+        )
+
+
+def stage_trace(model: str, device: int, stage: int, layers: range) -> StageTrace | None:
+    """A :class:`StageTrace` when a trace is being recorded, else None."""
+    tracer = active_tracer()
+    return None if tracer is None else StageTrace(tracer, model, device, stage, layers)
 
 
 def _check_lane(phase: str, lane: str, device: int | None) -> None:
@@ -703,53 +755,40 @@ def trace(path: str | os.PathLike[str] | None = None) -> Iterator[Tracer]:
 # --------------------------------------------------------------------------------------------
 
 
+class LayerCosts(Protocol):
+    """Per-layer estimates a prediction needs (``roundpipe.scheduler.LayerProfile`` has them)."""
+
+    @property
+    def forward_seconds(self) -> Sequence[float]: ...
+    @property
+    def recompute_seconds(self) -> Sequence[float]: ...
+    @property
+    def backward_seconds(self) -> Sequence[float]: ...
+    @property
+    def forward_bytes(self) -> Sequence[int]: ...
+
+
 def predict_trace(
-    plan: ModelExecutePlan,
-    profile: LayerProfile,
-    run_type: RunType,
+    calls: Sequence[Sequence[tuple[str, range]]],
+    profile: LayerCosts,
     *,
     num_microbatch: int,
     num_devices: int,
     model: str = "model",
     upload_bytes_per_second: float = 0.0,
 ) -> Trace:
-    """The schedule the native simulator predicts for ``plan`` with ``profile``'s estimates.
+    """The schedule the native simulator predicts; the engine of
+    :meth:`roundpipe.ModelExecutePlan.simulate`, which checks the arguments.
 
-    One call's stages in the runtime's order (``"fused"``: forward stages, the fused stage, then
-    backward stages; ``"train"``: a forward call, then a backward call once it returned), stage
-    ``s`` on device ``s mod num_devices``. Each (stage, microbatch) run becomes a compute event
-    of the same kind the runtime records: forward, fused, or a backward stage's recompute
-    followed by its backward, split in proportion to their estimates. Uploads and transfers are
-    not predicted (the simulator does not report them), though upload time delays compute when
+    ``calls``: the stages ``(kind, layers)`` of each call in the runtime's order, kind
+    ``"forward"``, ``"fused"`` or ``"backward"``; a call starts when the previous one ended, on the
+    next device of the round-robin. Stage ``s`` of the first call runs on device
+    ``s mod num_devices``. Each (stage, microbatch) run becomes a compute event of the kind the
+    runtime records: forward, fused, or a backward stage's recompute followed by its backward,
+    split in proportion to their estimates. Uploads and transfers are not predicted (the
+    simulator does not report them), though upload time delays compute when
     ``upload_bytes_per_second > 0``.
-
-    Raises:
-        TypeError / ValueError: a bad argument (the plan is validated against the profile).
     """
-    from roundpipe.scheduler import LayerProfile, ModelExecutePlan
-
-    if not isinstance(plan, ModelExecutePlan):
-        raise TypeError(f"plan must be a ModelExecutePlan, got {type(plan).__name__}")
-    if not isinstance(profile, LayerProfile):
-        raise TypeError(f"profile must be a LayerProfile, got {type(profile).__name__}")
-    for name, value in (("num_microbatch", num_microbatch), ("num_devices", num_devices)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
-    if not upload_bytes_per_second >= 0:
-        raise ValueError(f"upload_bytes_per_second must be >= 0, got {upload_bytes_per_second}")
-    plan.validate(len(profile.forward_seconds), run_type)
-
-    forward = [("forward", r) for r in plan.fwd_plan]
-    if run_type == "infer":
-        calls = [forward]
-    elif run_type == "train":
-        calls = [forward, [("backward", r) for r in plan.bwd_plan]]
-    else:
-        calls = [
-            forward + [("fused", plan.bwd_plan[0])] + [("backward", r) for r in plan.bwd_plan[1:]]
-        ]
 
     def parts(kind: str, layers: range) -> list[tuple[str, float]]:
         fwd = sum(profile.forward_seconds[i] for i in layers)
@@ -807,7 +846,9 @@ __all__ = [
     "HOST_PID",
     "OPTIMIZER_PHASES",
     "PHASES",
+    "LayerCosts",
     "Phase",
+    "StageTrace",
     "Trace",
     "TraceEvent",
     "TraceSummary",
@@ -815,5 +856,6 @@ __all__ = [
     "active_tracer",
     "predict_trace",
     "range_name",
+    "stage_trace",
     "trace",
 ]
