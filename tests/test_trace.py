@@ -392,3 +392,62 @@ def test_plot_rejects_an_empty_trace(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="no events"):
         plot_trace(rt.Trace([]), tmp_path / "x.png")
+
+
+# --------------------------------------------------------------------------------------------
+# The runtime's trace against the simulator's prediction
+# --------------------------------------------------------------------------------------------
+
+
+def compute_order(trace: rt.Trace, device: int) -> list[tuple[str, int | None, range | None, int]]:
+    return [
+        (e.phase, e.stage, e.layers, e.microbatch)  # type: ignore[misc]
+        for e in trace.events
+        if e.device == device and e.phase in rt.COMPUTE_PHASES
+    ]
+
+
+@pytest.mark.parametrize("run_type", ["fused", "train"])
+def test_measured_trace_has_the_predicted_events_in_the_predicted_order(
+    num_devices: int, run_type: str
+) -> None:
+    torch.manual_seed(0)
+    layers, microbatches = 5, 3
+    model = roundpipe.RoundPipe(
+        torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)]), name="cmp"
+    )
+    if run_type == "fused":
+        plan = make_plan(
+            [range(0, 1), range(1, 2), range(2, 3)],
+            [range(3, 5), range(2, 3), range(1, 2), range(0, 1)],
+        )
+    else:
+        plan = make_plan([range(0, 2), range(2, 4), range(4, 5)], [range(3, 5), range(0, 3)])
+    config = roundpipe.RoundPipeRunConfig(num_microbatch=microbatches, execute_plan=plan)
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    with roundpipe.trace() as tracer:
+        if run_type == "fused":
+            model.forward_backward(
+                input_args=(x,), label=y, loss_fn=torch.nn.functional.mse_loss, run_config=config
+            )
+        else:
+            torch.nn.functional.mse_loss(model(x, roundpipe_run_config=config), y).backward()
+    measured = tracer.close()
+    predicted = plan.simulate(
+        model,
+        run_type,  # type: ignore[arg-type]
+        num_microbatch=microbatches,
+        num_devices=num_devices,
+    )
+    assert {e.model for e in measured.events} == {"cmp"}
+    first = next(e.device for e in measured.events if e.phase == "upload")
+    assert first is not None
+    for device in range(num_devices):
+        expected = compute_order(predicted, device)
+        assert expected, "every device has work in this plan"
+        assert compute_order(measured, (first + device) % num_devices) == expected
+    stages = len(plan.fwd_plan) + len(plan.bwd_plan)
+    assert sum(e.phase == "upload" for e in measured.events) == stages
+    assert sum(e.phase == "grad_download" for e in measured.events) == len(plan.bwd_plan)
+    # Every stage waited for its upload once before computing.
+    assert sum(e.phase == "wait" and e.device is not None for e in measured.events) == stages

@@ -33,6 +33,7 @@ from roundpipe._native import _C
 from roundpipe.device import device_count, devices
 from roundpipe.memory import ModelMemory, typed_view
 from roundpipe.scheduler import ModelExecutePlan, RunType
+from roundpipe.tracing import StageTrace, stage_trace
 
 if TYPE_CHECKING:
     from roundpipe.timer import ModelTimer
@@ -164,6 +165,7 @@ class ResidentStage:
         self, memory: ModelMemory, layers: range, device_index: int, with_grads: bool
     ) -> None:
         self.memory, self.layers, self.device_index = memory, layers, device_index
+        self.trace: StageTrace | None = None  # set while a timeline trace is recorded
         device = devices()[device_index]
         begin, end = memory.param_range(layers)
         self.buffer = torch.empty(end - begin, dtype=torch.uint8, device=device)
@@ -205,7 +207,11 @@ class ResidentStage:
         ``keep_buffer_updates`` (forward passes) their new values are written back to the host
         afterwards, otherwise (recompute) they are dropped.
         """
+        trace = self.trace
+        start = trace.mark() if trace is not None else None
         self.uploaded.block_current_stream(self.device_index)
+        if trace is not None:
+            trace.span("wait", start)
         device = devices()[self.device_index]
         bound_buffers: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
         try:
@@ -244,6 +250,8 @@ class ResidentStage:
             host = self.memory.grads[begin:end].view(dtype)
             local = self.grad_buffer[begin - grad_begin : end - grad_begin].view(dtype)
             events.append(_C.accumulate_async(self.device_index, host, local, after))
+        if self.trace is not None and events:
+            self.trace.transfer("grad_download", "gradient download", events[-1])
         return events
 
 
@@ -375,7 +383,7 @@ class Call:
         Every upload issued is waited for before returning (also on errors), so no copy into or
         out of a freed buffer is left in flight.
         """
-        with _rng_scope(), _Uploads(self.runner.memory, stages) as uploads:
+        with _rng_scope(), _Uploads(self.runner.memory, stages, self.runner.name) as uploads:
             for stage in stages:
                 # No reference to a stage outlives its turn: its device buffers are freed before
                 # the upload after next is allocated.
@@ -457,9 +465,10 @@ class Call:
     # -- stages ------------------------------------------------------------------------------
 
     def forward_stage(self, stage: ResidentStage, activations: list[Any]) -> list[Any]:
-        outputs = []
+        outputs, trace = [], stage.trace
         with stage.bound(keep_buffer_updates=True), torch.no_grad():
             for m, value in enumerate(activations):
+                start = trace.mark() if trace is not None else None
                 if stage.layers.start == 0:
                     moved = self._model_input(m, value, stage.device_index)
                     if self.saving and 0 in self.backward_starts:
@@ -474,8 +483,12 @@ class Call:
                         self.saved_inputs[(layer, m)] = _unshared(host, value)
                         if event is not None:
                             self.pending.append(event)
+                            if trace is not None:
+                                trace.transfer("activation", "activation", event, m)
                     value = self.call_layer(layer, m, value, stage.device_index, recompute=False)
                 outputs.append(value)
+                if trace is not None:
+                    trace.span("forward", start, m)
         return outputs
 
     def fused_stage(
@@ -483,9 +496,10 @@ class Call:
     ) -> list[Any]:
         """Forward + loss + backward of the last stage; returns the input grads and appends to
         ``losses`` (and ``outputs``, if kept)."""
-        grads = []
+        grads, trace = [], stage.trace
         with stage.bound(keep_buffer_updates=True), torch.enable_grad():
             for m, value in enumerate(activations):
+                start_mark = trace.mark() if trace is not None else None
                 first, device = stage.layers.start, stage.device_index
                 inputs = self._differentiable_input(first, m, value, device)
                 result = _writable(inputs)
@@ -514,6 +528,8 @@ class Call:
                 if loss_spec.keep_outputs:
                     self.outputs.append(tree_map(_detach_leaf, result))
                 grads.append(_grads_of(inputs))
+                if trace is not None:
+                    trace.span("fused", start_mark, m)
         self.pending.extend(stage.download_grads())
         return grads
 
@@ -534,6 +550,8 @@ class Call:
     def _recompute_backward(
         self, layers: range, microbatch: int, grad: Any, stage: ResidentStage
     ) -> Any:
+        trace = stage.trace
+        mark = trace.mark() if trace is not None else None
         saved = self.saved_inputs[(layers.start, microbatch)]
         inputs = self._differentiable_input(layers.start, microbatch, saved, stage.device_index)
         with torch.enable_grad():
@@ -542,12 +560,17 @@ class Call:
                 result = self.call_layer(
                     layer, microbatch, result, stage.device_index, recompute=True
                 )
+        if trace is not None:
+            trace.span("recompute", mark, microbatch, layers)
+            mark = trace.mark()
         start = time.perf_counter()
         try:
             _backward(result, grad)
         except Exception as error:
             raise annotate(error, self._where(layers, "backward", microbatch)) from error
         self._record_backward(layers, time.perf_counter() - start)
+        if trace is not None:
+            trace.span("backward", mark, microbatch, layers)
         return _grads_of(inputs)
 
     def _differentiable_input(
@@ -692,8 +715,8 @@ class _Uploads:
     """The stages of one run made resident in order, each next one's upload issued before the
     current one computes; on exit every upload issued has landed."""
 
-    def __init__(self, memory: ModelMemory, stages: Sequence[Stage]) -> None:
-        self.memory, self.stages = memory, stages
+    def __init__(self, memory: ModelMemory, stages: Sequence[Stage], model: str) -> None:
+        self.memory, self.stages, self.model = memory, stages, model
         self.issued: list[ResidentStage] = []
         self.index = 0
 
@@ -704,19 +727,23 @@ class _Uploads:
         for resident in self.issued:
             resident.uploaded.synchronize()
 
-    def _upload(self, stage: Stage) -> None:
+    def _upload(self, index: int) -> None:
+        stage = self.stages[index]
         resident = ResidentStage(self.memory, stage.layers, _next_device(), stage.kind != "forward")
+        resident.trace = stage_trace(self.model, resident.device_index, index, stage.layers)
+        if resident.trace is not None:
+            resident.trace.transfer("upload", "parameter upload", resident.uploaded)
         self.issued.append(resident)
 
     def next(self) -> ResidentStage:
         """The next stage, resident; issues the upload of the one after it."""
         if self.index == 0 and self.stages:
-            self._upload(self.stages[0])
+            self._upload(0)
         if self.index > 0:
             self.issued.pop(0)  # the previous stage is done with its upload
         self.index += 1
         if self.index < len(self.stages):
-            self._upload(self.stages[self.index])
+            self._upload(self.index)
         return self.issued[0]
 
 

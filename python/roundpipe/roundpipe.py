@@ -158,7 +158,7 @@ class RoundPipe(ForwardingModule):
             timer=timer,
             runner=LayerRunner(name, layers, memory, timer),
             gradients=GradientState(memory),
-            steps=StepPipeline(memory, optim_dtype),
+            steps=StepPipeline(memory, optim_dtype, name),
             param_names=list(model.named_parameters(remove_duplicate=False)),
         )
         super().__init__(

@@ -37,6 +37,7 @@ from roundpipe.context import OptimizerCtx
 from roundpipe.memory import ModelMemory
 from roundpipe.optim import fused_writeback
 from roundpipe.optimizer_copy import OptimizerCopy
+from roundpipe.tracing import active_tracer
 
 # Iterations are counted by the steps submitted in this process. The main thread is in iteration
 # `_submitted`; a job runs on behalf of the iteration that submitted it (see current_iteration).
@@ -95,8 +96,10 @@ def _hand_over(pairs: list[tuple[OptimizerCopy, torch.Tensor]]) -> None:
 class StepPipeline:
     """Optimizer copies and in-flight optimizer work of one model."""
 
-    def __init__(self, memory: ModelMemory, optim_dtype: torch.dtype | None) -> None:
-        self.memory = memory
+    def __init__(
+        self, memory: ModelMemory, optim_dtype: torch.dtype | None, name: str = "model"
+    ) -> None:
+        self.memory, self.name = memory, name
         self.optim_dtype = optim_dtype
         self._copies: dict[int, OptimizerCopy] | None = None
         self._spare_grads: torch.Tensor | None = None
@@ -161,12 +164,24 @@ class StepPipeline:
                     copy.resolve_grad()
                 handed_over.zero_()
 
+        tracer = active_tracer()
+
         def job() -> None:
             _job.iteration = iteration
+            start = tracer.mark() if tracer is not None else None
             try:
                 run_step()
             finally:
                 _job.iteration = None
+                if tracer is not None:
+                    tracer.record(
+                        "optimizer_step",
+                        model=self.name,
+                        device=None,
+                        lane="optimizer",
+                        start=start,
+                        end=tracer.mark(),
+                    )
 
         self._job = _C.submit_optimizer_job(job)
         if not is_async:
@@ -178,8 +193,18 @@ class StepPipeline:
         job, self._job = self._job, None
         if job is None:
             return
+        tracer = active_tracer()
+        start = tracer.mark() if tracer is not None else None
         job.synchronize()  # a failed step raises here; its weights are not written back
         self._written = self._write_back()
+        if tracer is not None:
+            tracer.record(
+                "wait", model=self.name, device=None, lane="main", start=start, end=tracer.mark()
+            )
+            if self._written is not None:
+                tracer.record_transfer(
+                    "writeback", model=self.name, device=None, lane="writer", done=self._written
+                )
 
     def _fused_targets(
         self, copies: dict[int, OptimizerCopy], slots: list[Any], in_place: bool
