@@ -366,6 +366,13 @@ def _hidden(items: Sequence[tuple[float, float, list[tuple[float, float]]]]) -> 
 # --------------------------------------------------------------------------------------------
 
 
+#: model, stage, layers, microbatch of a span.
+_Fields = tuple[str, int | None, range | None, int | None]
+#: A recorded span in host nanoseconds: phase, lane, device, start, end, fields, args. Kept raw
+#: while recording (cheap) and turned into TraceEvents when the trace closes.
+_Span = tuple[str, str, int | None, int, int, _Fields, dict[str, Any]]
+
+
 @dataclass
 class _Pending:
     """A span whose end (or start) is still a device event: resolved when it completes."""
@@ -375,7 +382,8 @@ class _Pending:
     device: int | None
     start: Mark
     end: Mark
-    details: dict[str, Any]
+    fields: _Fields
+    args: dict[str, Any]
     done: Any = None  # a native copy-engine event whose completion is the end (CPU devices)
 
 
@@ -386,7 +394,7 @@ class Tracer:
         self.path = None if path is None else os.fspath(path)
         self.origin_ns = time.perf_counter_ns()
         self._lock = threading.Lock()
-        self._events: list[TraceEvent] = []
+        self._spans: list[_Span] = []
         self._pending: collections.deque[_Pending] = collections.deque()
         self._lane_free: dict[tuple[int | None, str], int] = {}
         self._cuda: _CudaClock | None = None
@@ -420,15 +428,12 @@ class Tracer:
     ) -> None:
         """Add the span ``[start, end)`` (marks from :meth:`mark` of the same device)."""
         _check_lane(phase, lane, device)
-        details = {"model": model, "stage": stage, "layers": layers, "microbatch": microbatch}
-        if isinstance(start, int) and isinstance(end, int):
-            event = self._event(phase, lane, device, start, end, details, args)
-            with self._lock:
-                self._events.append(event)
-                self._resolve_locked(final=False)
-            return
+        fields = (model, stage, layers, microbatch)
         with self._lock:
-            self._pending.append(_Pending(phase, lane, device, start, end, {**details, **args}))
+            if isinstance(start, int) and isinstance(end, int):
+                self._spans.append((phase, lane, device, start, end, fields, args))
+            else:
+                self._pending.append(_Pending(phase, lane, device, start, end, fields, args))
             self._resolve_locked(final=False)
 
     def record_transfer(
@@ -449,14 +454,12 @@ class Tracer:
         are found)."""
         _check_lane(phase, lane, device)
         issued = time.perf_counter_ns()
-        details = {"model": model, "stage": stage, "layers": layers, "microbatch": microbatch}
+        fields = (model, stage, layers, microbatch)
         end: Mark = None
         if device is not None and self._on_cuda():
             end = self._cuda_clock().after(device, done)
         with self._lock:
-            self._pending.append(
-                _Pending(phase, lane, device, issued, end, {**details, **args}, done)
-            )
+            self._pending.append(_Pending(phase, lane, device, issued, end, fields, args, done))
             self._resolve_locked(final=False)
 
     # -- closing -----------------------------------------------------------------------------
@@ -472,7 +475,7 @@ class Tracer:
             if self._result is not None:
                 return self._result
             self._resolve_locked(final=wait)
-            self._result = Trace(self._events, kind="measured")
+            self._result = Trace([self._event(*span) for span in self._spans], kind="measured")
         if self.path is not None:
             self._result.save(self.path)
         return self._result
@@ -495,17 +498,21 @@ class Tracer:
         device: int | None,
         start_ns: int,
         end_ns: int,
-        details: Mapping[str, Any],
-        args: Mapping[str, Any],
+        fields: _Fields,
+        args: dict[str, Any],
     ) -> TraceEvent:
+        model, stage, layers, microbatch = fields
         return TraceEvent(
             phase=phase,
             lane=lane,
             device=device,
             start_us=(start_ns - self.origin_ns) / 1e3,
             dur_us=max(0, end_ns - start_ns) / 1e3,
-            args=dict(args),
-            **details,
+            model=model,
+            stage=stage,
+            layers=layers,
+            microbatch=microbatch,
+            args=args,
         )
 
     def _resolve_locked(self, final: bool) -> None:
@@ -530,18 +537,15 @@ class Tracer:
                 lane = (pending.device, pending.lane)
                 start = max(start, self._lane_free.get(lane, start))
                 self._lane_free[lane] = end
-            details = {
-                k: pending.details.pop(k) for k in ("model", "stage", "layers", "microbatch")
-            }
-            self._events.append(
-                self._event(
+            self._spans.append(
+                (
                     pending.phase,
                     pending.lane,
                     pending.device,
                     start,
                     end,
-                    details,
-                    pending.details,
+                    pending.fields,
+                    pending.args,
                 )
             )
         self._pending = still
