@@ -56,7 +56,9 @@ def _as_trace(value: Trace | str | os.PathLike[str], name: str) -> Trace:
 def _rows(trace: Trace) -> list[tuple[int | None, str]]:
     """(device, lane) of every row, devices in order then the host, lanes in display order."""
     present = {(e.device, e.lane) for e in trace.events}
-    rows = [(d, lane) for d in trace.devices for lane in DEVICE_LANES if (d, lane) in present]
+    rows: list[tuple[int | None, str]] = [
+        (d, lane) for d in trace.devices for lane in DEVICE_LANES if (d, lane) in present
+    ]
     rows += [(None, lane) for lane in HOST_LANES if (None, lane) in present]
     return rows
 

@@ -49,13 +49,9 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, Protocol, cast
 
 from roundpipe._native import _C
-
-if TYPE_CHECKING:
-    import torch
-
 
 Phase = Literal[
     "forward",
@@ -636,18 +632,18 @@ class _CudaClock:
     def __init__(self) -> None:
         import torch
 
-        self._torch = torch
-        self._references: dict[int, tuple[torch.cuda.Event, int]] = {}
-        self._side_streams: dict[int, torch.cuda.Stream] = {}
+        self._torch: Any = torch  # torch.cuda's constructors are unannotated
+        self._references: dict[int, tuple[Mark, int]] = {}
+        self._side_streams: dict[int, Any] = {}
         self._lock = threading.Lock()  # first use of a device may come from several threads
 
-    def mark(self, device: int) -> torch.cuda.Event:
+    def mark(self, device: int) -> Mark:
         self._reference(device)
         event = self._torch.cuda.Event(enable_timing=True)
         event.record(self._torch.cuda.current_stream(device))
         return event
 
-    def after(self, device: int, done: Any) -> torch.cuda.Event:
+    def after(self, device: int, done: Any) -> Mark:
         """An event that completes right after the native event ``done``, on an idle side stream."""
         self._reference(device)
         with self._lock:
@@ -660,16 +656,16 @@ class _CudaClock:
             event.record(stream)
         return event
 
-    def ready(self, event: torch.cuda.Event, final: bool) -> bool:
+    def ready(self, event: Mark, final: bool) -> bool:
         if final:
             event.synchronize()
             return True
         return bool(event.query())
 
-    def host_ns(self, device: int | None, event: torch.cuda.Event) -> int:
+    def host_ns(self, device: int | None, event: Mark) -> int:
         assert device is not None
         reference, reference_ns = self._references[device]
-        return reference_ns + round(reference.elapsed_time(event) * 1e6)
+        return reference_ns + round(float(reference.elapsed_time(event)) * 1e6)
 
     def _reference(self, device: int) -> None:
         if device in self._references:
@@ -705,8 +701,8 @@ def active_tracer() -> Tracer | None:
     if tracer is _UNREAD:
         with _activation_lock:
             _read_environment_locked()
-            return _active
-    return tracer
+            tracer = _active
+    return cast("Tracer | None", tracer)
 
 
 def _read_environment_locked() -> None:
