@@ -62,9 +62,11 @@ def timed(fn: object, *args: object) -> float:
     return time.perf_counter() - start
 
 
-def traced_step(model: RoundPipe, x: torch.Tensor, y: torch.Tensor, n: int) -> None:
-    with roundpipe.trace():
+def traced_step(model: RoundPipe, x: torch.Tensor, y: torch.Tensor, n: int) -> int:
+    """One traced iteration; returns the number of events it recorded."""
+    with roundpipe.trace() as tracer:
         roundpipe_step(model, x, y, n)
+    return len(tracer.close().events)
 
 
 def measure(
@@ -96,6 +98,7 @@ def measure(
         traced = statistics.median(traced_times)
         result["traced_ms"] = traced * 1e3
         result["trace_us"] = (traced - mine) / (layers * n) * 1e6
+        result["events"] = traced_step(ours, x, y, n)
     return result
 
 
@@ -123,18 +126,24 @@ def main() -> None:
         f"# width {args.width}, {args.microbatches} microbatches x {args.rows} rows, "
         f"median of {args.iters}"
     )
-    traced = " traced (ms) | trace cost / layer x mb (us) |" if args.trace else ""
+    traced = (
+        " traced (ms) | trace cost / layer x mb (us) | events / iteration |" if args.trace else ""
+    )
     print(
         "| layers | CPU devices | plain + checkpoint (ms) | RoundPipe (ms) "
         f"| overhead / layer x mb (us) | ratio |{traced}"
     )
-    print("|---:" * (8 if args.trace else 6) + "|")
+    print("|---:" * (9 if args.trace else 6) + "|")
     for layers in args.layers:
         for devices in args.devices:
             r = measure(
                 layers, args.width, args.microbatches, args.rows, devices, args.iters, args.trace
             )
-            traced = f" {r['traced_ms']:.1f} | {r['trace_us']:.1f} |" if args.trace else ""
+            traced = (
+                f" {r['traced_ms']:.1f} | {r['trace_us']:.1f} | {r['events']} |"
+                if args.trace
+                else ""
+            )
             print(
                 f"| {r['layers']} | {r['devices']} | {r['baseline_ms']:.1f} | "
                 f"{r['roundpipe_ms']:.1f} | {r['overhead_us']:.1f} | {r['ratio']:.2f} |{traced}"
