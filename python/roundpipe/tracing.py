@@ -706,13 +706,23 @@ def active_tracer() -> Tracer | None:
 
 
 def _read_environment_locked() -> None:
-    global _active
+    global _active, _environment_tracer
     if _active is not _UNREAD:
         return
     path = os.environ.get(ENV_VAR) or None
-    _active = None if path is None else Tracer(path)
-    if _active is not None:
-        atexit.register(_active.close, wait=False)
+    _active = _environment_tracer = None if path is None else Tracer(path)
+
+
+_environment_tracer: Tracer | None = None
+
+
+@atexit.register
+def _write_environment_trace() -> None:
+    """Write the ``ROUNDPIPE_TRACE`` file at exit. Registered when this module is imported, that
+    is before the step pipeline registers its drain of the native workers, so it runs after that
+    drain (exit handlers run last-registered first) and sees the last optimizer steps."""
+    if _environment_tracer is not None:
+        _environment_tracer.close(wait=False)
 
 
 @contextmanager
