@@ -7,6 +7,9 @@ RoundPipe does). Both run in this process, alternating, and the median of the it
     overhead per layer x microbatch = (ours - baseline) / (layers * microbatches)
 
 Target (issue 3): under 30 us and a ratio under 1.5 for 256 layers of width 256, 4 microbatches.
+
+``--trace`` adds RoundPipe with a timeline trace being recorded (``roundpipe.trace()``, in memory)
+and the cost of tracing per layer x microbatch: (traced - ours) / (layers * microbatches).
 """
 
 from __future__ import annotations
@@ -59,7 +62,16 @@ def timed(fn: object, *args: object) -> float:
     return time.perf_counter() - start
 
 
-def measure(layers: int, width: int, n: int, rows: int, devices: int, iters: int) -> dict:
+def traced_step(model: RoundPipe, x: torch.Tensor, y: torch.Tensor, n: int) -> int:
+    """One traced iteration; returns the number of events it recorded."""
+    with roundpipe.trace() as tracer:
+        roundpipe_step(model, x, y, n)
+    return len(tracer.close().events)
+
+
+def measure(
+    layers: int, width: int, n: int, rows: int, devices: int, iters: int, trace: bool
+) -> dict:
     roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
     plain = deep_narrow(layers, width)
     ours = RoundPipe(copy.deepcopy(plain), name=f"overhead-{layers}")
@@ -67,12 +79,14 @@ def measure(layers: int, width: int, n: int, rows: int, devices: int, iters: int
     for _ in range(2):  # warm-up: allocator, timings, plan
         baseline_step(plain, x, y, n)
         roundpipe_step(ours, x, y, n)
-    base_times, our_times = [], []
+    base_times, our_times, traced_times = [], [], []
     for _ in range(iters):
         base_times.append(timed(baseline_step, plain, x, y, n))
         our_times.append(timed(roundpipe_step, ours, x, y, n))
+        if trace:
+            traced_times.append(timed(traced_step, ours, x, y, n))
     base, mine = statistics.median(base_times), statistics.median(our_times)
-    return {
+    result = {
         "layers": layers,
         "devices": devices,
         "baseline_ms": base * 1e3,
@@ -80,6 +94,12 @@ def measure(layers: int, width: int, n: int, rows: int, devices: int, iters: int
         "overhead_us": (mine - base) / (layers * n) * 1e6,
         "ratio": mine / base,
     }
+    if trace:
+        traced = statistics.median(traced_times)
+        result["traced_ms"] = traced * 1e3
+        result["trace_us"] = (traced - mine) / (layers * n) * 1e6
+        result["events"] = traced_step(ours, x, y, n)
+    return result
 
 
 def main() -> None:
@@ -91,6 +111,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument(
+        "--trace", action="store_true", help="also time RoundPipe with a trace being recorded"
+    )
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -103,17 +126,27 @@ def main() -> None:
         f"# width {args.width}, {args.microbatches} microbatches x {args.rows} rows, "
         f"median of {args.iters}"
     )
+    traced = (
+        " traced (ms) | trace cost / layer x mb (us) | events / iteration |" if args.trace else ""
+    )
     print(
         "| layers | CPU devices | plain + checkpoint (ms) | RoundPipe (ms) "
-        "| overhead / layer x mb (us) | ratio |"
+        f"| overhead / layer x mb (us) | ratio |{traced}"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:" * (9 if args.trace else 6) + "|")
     for layers in args.layers:
         for devices in args.devices:
-            r = measure(layers, args.width, args.microbatches, args.rows, devices, args.iters)
+            r = measure(
+                layers, args.width, args.microbatches, args.rows, devices, args.iters, args.trace
+            )
+            traced = (
+                f" {r['traced_ms']:.1f} | {r['trace_us']:.1f} | {r['events']} |"
+                if args.trace
+                else ""
+            )
             print(
                 f"| {r['layers']} | {r['devices']} | {r['baseline_ms']:.1f} | "
-                f"{r['roundpipe_ms']:.1f} | {r['overhead_us']:.1f} | {r['ratio']:.2f} |"
+                f"{r['roundpipe_ms']:.1f} | {r['overhead_us']:.1f} | {r['ratio']:.2f} |{traced}"
             )
 
 

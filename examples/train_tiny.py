@@ -3,11 +3,17 @@
 A stack of residual MLP blocks learns a fixed random teacher. Parameters live in host memory,
 stages run round-robin on the device pool, and the optimizer steps asynchronously on the host.
 The loss must fall; the script exits non-zero if it does not.
+
+``--trace run.json`` records the last two iterations as a timeline and writes the planner's
+prediction for one iteration beside it (``run.predicted.json``); draw both with
+``python -m roundpipe.plot run.json --predicted run.predicted.json -o run.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 
 import roundpipe
@@ -34,6 +40,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--trace", help="write a timeline of the last two iterations here")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -60,7 +67,10 @@ def main() -> None:
     config = RoundPipeRunConfig(num_microbatch=roundpipe.device_count() + 1)
     first = last = None
     start = time.perf_counter()
+    tracing = contextlib.ExitStack()
     for step in range(1, args.steps + 1):
+        if args.trace and step == args.steps - 1:
+            tracing.enter_context(roundpipe.trace(args.trace))
         x = torch.randn(args.batch, args.width)
         with torch.no_grad():
             y = teacher(x)
@@ -73,6 +83,12 @@ def main() -> None:
             rate = step * args.batch / (time.perf_counter() - start)
             print(f"step {step:4d}  loss {loss:.4f}  {rate:,.0f} samples/s")
     model.synchronize()
+    tracing.close()
+    if args.trace:
+        plan = roundpipe.ModelExecutePlan.auto("fused", model)
+        predicted = plan.simulate(model, "fused", num_microbatch=config.num_microbatch)
+        predicted.save(os.path.splitext(args.trace)[0] + ".predicted.json")
+        print(f"trace written to {args.trace}; plan {plan}")
     print(f"loss {first:.4f} -> {last:.4f}")
     if not last < 0.5 * first:
         raise SystemExit("the loss did not fall by half: something is wrong")

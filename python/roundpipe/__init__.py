@@ -24,6 +24,7 @@ from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.scheduler import ModelExecutePlan
 from roundpipe.timer import ModelTimer
+from roundpipe.tracing import trace
 
 __version__: str = str(BUILD_INFO["version"])
 
@@ -47,5 +48,6 @@ __all__ = [
     "optim",
     "save_checkpoint",
     "save_for_recompute",
+    "trace",
     "wrap_model_to_roundpipe",
 ]

@@ -35,6 +35,7 @@ from roundpipe._native import _C
 from roundpipe.device import device_count, devices
 from roundpipe.memory import ModelMemory, typed_view
 from roundpipe.scheduler import ModelExecutePlan, RunType
+from roundpipe.tracing import StageTrace, stage_trace
 
 if TYPE_CHECKING:
     from roundpipe.timer import Action, ModelTimer
@@ -253,6 +254,7 @@ class ResidentStage:
     ) -> None:
         self.memory, self.layers, self.device_index = memory, layers, device_index
         self.nvtx_model = nvtx_model
+        self.trace: StageTrace | None = None  # set while a timeline trace is recorded
         device = devices()[device_index]
         begin, end = memory.param_range(layers)
         self.buffer = torch.empty(end - begin, dtype=torch.uint8, device=device)
@@ -302,12 +304,16 @@ class ResidentStage:
         :meth:`ModelMemory.defer_buffer_write`; on CUDA the download is asynchronous), otherwise
         (recompute) they are dropped.
         """
+        trace = self.trace
         device = devices()[self.device_index]
         memory = self.memory
         memory.settle_buffers(self.layers)
         bound_buffers: list[tuple[int, torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
         with _device_guard(device):
+            start = trace.mark() if trace is not None else None
             self.uploaded.block_current_stream(self.device_index)
+            if trace is not None:
+                trace.span("wait", start)
             try:
                 for index in self.layers:
                     layer = memory.layers[index]
@@ -363,6 +369,8 @@ class ResidentStage:
                 events.append(
                     _C.accumulate_async(self.device_index, host, local, after, staging=through)
                 )
+        if self.trace is not None and events:
+            self.trace.transfer("grad_download", "gradient download", events[-1])
         return events
 
 
@@ -531,8 +539,7 @@ class Call:
         out of a freed buffer is left in flight, and the layers' buffers hold their new values.
         """
         memory = self.runner.memory
-        nvtx_model = self.runner.name if self.nvtx else None
-        with _rng_scope(), _Uploads(memory, stages, nvtx_model) as uploads:
+        with _rng_scope(), _Uploads(memory, stages, self.runner.name, self.nvtx) as uploads:
             try:
                 for stage in stages:
                     # No reference to a stage outlives its turn: its device buffers are freed
@@ -637,9 +644,10 @@ class Call:
     # -- stages ------------------------------------------------------------------------------
 
     def forward_stage(self, stage: ResidentStage, activations: list[Any]) -> list[Any]:
-        outputs = []
+        outputs, trace = [], stage.trace
         with stage.bound(keep_buffer_updates=True), torch.no_grad():
             for m, value in enumerate(activations):
+                start = trace.mark() if trace is not None else None
                 if stage.layers.start == 0:
                     moved = self._model_input(m, value, stage.device_index)
                     if self.saving and 0 in self.backward_starts:
@@ -658,8 +666,12 @@ class Call:
                         self.saved_inputs[(layer, m)] = (_unshared(host, value), event)
                         if event is not None:
                             self.pending.append(event)
+                            if trace is not None:
+                                trace.transfer("activation", "activation", event, m)
                     value = self.call_layer(layer, m, value, stage.device_index, recompute=False)
                 outputs.append(value)
+                if trace is not None:
+                    trace.span("forward", start, m)
         return outputs
 
     def fused_stage(
@@ -667,9 +679,10 @@ class Call:
     ) -> list[Any]:
         """Forward + loss + backward of the last stage; returns the input grads and appends to
         ``losses`` (and ``outputs``, if kept)."""
-        grads = []
+        grads, trace = [], stage.trace
         with stage.bound(keep_buffer_updates=True), torch.enable_grad():
             for m, value in enumerate(activations):
+                start_mark = trace.mark() if trace is not None else None
                 first, device = stage.layers.start, stage.device_index
                 inputs = self._differentiable_input(first, m, value, device)
                 result = _writable(inputs)
@@ -699,6 +712,8 @@ class Call:
                 if loss_spec.keep_outputs:
                     self.outputs.append(tree_map(_detach_leaf, result))
                 grads.append(_grads_of(inputs))
+                if trace is not None:
+                    trace.span("fused", start_mark, m)
         self.pending.extend(stage.download_grads())
         return grads
 
@@ -719,6 +734,8 @@ class Call:
     def _recompute_backward(
         self, layers: range, microbatch: int, grad: Any, stage: ResidentStage
     ) -> Any:
+        trace = stage.trace
+        mark = trace.mark() if trace is not None else None
         saved, landed = self.saved_inputs[(layers.start, microbatch)]
         inputs = self._differentiable_input(
             layers.start, microbatch, saved, stage.device_index, landed
@@ -729,6 +746,9 @@ class Call:
                 result = self.call_layer(
                     layer, microbatch, result, stage.device_index, recompute=True
                 )
+        if trace is not None:
+            trace.span("recompute", mark, microbatch, layers)
+            mark = trace.mark()
         watch = _Stopwatch(self.runner.timer, stage.device_index)
         try:
             with self._mark("backward", layers, microbatch):
@@ -736,6 +756,8 @@ class Call:
         except Exception as error:
             raise annotate(error, self._where(layers, "backward", microbatch)) from error
         watch.stop(layers, "bwd")
+        if trace is not None:
+            trace.span("backward", mark, microbatch, layers)
         return _grads_of(inputs)
 
     def _differentiable_input(
@@ -899,9 +921,10 @@ class _Uploads:
     theirs, and the host arena must not change or go away while one still reads it)."""
 
     def __init__(
-        self, memory: ModelMemory, stages: Sequence[Stage], nvtx_model: str | None
+        self, memory: ModelMemory, stages: Sequence[Stage], model: str, nvtx: bool
     ) -> None:
-        self.memory, self.stages, self.nvtx_model = memory, stages, nvtx_model
+        self.memory, self.stages, self.model = memory, stages, model
+        self.nvtx_model = model if nvtx else None
         self.issued: list[ResidentStage] = []
         self.uploads: list[Any] = []
         self.index = 0
@@ -913,22 +936,26 @@ class _Uploads:
         for uploaded in self.uploads:
             uploaded.synchronize()
 
-    def _upload(self, stage: Stage) -> None:
+    def _upload(self, index: int) -> None:
+        stage = self.stages[index]
         resident = ResidentStage(
             self.memory, stage.layers, _next_device(), stage.kind != "forward", self.nvtx_model
         )
+        resident.trace = stage_trace(self.model, resident.device_index, index, stage.layers)
+        if resident.trace is not None:
+            resident.trace.transfer("upload", "parameter upload", resident.uploaded)
         self.issued.append(resident)
         self.uploads.append(resident.uploaded)
 
     def next(self) -> ResidentStage:
         """The next stage, resident; issues the upload of the one after it."""
         if self.index == 0 and self.stages:
-            self._upload(self.stages[0])
+            self._upload(0)
         if self.index > 0:
             self.issued.pop(0)  # the previous stage is done with its upload
         self.index += 1
         if self.index < len(self.stages):
-            self._upload(self.stages[self.index])
+            self._upload(self.index)
         return self.issued[0]
 
 

@@ -16,6 +16,7 @@ from typing import Literal, Protocol, get_args
 
 from roundpipe import device
 from roundpipe._native import _C
+from roundpipe.tracing import Trace, predict_trace
 
 RunType = Literal["infer", "train", "fused"]
 _RUN_TYPES: tuple[str, ...] = get_args(RunType)
@@ -226,6 +227,74 @@ class ModelExecutePlan:
             plans.append(plan)
         return plans[0] if len(plans) == 1 else plans
 
+    def simulate(
+        self,
+        model: ProfiledModel | LayerProfile,
+        run_type: RunType = "fused",
+        *,
+        num_microbatch: int | None = None,
+        num_devices: int | None = None,
+        upload_bytes_per_second: float | None = None,
+    ) -> Trace:
+        """The schedule the planner's simulator predicts for this plan: a
+        :class:`roundpipe.tracing.Trace` like a measured one (``.save(path)``,
+        ``roundpipe.plot.plot_trace(measured, out, predicted=...)``, ``.summary()``).
+
+        Args:
+            model: a RoundPipe model (its current layer estimates are used) or a
+                :class:`LayerProfile`.
+            run_type: ``"infer"`` (forward call), ``"train"`` (forward call, then backward call)
+                or ``"fused"`` (``forward_backward``).
+            num_microbatch: default ``num_devices + 1``, as a call's default.
+            num_devices: default ``roundpipe.device_count()``.
+            upload_bytes_per_second: parameter upload rate; default the planner's assumption
+                for the device kind (``ASSUMED_UPLOAD_BYTES_PER_SECOND``); 0 ignores uploads.
+
+        Raises:
+            TypeError / ValueError: a bad argument, or a plan that cannot run the model as
+                ``run_type``.
+        """
+        _check_run_type(run_type)
+        if isinstance(model, LayerProfile):
+            profile, name = _check_profile(model, "profile"), "model"
+        elif callable(getattr(model, "_layer_profile", None)):
+            profile, name = _checked_profile(model, 0), getattr(model, "name", None) or "model"
+        else:
+            raise TypeError(
+                f"model must be a RoundPipe model or a LayerProfile, got {type(model).__name__}"
+            )
+        if num_devices is None:
+            num_devices = device.device_count()
+        _check_int(num_devices, "num_devices", minimum=1)
+        if num_microbatch is None:
+            num_microbatch = num_devices + 1
+        _check_int(num_microbatch, "num_microbatch", minimum=1)
+        if upload_bytes_per_second is None:
+            upload_bytes_per_second = ASSUMED_UPLOAD_BYTES_PER_SECOND[device.device_kind()]
+        _check_real(upload_bytes_per_second, "upload_bytes_per_second")
+        if upload_bytes_per_second < 0:
+            raise ValueError(
+                f"upload_bytes_per_second must be >= 0 (0: uploads take no time), got "
+                f"{upload_bytes_per_second}"
+            )
+        self.validate(len(profile.forward_seconds), run_type)
+        forward = [("forward", layers) for layers in self.fwd_plan]
+        backward = [("backward", layers) for layers in self.bwd_plan]
+        if run_type == "infer":
+            calls = [forward]
+        elif run_type == "train":
+            calls = [forward, backward]
+        else:
+            calls = [[*forward, ("fused", self.bwd_plan[0]), *backward[1:]]]
+        return predict_trace(
+            calls,
+            profile,
+            num_microbatch=num_microbatch,
+            num_devices=num_devices,
+            model=name,
+            upload_bytes_per_second=float(upload_bytes_per_second),
+        )
+
 
 @dataclass(frozen=True)
 class _PlannerResult:
@@ -324,13 +393,17 @@ def _checked_profile(model: ProfiledModel, index: int) -> LayerProfile:
             f"models[{index}]._layer_profile() must return a LayerProfile, got "
             f"{type(profile).__name__}"
         )
+    return _check_profile(profile, f"models[{index}]")
+
+
+def _check_profile(profile: LayerProfile, where: str) -> LayerProfile:
     layers = len(profile.forward_seconds)
     if layers == 0:
-        raise ValueError(f"models[{index}] has no layers; a plan needs at least one layer")
+        raise ValueError(f"{where} has no layers; a plan needs at least one layer")
     for field in ("recompute_seconds", "backward_seconds", "forward_bytes", "backward_bytes"):
         if len(getattr(profile, field)) != layers:
             raise ValueError(
-                f"models[{index}]: {field} has {len(getattr(profile, field))} entries but "
+                f"{where}: {field} has {len(getattr(profile, field))} entries but "
                 f"forward_seconds has {layers}; the profile needs one per layer"
             )
     return profile

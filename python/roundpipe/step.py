@@ -45,6 +45,7 @@ from roundpipe.memory import ModelMemory
 from roundpipe.optim import fused_writeback
 from roundpipe.optimizer_copy import OptimizerCopy
 from roundpipe.pipeline import annotate
+from roundpipe.tracing import active_tracer
 
 # Iterations are counted by the steps submitted in this process. The main thread is in iteration
 # `_submitted`; a job runs on behalf of the iteration that submitted it (see current_iteration).
@@ -215,11 +216,11 @@ class StepPipeline:
     """Optimizer copies and in-flight optimizer work of one model."""
 
     def __init__(
-        self, memory: ModelMemory, optim_dtype: torch.dtype | None, name: str | None = None
+        self, memory: ModelMemory, optim_dtype: torch.dtype | None, name: str = "model"
     ) -> None:
-        self.memory = memory
+        self.memory, self.name = memory, name
         # How step_fn's errors name the step.
-        self.where = f"RoundPipe model {name!r}: optimizer step" if name else "optimizer step"
+        self.where = f"RoundPipe model {name!r}: optimizer step"
         self.optim_dtype = optim_dtype
         self._copies: dict[int, OptimizerCopy] | None = None
         self._spare_grads: torch.Tensor | None = None
@@ -286,12 +287,24 @@ class StepPipeline:
                     copy.resolve_grad()
                 handed_over.zero_()
 
+        tracer = active_tracer()
+
         def job() -> None:
             _job.iteration = iteration
+            start = tracer.mark() if tracer is not None else None
             try:
                 run_step()
             finally:
                 _job.iteration = None
+                if tracer is not None:
+                    tracer.record(
+                        "optimizer_step",
+                        model=self.name,
+                        device=None,
+                        lane="optimizer",
+                        start=start,
+                        end=tracer.mark(),
+                    )
 
         self._job = submit(job)
         if not is_async:
@@ -302,6 +315,8 @@ class StepPipeline:
         """Wait for the last step, re-raise its error, and queue its weights' write-back."""
         job = self._job
         if job is not None:
+            tracer = active_tracer()
+            start = tracer.mark() if tracer is not None else None
             try:
                 job.synchronize()  # a failed step raises here; its weights are not written back
             except KeyboardInterrupt:
@@ -311,6 +326,19 @@ class StepPipeline:
                 raise
             self._job = None
             self._written = self._write_back()
+            if tracer is not None:
+                tracer.record(
+                    "wait",
+                    model=self.name,
+                    device=None,
+                    lane="main",
+                    start=start,
+                    end=tracer.mark(),
+                )
+                if self._written is not None:
+                    tracer.record_transfer(
+                        "writeback", model=self.name, device=None, lane="writer", done=self._written
+                    )
         raise_detached_errors(wait=True)
 
     def _fused_targets(
