@@ -49,7 +49,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol, cast
+from typing import Any, Final, Literal, Protocol, cast, get_args
 
 from roundpipe._native import _C
 
@@ -65,18 +65,7 @@ Phase = Literal[
     "writeback",
     "wait",
 ]
-PHASES: Final[tuple[str, ...]] = (
-    "forward",
-    "recompute",
-    "backward",
-    "fused",
-    "upload",
-    "grad_download",
-    "activation",
-    "optimizer_step",
-    "writeback",
-    "wait",
-)
+PHASES: Final[tuple[str, ...]] = get_args(Phase)
 #: Phases that keep a device busy computing (what busy % counts).
 COMPUTE_PHASES: Final[frozenset[str]] = frozenset({"forward", "recompute", "backward", "fused"})
 #: Host-side optimizer work that an asynchronous step hides behind the next iteration.
