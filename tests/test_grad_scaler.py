@@ -153,3 +153,36 @@ def test_unscale_twice_is_an_error() -> None:
     assert torch.equal(param.grad, torch.full((2,), 0.5))
     with pytest.raises(RuntimeError, match="already called"):
         scaler.unscale_(optimizer)
+
+
+def test_an_iterations_scale_does_not_depend_on_when_the_async_step_finished() -> None:
+    """Iteration i+1 scales with what the steps the program waited for left, whether or not the
+    asynchronous step i (and its update) happened to finish before i+1's first scale() call."""
+    import time
+
+    def run(step_delay: float, main_delay: float) -> list[float]:
+        torch.manual_seed(0)
+        model = RoundPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+        optimizer = torch.optim.SGD(model.optim_parameters(), lr=1e-3)
+        scaler = GradScaler(init_scale=4.0, growth_interval=1)  # grows at every clean step
+
+        def step_fn() -> None:
+            time.sleep(step_delay)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+
+        losses = []
+        x = torch.randn(4, 4)
+        for _ in range(4):
+            loss = model.forward_backward(
+                input_args=(x,), loss_fn=lambda out, _: scaler.scale(out.square().mean())
+            )
+            losses.append(float(loss))
+            model.step(step_fn)
+            time.sleep(main_delay)
+        model.synchronize()
+        return losses
+
+    # The step finishes long before the next iteration, or long after it started.
+    assert run(step_delay=0.0, main_delay=0.3) == run(step_delay=0.3, main_delay=0.0)

@@ -245,7 +245,7 @@ def _failing_update(scaler: GradScaler) -> _ScaleTrouble:
     """Make the scaler's next update fail on the optimizer thread (fault injection)."""
     cause = _ScaleTrouble("update failed")
 
-    def fail(new_scale: Any, iteration: int) -> None:
+    def fail(*args: Any) -> None:
         raise cause
 
     scaler._update = fail  # type: ignore[method-assign]

@@ -26,6 +26,7 @@ from roundpipe.step import (
     drain_optimizer_thread,
     in_step_job,
     raise_detached_errors,
+    settled_iteration,
     submit_detached,
 )
 
@@ -98,6 +99,12 @@ class GradScaler:
         self._growth_tracker = 0
         self._lock = threading.Lock()
         self._iteration_scales: dict[int, float] = {}
+        # The scale new iterations use: `_settled_scale` after every update of a step the
+        # program has waited for; `_updates` holds (step iteration, scale after it) of the others.
+        # So an iteration's scale never depends on whether an asynchronous step (and its update)
+        # happened to finish before the iteration's first scale() call.
+        self._settled_scale = self._scale
+        self._updates: list[tuple[int, float]] = []
         self._unscaled: dict[int, bool] = {}  # id(optimizer) -> found inf/NaN
 
     @staticmethod
@@ -116,7 +123,10 @@ class GradScaler:
         if not self._enabled:
             return outputs
         with self._lock:
-            scale = self._iteration_scales.setdefault(current_iteration(), self._scale)
+            settled = settled_iteration()
+            while self._updates and self._updates[0][0] <= settled:
+                self._settled_scale = self._updates.pop(0)[1]
+            scale = self._iteration_scales.setdefault(current_iteration(), self._settled_scale)
         return tree_map(lambda t: t * scale if isinstance(t, torch.Tensor) else t, outputs)
 
     # -- optimizer thread ----------------------------------------------------------------------
@@ -179,14 +189,17 @@ class GradScaler:
         scale = None if new_scale is None else _positive("new_scale", _scalar(new_scale))
         iteration = current_iteration()
         if in_step_job():
-            self._update(scale, iteration)
-        elif is_async:
-            submit_detached(lambda: self._update(scale, iteration))
+            self._update(scale, iteration, iteration)
         else:
-            drain_optimizer_thread()
-            self._update(scale, iteration)
+            # Outside step_fn an update belongs to the step submitted last.
+            step = iteration - 1
+            if is_async:
+                submit_detached(lambda: self._update(scale, iteration, step))
+            else:
+                drain_optimizer_thread()
+                self._update(scale, iteration, step)
 
-    def _update(self, new_scale: float | None, iteration: int) -> None:
+    def _update(self, new_scale: float | None, iteration: int, step: int) -> None:
         found_inf = any(self._unscaled.values())
         with self._lock:
             if new_scale is not None:
@@ -200,6 +213,7 @@ class GradScaler:
                     self._scale *= self._growth_factor
                     self._growth_tracker = 0
             self._unscaled.clear()
+            self._updates.append((step, self._scale))
             # Scales of earlier iterations are no longer needed: their steps have run.
             for done in [i for i in self._iteration_scales if i < iteration]:
                 del self._iteration_scales[done]
@@ -260,6 +274,8 @@ class GradScaler:
             raise RuntimeError("the checkpoint holds no scaler state (saved with enabled=False)")
         drain_optimizer_thread()
         self._scale = _positive("scale", state_dict["scale"])
+        with self._lock:
+            self._settled_scale, self._updates = self._scale, []
         self.set_growth_factor(state_dict["growth_factor"])
         self.set_backoff_factor(state_dict["backoff_factor"])
         self.set_growth_interval(state_dict["growth_interval"])

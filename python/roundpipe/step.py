@@ -50,6 +50,9 @@ from roundpipe.tracing import active_tracer
 # Iterations are counted by the steps submitted in this process. The main thread is in iteration
 # `_submitted`; a job runs on behalf of the iteration that submitted it (see current_iteration).
 _submitted = 0
+# The newest step the program has waited for (finish(), a synchronous step, a drain): what it has
+# done is settled; what a step still in flight does is not, even if it happens to have run.
+_settled = -1
 _job = threading.local()
 # Events of asynchronous jobs that no model waits for (GradScaler.update(is_async=True)): their
 # errors are raised by the next step(), synchronize(), forward or GradScaler getter.
@@ -102,11 +105,24 @@ def raise_detached_errors(wait: bool = False) -> None:
         _detached.pop(0)
 
 
+def settled_iteration() -> int:
+    """The newest step iteration the program has waited for (-1: none). State changed by steps up
+    to it is what the next iteration may use, whatever the timing of the steps after it."""
+    return _settled
+
+
+def _settle(iteration: int) -> None:
+    global _settled
+    _settled = max(_settled, iteration)
+
+
 def drain_optimizer_thread() -> None:
     """Wait until every step submitted so far has run (the thread is first in, first out), then
     raise the errors of detached jobs."""
     if not in_step_job():
+        submitted = _submitted
         submit(lambda: None).synchronize()
+        _settle(submitted - 1)
         raise_detached_errors()
 
 
@@ -225,6 +241,7 @@ class StepPipeline:
         self._copies: dict[int, OptimizerCopy] | None = None
         self._spare_grads: torch.Tensor | None = None
         self._job: Any = None  # the optimizer thread's event of the last step
+        self._job_iteration = -1  # and the iteration it steps
         self._written: Any = None  # event of the last write-back into the parameter arena
         # Low-precision weights that roundpipe.optim.Adam wrote in its update pass: for an
         # asynchronous step into a staging arena (gradient arena layout), since the iteration in
@@ -260,6 +277,7 @@ class StepPipeline:
         slots = [slot for slot in self.memory.slots() if slot.grad_offset is not None]
         global _submitted
         iteration, _submitted = _submitted, _submitted + 1
+        self._job_iteration = iteration
 
         written = self._written
         # Synchronous: nothing reads the parameter arena until this step is done (calls wait for
@@ -323,8 +341,10 @@ class StepPipeline:
                 raise  # the step is still running: the next finish() waits for it again
             except BaseException:
                 self._job = None
+                _settle(self._job_iteration)
                 raise
             self._job = None
+            _settle(self._job_iteration)
             self._written = self._write_back()
             if tracer is not None:
                 tracer.record(
