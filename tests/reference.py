@@ -8,6 +8,7 @@ on, ``master`` what the optimizer holds.
 from __future__ import annotations
 
 import torch
+from roundpipe import ModelExecutePlan
 from torch import nn
 
 MICROBATCHES = 2
@@ -58,3 +59,27 @@ def master_step(
         optimizer.step()
         for master, p in zip(masters, model.parameters(), strict=True):
             p.copy_(master)
+
+
+def make_plan(fwd: list[range], bwd: list[range]) -> ModelExecutePlan:
+    plan = ModelExecutePlan()
+    plan.fwd_plan, plan.bwd_plan = fwd, bwd
+    return plan
+
+
+def mlp(layers: int = 4, width: int = 6, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)]
+    )
+
+
+def assert_same_grads(model: nn.Module, reference: nn.Module, exact: bool = False) -> None:
+    for (name, p), (_, q) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        assert p.grad is not None, name
+        if exact:
+            assert torch.equal(p.grad, q.grad), name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)

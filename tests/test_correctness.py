@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import roundpipe
 import torch
+from reference import assert_same_grads, make_plan, mlp
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from torch import nn
 
@@ -24,12 +25,6 @@ def float64_by_default() -> Iterator[None]:
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(previous)
-
-
-def make_plan(fwd: list[range], bwd: list[range]) -> ModelExecutePlan:
-    plan = ModelExecutePlan()
-    plan.fwd_plan, plan.bwd_plan = fwd, bwd
-    return plan
 
 
 def single_layer_plan(layers: int) -> ModelExecutePlan:
@@ -53,22 +48,6 @@ def plain_forward_backward(
         loss.backward()
         total = total + loss.detach()
     return total
-
-
-def assert_same_grads(model: nn.Module, reference: nn.Module) -> None:
-    for (name, p), (_, q) in zip(
-        model.named_parameters(), reference.named_parameters(), strict=True
-    ):
-        assert q.grad is not None, name
-        assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
-
-
-def mlp(layers: int = 4, width: int = 6, seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        *[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)]
-    )
 
 
 # --------------------------------------------------------------------------------------------

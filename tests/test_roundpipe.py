@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import roundpipe
 import torch
+from reference import assert_same_grads, make_plan, mlp
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from torch import nn
 
@@ -27,19 +28,6 @@ def float64_by_default() -> Iterator[None]:
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(previous)
-
-
-def make_plan(fwd: list[range], bwd: list[range]) -> ModelExecutePlan:
-    plan = ModelExecutePlan()
-    plan.fwd_plan, plan.bwd_plan = fwd, bwd
-    return plan
-
-
-def mlp(layers: int = 4, width: int = 6, seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        *[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)]
-    )
 
 
 def mse(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
@@ -58,17 +46,6 @@ def plain_forward_backward(
         total = total + loss.detach()
         outputs.append(out.detach())
     return total, torch.cat(outputs)
-
-
-def assert_same_grads(model: nn.Module, reference: nn.Module, exact: bool = False) -> None:
-    for (name, p), (_, q) in zip(
-        model.named_parameters(), reference.named_parameters(), strict=True
-    ):
-        assert p.grad is not None, name
-        if exact:
-            assert torch.equal(p.grad, q.grad), name
-        else:
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
 SEED_FUSED = make_plan([range(0, 3)], [range(3, 4), range(2, 3), range(1, 2), range(0, 1)])
