@@ -208,6 +208,12 @@ class RoundPipe(ForwardingModule):
             if id(param) in copies:  # with data parallelism: the own shard's only
                 yield f"{dotted}model.{name}", copies[id(param)]
 
+    @property
+    def data_parallel_size(self) -> int:
+        """The number of data-parallel ranks (1 without data parallelism)."""
+        dp = self._runtime.steps.data_parallel
+        return 1 if dp is None else dp.world_size
+
     def data_parallel_shard(self) -> DataParallelShard:
         """This rank's part of the optimizer: rank, world size and one :class:`ShardPiece`
         (name, whole shape, flattened element range, optimizer copy) per optimizer copy, in
