@@ -9,9 +9,11 @@ one process without torch.distributed. Per rank it reports:
 - step: the whole optimizer step (``model.step(is_async=False)``: gradient reduce, the shard's
   Adam, weight all-gather, write-back), median over the timed steps;
 - adam: the shard's ``optimizer.step()`` alone (what sharding divides by N);
-- reduce-scatter vs all-reduce: one collective over the whole gradient arena each, on the same
-  gloo group (the cost of emulating a reduce-scatter with an all-reduce);
-- RSS: resident host memory after the steps, and its peak.
+- reduce-scatter vs all-reduce: one collective over the whole gradient arena each, on one gloo
+  group (RoundPipe all-reduces: gloo's reduce-scatter is the slower of the two);
+- RSS: resident host memory after the steps, its peak, and the growth over the process before
+  the model was built (torch, gloo and the interpreter excluded), beside the per-rank formula of
+  docs/guide.md (bf16 weights, fp32 copies, Adam): ``8P + 14P/N`` bytes, ``18P`` without a group.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
             cfg["backend"], rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
         )
         group = dist.group.WORLD
+    baseline = _rss_mib("VmRSS")
     layers = max(1, cfg["params"] // (WIDTH * WIDTH))
     torch.manual_seed(0)
     model = roundpipe.RoundPipe(
@@ -91,14 +94,17 @@ def rank_main(cfg: dict[str, Any]) -> None:
         "step_ms": statistics.median(step_times) * 1e3,
         "adam_ms": statistics.median(adam_times[cfg["warmup"] :]) * 1e3,
         "rss_mib": _rss_mib("VmRSS"),
+        "growth_mib": _rss_mib("VmRSS") - baseline,
         "peak_mib": _rss_mib("VmHWM"),
     }
     if world > 1:
         own = dist.new_group(backend="gloo")
         arena = torch.ones(layers * WIDTH * WIDTH, dtype=torch.bfloat16)
         shard = torch.empty(arena.numel() // world, dtype=torch.bfloat16)
+        # torch 2.13 renamed reduce_scatter_tensor.
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         for name, run in (
-            ("reduce_scatter_ms", lambda: rd.reduce_scatter(shard, arena, own)),
+            ("reduce_scatter_ms", lambda: scatter(shard, arena, group=own)),
             ("all_reduce_ms", lambda: rd.all_reduce(arena, dist.ReduceOp.SUM, own)),
         ):
             times = []
@@ -167,8 +173,8 @@ def main() -> None:
 
     rows = [
         "| ranks | params | step ms | adam ms | reduce-scatter ms | all-reduce ms | "
-        "RSS MiB | peak RSS MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "RSS MiB | peak RSS MiB | model RSS MiB | formula MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for world in [0] + [int(n) for n in args.ranks.split(",")]:
         figures = measure(world, args)
@@ -180,9 +186,13 @@ def main() -> None:
         label = "1 process, no group" if world == 0 else f"{world}"
         rss = max(f["rss_mib"] for f in figures)
         peak = max(f["peak_mib"] for f in figures)
+        growth = max(f["growth_mib"] for f in figures)
+        params = worst["params"]
+        formula = (18 * params if world <= 1 else 8 * params + 14 * params / world) / 2**20
         rows.append(
-            f"| {label} | {worst['params'] / 1e6:.1f}M | {cell('step_ms')} | {cell('adam_ms')} | "
-            f"{cell('reduce_scatter_ms')} | {cell('all_reduce_ms')} | {rss:.0f} | {peak:.0f} |"
+            f"| {label} | {params / 1e6:.1f}M | {cell('step_ms')} | {cell('adam_ms')} | "
+            f"{cell('reduce_scatter_ms')} | {cell('all_reduce_ms')} | {rss:.0f} | {peak:.0f} | "
+            f"{growth:.0f} | {formula:.0f} |"
         )
         print(rows[-1], flush=True)
     table = "\n".join(rows)

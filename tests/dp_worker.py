@@ -38,7 +38,7 @@ def build(cfg: dict[str, Any], rank: int) -> nn.Sequential:
     ]
     if cfg["dtype"] == "bf16":
         model = nn.Sequential(*layers).to(torch.bfloat16)
-        # An fp32 norm among bf16 weights: gradients of two dtypes (the all-reduce path).
+        # An fp32 norm among bf16 weights: gradients of two dtypes.
         model.insert(4, nn.LayerNorm(hidden))
         return model
     return nn.Sequential(*layers).to(torch.float16 if cfg["dtype"] == "fp16" else torch.float64)
@@ -79,7 +79,7 @@ def main() -> None:
     if cfg.get("chunk"):
         roundpipe.distributed.CHUNK_BYTES = cfg["chunk"]
     if cfg.get("delay"):
-        for name in ("all_reduce", "reduce_scatter", "all_gather"):
+        for name in ("all_reduce", "all_gather"):
             collective = getattr(roundpipe.distributed, name)
             setattr(roundpipe.distributed, name, delayed(collective, rank))
     result: dict[str, Any] = {"norms": [], "scales": []}

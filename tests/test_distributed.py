@@ -139,7 +139,7 @@ def test_fp64_ranks_equal_one_process(
 
 
 def test_bf16_weights_fp32_copies_equal_one_process(tmp_path: Path):
-    # bf16 Linear weights and an fp32 LayerNorm (two gradient dtypes: the all-reduce path),
+    # bf16 Linear weights and an fp32 LayerNorm (two gradient dtypes, in one shard),
     # fp32 copies stepped by roundpipe.optim.Adam (fused bf16 write-back into the staging).
     results, ref, _ = run(tmp_path, 2, dtype="bf16")
     assert_matches(results, ref, rtol=0.0, atol=2e-3, norm_rtol=1e-3)

@@ -9,10 +9,12 @@ piece of it (elements ``[start, stop)`` of the flattened parameter).
 
 One optimizer step, on the optimizer thread of every rank, in the same order everywhere:
 
-1. the handed-over gradient arena is summed across ranks into the own shard (reduce-scatter when
-   every gradient has one dtype, else an all-reduce per same-dtype run: a mixed-dtype shard has
-   no single dtype to reduce in), in chunks of at most :data:`CHUNK_BYTES` per rank, and divided
-   by ``world_size`` (the mean, as ``DistributedDataParallel``);
+1. the handed-over gradient arena is summed across ranks, in place, by an all-reduce per
+   same-dtype run in chunks of at most :data:`CHUNK_BYTES` (no temporary arena), and the own
+   shard is divided by ``world_size`` (the mean, as ``DistributedDataParallel``). A
+   reduce-scatter would move half the bytes, but gloo's (torch 2.13) is slower than its
+   all-reduce at every size measured (``benchmarks/scale_cpu.py``) and would need one dtype per
+   collective where a shard may hold several;
 2. the own pieces receive their gradients, ``step_fn`` runs (``GradScaler`` and
    ``RoundPipe.clip_grad_norm_`` agree across ranks through :func:`any_rank` and
    :meth:`DataParallel.all_reduce_scalar`);
@@ -43,14 +45,12 @@ if TYPE_CHECKING:
     from roundpipe.memory import ModelMemory, ParamSlot
     from roundpipe.optimizer_copy import OptimizerCopy
 
-# Bytes per rank in one collective of the gradient reduce: bounds the temporaries (the
-# reduce-scatter's input, gloo's own buffers) whatever the model size.
+# Bytes in one all-reduce of the gradient reduce: bounds gloo's own buffers whatever the model
+# size, and lets the ranks' transfers of one chunk overlap the reduction of the previous one.
 CHUNK_BYTES = 16 << 20
 _ALIGN = 64
 
-# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor; older releases have only
-# the old names.
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed all_gather_into_tensor; older releases have only the old name.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _active = threading.local()
@@ -62,11 +62,6 @@ _active = threading.local()
 def all_reduce(tensor: torch.Tensor, op: Any, group: Any) -> None:
     """``tensor`` reduced with ``op`` over ``group``, in place."""
     dist.all_reduce(tensor, op=op, group=group)
-
-
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
-    """The sum over ``group`` of the rank's ``1/world_size`` part of ``input``, into ``output``."""
-    _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, group=group)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
@@ -200,15 +195,12 @@ class DataParallel:
                     _Slice(slot, (low - first) // size, (high - first) // size, low - self.begin)
                 )
         self.piece_by_param = {id(piece.slot.param): piece for piece in self.slices}
-        runs = memory.grad_runs(range(len(memory.layers)))
-        dtypes = {dtype for _, _, dtype in runs}
-        # One dtype: a reduce-scatter sums each rank's shard in it; else all-reduce per run.
-        self.single_dtype: torch.dtype | None = dtypes.pop() if len(dtypes) == 1 else None
-        self.runs = runs
+        self.runs = memory.grad_runs(range(len(memory.layers)))
+        # The own shard's averaged gradients (the arena is zeroed for the next iteration while
+        # step_fn may still hold them).
         self.shard_grads = torch.zeros(self.shard_bytes, dtype=torch.uint8)
         # New weights in the gradient arena's layout, padded to world_size shards.
         self.staging = torch.zeros(self.world_size * self.shard_bytes, dtype=torch.uint8)
-        self._scatter_input: torch.Tensor | None = None
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -234,40 +226,10 @@ class DataParallel:
     # -- collectives ---------------------------------------------------------------------------
 
     def reduce_gradients(self, arena: torch.Tensor) -> None:
-        """Sum ``arena`` (a gradient arena) over the ranks into the own shard, then divide by
-        the world size."""
+        """Sum ``arena`` (a gradient arena) over the ranks, in place, chunk by chunk of every
+        same-dtype run; the own shard divided by the world size goes to ``shard_grads``."""
         if self.shard_bytes == 0:
             return
-        if self.single_dtype is not None:
-            self._reduce_scatter(arena, self.single_dtype)
-        else:
-            self._all_reduce_runs(arena)
-        with torch.no_grad():
-            for piece in self.slices:
-                self.grad_of(piece).div_(self.world_size)
-
-    def _reduce_scatter(self, arena: torch.Tensor, dtype: torch.dtype) -> None:
-        """Chunk ``k`` of every rank's shard side by side in one input, reduce-scattered into
-        chunk ``k`` of the own shard; bytes past the arena's end are the padding (zero)."""
-        size, chunk = self.world_size, min(CHUNK_BYTES, self.shard_bytes)
-        if self._scatter_input is None:
-            self._scatter_input = torch.empty(size * chunk, dtype=torch.uint8)
-        for at in range(0, self.shard_bytes, chunk):
-            width = min(chunk, self.shard_bytes - at)
-            inputs = self._scatter_input[: size * width]
-            for rank in range(size):
-                low = rank * self.shard_bytes + at
-                valid = max(0, min(width, self.total - low))
-                part = inputs[rank * width : (rank + 1) * width]
-                part[:valid].copy_(arena[low : low + valid])
-                part[valid:].zero_()
-            reduce_scatter(
-                self.shard_grads[at : at + width].view(dtype), inputs.view(dtype), self.group
-            )
-
-    def _all_reduce_runs(self, arena: torch.Tensor) -> None:
-        """All-reduce every same-dtype run of ``arena`` in place (chunk by chunk), then take the
-        own shard."""
         for begin, end, dtype in self.runs:
             for low in range(begin, end, CHUNK_BYTES):
                 all_reduce(
@@ -278,6 +240,9 @@ class DataParallel:
         own = arena[self.begin : min(self.total, self.begin + self.shard_bytes)]
         self.shard_grads[: own.numel()].copy_(own)
         self.shard_grads[own.numel() :].zero_()
+        with torch.no_grad():
+            for piece in self.slices:
+                self.grad_of(piece).div_(self.world_size)
 
     def gather_weights(self) -> None:
         """Every rank's staged new weights into every rank's staging arena (as bytes)."""
@@ -343,5 +308,4 @@ __all__ = [
     "all_reduce",
     "any_rank",
     "check_group",
-    "reduce_scatter",
 ]
