@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from roundpipe import context
 from roundpipe._native import _C
 from roundpipe.device import device_count, devices
-from roundpipe.memory import ModelMemory, typed_view
+from roundpipe.memory import ModelMemory
 from roundpipe.scheduler import ModelExecutePlan, RunType
 from roundpipe.tracing import StageTrace, stage_trace
 
@@ -240,6 +240,27 @@ def _buffer_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return staging.to(device, non_blocking=True)
 
 
+class _TypedViews:
+    """Views of a stage's device buffer (bytes from arena offset ``first_byte`` on) laid out like
+    the parameters it holds, as ``roundpipe.memory.typed_view`` makes them, but cut with
+    ``as_strided`` from one view of the buffer per dtype. Every upload makes one per parameter,
+    and backward stages one more per gradient; this costs about a quarter of ``typed_view``'s
+    slice and two ``view`` calls. Arena offsets are aligned for every dtype (memory.py)."""
+
+    def __init__(self, buffer: torch.Tensor, first_byte: int) -> None:
+        self.buffer, self.first_byte = buffer, first_byte
+        self.typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def at(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        """The view at arena byte ``offset`` laid out like ``like`` (a contiguous tensor)."""
+        size = like.element_size()
+        base = self.typed.get(like.dtype)
+        if base is None:
+            whole = self.buffer.numel() // size * size
+            base = self.typed[like.dtype] = self.buffer[:whole].view(like.dtype)
+        return base.as_strided(like.shape, like.stride(), (offset - self.first_byte) // size)
+
+
 class ResidentStage:
     """A stage's parameters (and gradient buffer, for backward) resident on one device.
 
@@ -279,18 +300,18 @@ class ResidentStage:
         if with_grads:
             grad_begin, grad_end = memory.grad_range(layers)
             self.grad_buffer = torch.zeros(grad_end - grad_begin, dtype=torch.uint8, device=device)
+        params = _TypedViews(self.buffer, begin)
+        grads = None if self.grad_buffer is None else _TypedViews(self.grad_buffer, grad_begin)
         self.views: dict[int, list[torch.Tensor]] = {}
         for index in layers:
             views = []
             for slot in memory.layers[index].slots:
-                view = typed_view(self.buffer, slot.offset - begin, slot.param)
+                view = params.at(slot.offset, slot.param)
                 # As the parameter, also in forward stages (they run without grad): a layer that
                 # checks `p.requires_grad` sees what it would see on the parameter itself.
                 view.requires_grad_(slot.param.requires_grad)
-                if self.grad_buffer is not None and slot.grad_offset is not None:
-                    view.grad = typed_view(
-                        self.grad_buffer, slot.grad_offset - grad_begin, slot.param
-                    )
+                if grads is not None and slot.grad_offset is not None:
+                    view.grad = grads.at(slot.grad_offset, slot.param)
                 views.append(view)
             self.views[index] = views
 
