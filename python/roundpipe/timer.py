@@ -1,8 +1,9 @@
 """Online per-layer timing: the estimates :meth:`ModelExecutePlan.auto` plans with.
 
 The runtime measures every layer's forward (``"fwd"``), recompute (``"re"``) and backward
-(``"bwd"``) time of each microbatch and calls :meth:`ModelTimer.record`: with the host clock on
-virtual CPU devices; on GPUs with timing CUDA events on the compute stream, handed over with
+(``"bwd"``) time of each microbatch: with the host clock on virtual CPU devices, handed over
+once per stage with :meth:`ModelTimer.record_spans` (the same as :meth:`ModelTimer.record` of each
+in order); on GPUs with timing CUDA events on the compute stream, handed over with
 :meth:`ModelTimer.record_later` and read once they completed (never waiting for the GPU) when the
 timer is next asked for its ``version`` or ``profile``.
 
