@@ -1,24 +1,37 @@
 """Runtime overhead on virtual CPU devices: a deep, narrow model shows the pipeline's own cost.
 
-RoundPipe's ``forward_backward`` against the plain PyTorch loop it is defined by, made comparable:
-per microbatch forward, loss and backward with every layer checkpointed (the same recompute work
-RoundPipe does). Both run in this process, alternating, and the median of the iterations is kept.
+Two tables, both timed in this process with the contenders alternating (median of the iterations):
+
+**Dispatch** (width 8: 256 ``nn.Linear(8, 8)`` + ReLU layers, 4 microbatches of 4 rows). Compute is
+next to nothing, so the figure is the host's own work per layer x microbatch (Python, autograd,
+RNG, bookkeeping), which caps tokens/s at short sequences on a GPU. Reported in us per layer x
+microbatch for the plain PyTorch forward + backward (per microbatch: forward, loss, backward), the
+same with every layer checkpointed (``torch.utils.checkpoint``, ``use_reentrant=False``) and
+RoundPipe's ``forward_backward`` with ``recompute_grain`` "stage" and "layer", each as a ratio to
+the plain forward + backward. Target (issue 16): RoundPipe at most 2x plain forward + backward
+(recomputing the forward alone makes 1.33x).
+
+**Compute** (width 256, 16 rows per microbatch): RoundPipe against the plain loop with every layer
+checkpointed (the same recompute work RoundPipe does):
 
     overhead per layer x microbatch = (ours - baseline) / (layers * microbatches)
 
 Target (issue 3): under 30 us and a ratio under 1.5 for 256 layers of width 256, 4 microbatches.
 
-``--trace`` adds RoundPipe with a timeline trace being recorded (``roundpipe.trace()``, in memory)
-and the cost of tracing per layer x microbatch: (traced - ours) / (layers * microbatches).
+``--trace`` adds to the compute table RoundPipe with a timeline trace being recorded
+(``roundpipe.trace()``, in memory) and the cost of tracing per layer x microbatch:
+(traced - ours) / (layers * microbatches).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import platform
 import statistics
 import time
+from collections.abc import Callable
 
 import roundpipe
 import torch
@@ -38,7 +51,16 @@ def loss_fn(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
     return ((output - label) ** 2).mean()
 
 
+def plain_step(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, n: int) -> None:
+    """Plain PyTorch forward + loss + backward per microbatch: no recompute."""
+    for xm, ym in zip(x.tensor_split(n), y.tensor_split(n), strict=True):
+        loss_fn(model(xm), ym).backward()
+    for p in model.parameters():
+        p.grad = None
+
+
 def baseline_step(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, n: int) -> None:
+    """The plain loop with every layer checkpointed (the recompute work RoundPipe does)."""
     for xm, ym in zip(x.tensor_split(n), y.tensor_split(n), strict=True):
         h = xm
         for layer in model:
@@ -48,17 +70,19 @@ def baseline_step(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, n: int
         p.grad = None
 
 
-def roundpipe_step(model: RoundPipe, x: torch.Tensor, y: torch.Tensor, n: int) -> None:
-    config = RoundPipeRunConfig(num_microbatch=n)
+def roundpipe_step(
+    model: RoundPipe, x: torch.Tensor, y: torch.Tensor, n: int, grain: str = "stage"
+) -> None:
+    config = RoundPipeRunConfig(num_microbatch=n, recompute_grain=grain)
     model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=config)
     model.synchronize()
     for p in model.model.parameters():
         p.grad = None
 
 
-def timed(fn: object, *args: object) -> float:
+def timed(fn: Callable[..., object], *args: object) -> float:
     start = time.perf_counter()
-    fn(*args)  # type: ignore[operator]
+    fn(*args)
     return time.perf_counter() - start
 
 
@@ -67,6 +91,54 @@ def traced_step(model: RoundPipe, x: torch.Tensor, y: torch.Tensor, n: int) -> i
     with roundpipe.trace() as tracer:
         roundpipe_step(model, x, y, n)
     return len(tracer.close().events)
+
+
+DISPATCH_WIDTH, DISPATCH_ROWS = 8, 4
+GRAINS = ("stage", "layer")
+
+
+def measure_dispatch(layers: int, n: int, devices: int, iters: int) -> dict:
+    """Per layer x microbatch times (us) of the plain loop, the checkpointed loop and RoundPipe
+    with each recompute grain, at width 8."""
+    roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
+    plain = deep_narrow(layers, DISPATCH_WIDTH)
+    ours = RoundPipe(copy.deepcopy(plain), name=f"dispatch-{layers}")
+    x = torch.randn(DISPATCH_ROWS * n, DISPATCH_WIDTH)
+    y = torch.randn(DISPATCH_ROWS * n, DISPATCH_WIDTH)
+    contenders: dict[str, Callable[[], None]] = {
+        "plain": lambda: plain_step(plain, x, y, n),
+        "checkpoint": lambda: baseline_step(plain, x, y, n),
+    }
+    for grain in GRAINS:
+        contenders[grain] = functools.partial(roundpipe_step, ours, x, y, n, grain)
+    for _ in range(2):  # warm-up: allocator, timings, plans
+        for step in contenders.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(iters):
+        for name, step in contenders.items():
+            times[name].append(timed(step))
+    per_unit = 1e6 / (layers * n)
+    return {name: statistics.median(t) * per_unit for name, t in times.items()}
+
+
+def print_dispatch(args: argparse.Namespace) -> None:
+    print(
+        f"# dispatch: {args.dispatch_layers} layers of width {DISPATCH_WIDTH}, "
+        f"{args.microbatches} microbatches x {DISPATCH_ROWS} rows, median of {args.iters}; "
+        "us per layer x microbatch (x plain forward + backward)"
+    )
+    print(
+        "| CPU devices | plain fwd+bwd | plain + checkpoint | RoundPipe, grain stage "
+        "| RoundPipe, grain layer |"
+    )
+    print("|---:" * 5 + "|")
+    for devices in args.devices:
+        r = measure_dispatch(args.dispatch_layers, args.microbatches, devices, args.iters)
+        cells = [f"{r['plain']:.1f}"] + [
+            f"{r[name]:.1f} ({r[name] / r['plain']:.2f}x)" for name in ("checkpoint", *GRAINS)
+        ]
+        print(f"| {devices} | " + " | ".join(cells) + " |")
 
 
 def measure(
@@ -102,28 +174,9 @@ def measure(
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[64, 256, 512])
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--rows", type=int, default=16, help="rows per microbatch")
-    parser.add_argument("--devices", type=int, nargs="+", default=[1, 3])
-    parser.add_argument("--iters", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument(
-        "--trace", action="store_true", help="also time RoundPipe with a trace being recorded"
-    )
-    args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-
+def print_compute(args: argparse.Namespace) -> None:
     print(
-        f"# torch {torch.__version__}, roundpipe {roundpipe.__version__}, "
-        f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
-    )
-    print(
-        f"# width {args.width}, {args.microbatches} microbatches x {args.rows} rows, "
+        f"# compute: width {args.width}, {args.microbatches} microbatches x {args.rows} rows, "
         f"median of {args.iters}"
     )
     traced = (
@@ -148,6 +201,39 @@ def main() -> None:
                 f"| {r['layers']} | {r['devices']} | {r['baseline_ms']:.1f} | "
                 f"{r['roundpipe_ms']:.1f} | {r['overhead_us']:.1f} | {r['ratio']:.2f} |{traced}"
             )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--mode",
+        choices=["all", "dispatch", "compute"],
+        default="all",
+        help="which table: the width-8 dispatch figure, the width-256 compute one, or both",
+    )
+    parser.add_argument("--dispatch-layers", type=int, default=256)
+    parser.add_argument("--layers", type=int, nargs="+", default=[64, 256, 512])
+    parser.add_argument("--width", type=int, default=256, help="width of the compute table")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=16, help="rows per microbatch (compute)")
+    parser.add_argument("--devices", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument(
+        "--trace", action="store_true", help="also time RoundPipe with a trace being recorded"
+    )
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    print(
+        f"# torch {torch.__version__}, roundpipe {roundpipe.__version__}, "
+        f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
+    )
+    if args.mode in ("all", "dispatch"):
+        print_dispatch(args)
+    if args.mode in ("all", "compute"):
+        print_compute(args)
 
 
 if __name__ == "__main__":

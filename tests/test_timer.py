@@ -183,3 +183,38 @@ def test_unread_device_timings_stay_bounded() -> None:
     assert timer.estimate(0, "fwd") is None
     timer.collect()
     assert timer.estimate(0, "fwd") == pytest.approx(1e-3)
+
+
+def test_host_spans_split_over_layers_fold_in_order(capsys: pytest.CaptureFixture[str]) -> None:
+    timer = ModelTimer(3, [1, 1, 1])
+    spans = [(range(0, 2), "fwd", 4.0), (range(1, 2), "fwd", 1.0), (range(2, 3), "bwd", 0.5)]
+    ModelTimer.VERBOSE = True
+    try:
+        timer.record_spans(spans)  # type: ignore[arg-type]
+    finally:
+        ModelTimer.VERBOSE = False
+    assert timer.estimate(0, "fwd") == pytest.approx(2.0)
+    assert timer.estimate(1, "fwd") == pytest.approx(reference_estimate([2.0, 1.0], 0.9))
+    assert timer.estimate(2, "bwd") == pytest.approx(0.5)
+    assert timer.estimate(2, "fwd") is None
+    # First timings of (0, fwd), (1, fwd), (2, bwd), then (1, fwd) moving by far more than 5%.
+    assert timer.version == 4
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("Layer 0 fwd  new record: 2000.000 ms")
+    assert len(lines) == 4
+
+
+@pytest.mark.parametrize(
+    "span",
+    [
+        (range(2, 4), "fwd", 1.0),
+        (range(0, 0), "fwd", 1.0),
+        (range(0, 1), "forward", 1.0),
+        (range(0, 1), "fwd", -1.0),
+        (range(0, 1), "fwd", float("nan")),
+    ],
+)
+def test_record_spans_rejects_bad_spans(span: tuple[range, str, float]) -> None:
+    timer = ModelTimer(3, [1, 1, 1])
+    with pytest.raises(ValueError, match="timing span"):
+        timer.record_spans([span])  # type: ignore[list-item]

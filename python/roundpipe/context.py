@@ -15,40 +15,41 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 
-@dataclass
-class _LayerCall:
-    """The layer call in progress on this thread."""
+class LayerCall:
+    """The layer calls of one stage on this thread (used by the runtime around every layer it
+    runs): one object per stage, moved from layer to layer with :meth:`at`, because building one
+    per layer x microbatch is measurable host work at short sequences."""
 
-    store: dict[tuple[int, int], tuple[Any, ...]]
-    layer: int
-    microbatch: int
-    recompute: bool
-    saving_enabled: bool
-    saved: bool = False
+    __slots__ = ("layer", "microbatch", "recompute", "saved", "saving_enabled", "store")
+
+    def __init__(
+        self, store: dict[tuple[int, int], tuple[Any, ...]], recompute: bool, saving_enabled: bool
+    ) -> None:
+        self.store, self.recompute, self.saving_enabled = store, recompute, saving_enabled
+        self.layer = self.microbatch = 0
+        self.saved = False
+
+    def at(self, layer: int, microbatch: int) -> LayerCall:
+        """This object, now for ``layer`` on ``microbatch`` (enter it around the call)."""
+        self.layer, self.microbatch, self.saved = layer, microbatch, False
+        return self
+
+    def __enter__(self) -> None:
+        _state.stack.append(_state.call)
+        _state.call = self
+
+    def __exit__(self, *exc: object) -> None:
+        _state.call = _state.stack.pop()
 
 
 @dataclass
 class _State(threading.local):
-    call: _LayerCall | None = None
+    call: LayerCall | None = None
     optimizer_depth: int = 0
-    stack: list[_LayerCall | None] = field(default_factory=list)
+    stack: list[LayerCall | None] = field(default_factory=list)
 
 
 _state = _State()
-
-
-class layer_call:
-    """Marks a layer call in progress (used by the runtime around every layer it runs)."""
-
-    def __init__(self, call: _LayerCall) -> None:
-        self._call = call
-
-    def __enter__(self) -> None:
-        _state.stack.append(_state.call)
-        _state.call = self._call
-
-    def __exit__(self, *exc: object) -> None:
-        _state.call = _state.stack.pop()
 
 
 class RecomputeDataError(RuntimeError, AssertionError):

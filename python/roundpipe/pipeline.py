@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from roundpipe import context
 from roundpipe._native import _C
 from roundpipe.device import device_count, devices
-from roundpipe.memory import ModelMemory, typed_view
+from roundpipe.memory import ModelMemory
 from roundpipe.scheduler import ModelExecutePlan, RunType
 from roundpipe.tracing import StageTrace, stage_trace
 
@@ -123,7 +123,8 @@ def to_host(tree: Any, device_index: int) -> tuple[Any, Any]:
     devices' current streams), so the event covers every leaf. Identity with no event on virtual
     CPU devices (detached, since host copies never carry a graph)."""
     if not _on_cuda():
-        return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree), None
+        leaves, spec = _flatten(tree)
+        return _unflatten([_detach_leaf(leaf) for leaf in leaves], spec), None
     device = devices()[device_index]
 
     def gather(leaf: Any) -> Any:
@@ -239,6 +240,27 @@ def _buffer_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return staging.to(device, non_blocking=True)
 
 
+class _TypedViews:
+    """Views of a stage's device buffer (bytes from arena offset ``first_byte`` on) laid out like
+    the parameters it holds, as ``roundpipe.memory.typed_view`` makes them, but cut with
+    ``as_strided`` from one view of the buffer per dtype. Every upload makes one per parameter,
+    and backward stages one more per gradient; this costs about a quarter of ``typed_view``'s
+    slice and two ``view`` calls. Arena offsets are aligned for every dtype (memory.py)."""
+
+    def __init__(self, buffer: torch.Tensor, first_byte: int) -> None:
+        self.buffer, self.first_byte = buffer, first_byte
+        self.typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def at(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        """The view at arena byte ``offset`` laid out like ``like`` (a contiguous tensor)."""
+        size = like.element_size()
+        base = self.typed.get(like.dtype)
+        if base is None:
+            whole = self.buffer.numel() // size * size
+            base = self.typed[like.dtype] = self.buffer[:whole].view(like.dtype)
+        return base.as_strided(like.shape, like.stride(), (offset - self.first_byte) // size)
+
+
 class ResidentStage:
     """A stage's parameters (and gradient buffer, for backward) resident on one device.
 
@@ -278,18 +300,18 @@ class ResidentStage:
         if with_grads:
             grad_begin, grad_end = memory.grad_range(layers)
             self.grad_buffer = torch.zeros(grad_end - grad_begin, dtype=torch.uint8, device=device)
+        params = _TypedViews(self.buffer, begin)
+        grads = None if self.grad_buffer is None else _TypedViews(self.grad_buffer, grad_begin)
         self.views: dict[int, list[torch.Tensor]] = {}
         for index in layers:
             views = []
             for slot in memory.layers[index].slots:
-                view = typed_view(self.buffer, slot.offset - begin, slot.param)
+                view = params.at(slot.offset, slot.param)
                 # As the parameter, also in forward stages (they run without grad): a layer that
                 # checks `p.requires_grad` sees what it would see on the parameter itself.
                 view.requires_grad_(slot.param.requires_grad)
-                if self.grad_buffer is not None and slot.grad_offset is not None:
-                    view.grad = typed_view(
-                        self.grad_buffer, slot.grad_offset - grad_begin, slot.param
-                    )
+                if grads is not None and slot.grad_offset is not None:
+                    view.grad = grads.at(slot.grad_offset, slot.param)
                 views.append(view)
             self.views[index] = views
 
@@ -379,37 +401,47 @@ class ResidentStage:
 # --------------------------------------------------------------------------------------------
 
 
-class _Stopwatch:
-    """Times one piece of a stage for the model's timer (none: nothing): the host clock on
-    virtual CPU devices, whose compute is synchronous; on CUDA timing events on the device's
-    current stream, which the timer reads once they completed, so nothing waits for the GPU."""
+class _StageClock:
+    """Times the pieces of one stage for the model's timer (none: times nothing).
 
-    def __init__(self, timer: ModelTimer | None, device_index: int) -> None:
+    Virtual CPU devices compute synchronously, so the host clock times them; the times are kept
+    here and handed to the timer once per stage (:meth:`flush`), not once per layer x microbatch.
+    On CUDA a piece is timed by events on the device's current stream, which the timer reads once
+    they completed, so nothing waits for the GPU."""
+
+    def __init__(self, timer: ModelTimer | None, device_index: int, on_cuda: bool) -> None:
         self.timer = timer
         self.stream: torch.cuda.Stream | None = None
-        self.start: Any = None
-        if timer is None:
-            return
-        if _on_cuda():
+        if timer is not None and on_cuda:
             self.stream = torch.cuda.current_stream(devices()[device_index])
-            self.start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            self.start.record(self.stream)
-        else:
-            self.start = time.perf_counter()
+        self.times: list[tuple[range, Action, float]] = []
 
-    def stop(self, layers: range, action: Action) -> None:
-        """The time since the start, split evenly over ``layers``, recorded as ``action``."""
-        timer = self.timer
-        if timer is None:
+    def start(self) -> Any:
+        """The start of a piece (None without a timer)."""
+        if self.timer is None:
+            return None
+        if self.stream is None:
+            return time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record(self.stream)
+        return start
+
+    def stop(self, start: Any, layers: range, action: Action) -> None:
+        """The time since ``start``, split evenly over ``layers``, recorded as ``action``."""
+        if self.timer is None:
             return
         if self.stream is None:
-            share = (time.perf_counter() - self.start) / len(layers)
-            for layer in layers:
-                timer.record(layer, action, share)
+            self.times.append((layers, action, time.perf_counter() - start))
             return
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end.record(self.stream)
-        timer.record_later(layers, action, self.start, end)
+        self.timer.record_later(layers, action, start, end)
+
+    def flush(self) -> None:
+        """Hand the host-clock times taken so far to the timer."""
+        if self.timer is not None and self.times:
+            self.timer.record_spans(self.times)
+            self.times = []
 
 
 @dataclass(frozen=True)
@@ -430,6 +462,20 @@ class LossSpec:
     keep_outputs: bool
 
 
+def _flatten(tree: Any) -> tuple[list[Any], Any]:
+    """``tree_flatten``, with a lone plain tensor (what passes between layers nearly always) taken
+    as its own leaf without pytree's type dispatch, which costs about a microsecond a call on the
+    per layer x microbatch path of layer-grain recompute. Rebuild with :func:`_unflatten`."""
+    if type(tree) is torch.Tensor:
+        return [tree], None
+    return tree_flatten(tree)
+
+
+def _unflatten(leaves: list[Any], spec: Any) -> Any:
+    """The tree of ``leaves`` for a ``spec`` of :func:`_flatten`."""
+    return leaves[0] if spec is None else tree_unflatten(leaves, spec)
+
+
 def _grads_of(tree: Any) -> list[torch.Tensor | None]:
     """Gradients of ``tree``'s leaves in ``tree_flatten`` order, None where a leaf got none.
 
@@ -437,7 +483,7 @@ def _grads_of(tree: Any) -> list[torch.Tensor | None]:
     ``ModelOutput``) drop ``None`` fields when rebuilt, which would misalign the leaves."""
     return [
         leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
-        for leaf in tree_flatten(tree)[0]
+        for leaf in _flatten(tree)[0]
     ]
 
 
@@ -445,7 +491,7 @@ def _backward(outputs: Any, grads: Sequence[torch.Tensor | None]) -> None:
     """Backpropagate ``grads`` (one per leaf of ``outputs``, None where absent)."""
     pairs = [
         (o, g)
-        for o, g in zip(tree_flatten(outputs)[0], grads, strict=True)
+        for o, g in zip(_flatten(outputs)[0], grads, strict=True)
         if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
     ]
     if pairs:
@@ -489,8 +535,9 @@ class Call:
     # The fused stage's outputs (if kept) on the output device, and the events of their copies.
     outputs: list[Any] = field(default_factory=list)
     output_events: list[Any] = field(default_factory=list)
-    # Whether this call marks NVTX ranges (decided once per call).
+    # Whether this call marks NVTX ranges and runs on CUDA devices (decided once per call).
     nvtx: bool = field(init=False, default_factory=_nvtx_enabled)
+    on_cuda: bool = field(init=False, default_factory=_on_cuda)
 
     def __post_init__(self) -> None:
         self.saving = self.run_type != "infer"
@@ -584,38 +631,13 @@ class Call:
             f"{microbatch}"
         )
 
-    def call_layer(
-        self, layer: int, microbatch: int, value: Any, device_index: int, recompute: bool
-    ) -> Any:
-        """Run one layer on one microbatch (layer 0 takes ``(args, kwargs)``)."""
-        phase: Phase = "recompute" if recompute else "forward"
-        # Recompute replays the forward's draws, unless asked for fresh randomness.
-        fresh = recompute and not self.preserve_rng_state
-        if recompute and not fresh and _on_cuda():
-            _warn_if_replay_differs(tuple(devices()))
-        _seed_generators(_layer_seed(self.rng_seed, layer, microbatch, fresh), device_index)
-        call = context._LayerCall(
-            self.recompute_store, layer, microbatch, recompute, saving_enabled=self.saving
-        )
-        module = self.runner.layers[layer]
-        watch = _Stopwatch(self.runner.timer, device_index)
-        try:
-            with self._mark(phase, range(layer, layer + 1), microbatch), context.layer_call(call):
-                if layer == 0:
-                    args, kwargs = value
-                    result = module(*args, **kwargs)
-                else:
-                    result = module(value)
-        except Exception as error:
-            raise annotate(error, self._where(layer, phase, microbatch)) from error
-        watch.stop(range(layer, layer + 1), "re" if recompute else "fwd")
-        return result
-
     def _mark(
         self, kind: str, layers: range, microbatch: int | None = None
     ) -> AbstractContextManager[Any]:
         """The NVTX range of ``kind`` over ``layers`` (see :func:`_marked`) if the call marks."""
-        return _marked(self.runner.name if self.nvtx else None, kind, layers, microbatch)
+        if not self.nvtx:
+            return _NO_RANGE
+        return _marked(self.runner.name, kind, layers, microbatch)
 
     def _model_input(self, microbatch: int, value: Any, device_index: int) -> Any:
         """Microbatch ``microbatch`` of the call's inputs on the device, once the upstream
@@ -626,7 +648,7 @@ class Call:
 
     def _joined_input(self, microbatch: int, value: Any, device_index: int) -> Any:
         events = self.input_events[microbatch] if self.input_events else []
-        if not _on_cuda():
+        if not self.on_cuda:
             for event in events:
                 event.synchronize()
             return value
@@ -645,7 +667,8 @@ class Call:
 
     def forward_stage(self, stage: ResidentStage, activations: list[Any]) -> list[Any]:
         outputs, trace = [], stage.trace
-        with stage.bound(keep_buffer_updates=True), torch.no_grad():
+        run = _LayerCalls(self, stage, recompute=False)
+        with stage.bound(keep_buffer_updates=True), torch.no_grad(), run:
             for m, value in enumerate(activations):
                 start = trace.mark() if trace is not None else None
                 if stage.layers.start == 0:
@@ -668,7 +691,7 @@ class Call:
                             self.pending.append(event)
                             if trace is not None:
                                 trace.transfer("activation", "activation", event, m)
-                    value = self.call_layer(layer, m, value, stage.device_index, recompute=False)
+                    value = run(layer, m, value)
                 outputs.append(value)
                 if trace is not None:
                     trace.span("forward", start, m)
@@ -680,14 +703,15 @@ class Call:
         """Forward + loss + backward of the last stage; returns the input grads and appends to
         ``losses`` (and ``outputs``, if kept)."""
         grads, trace = [], stage.trace
-        with stage.bound(keep_buffer_updates=True), torch.enable_grad():
+        run = _LayerCalls(self, stage, recompute=False)
+        with stage.bound(keep_buffer_updates=True), torch.enable_grad(), run:
             for m, value in enumerate(activations):
                 start_mark = trace.mark() if trace is not None else None
                 first, device = stage.layers.start, stage.device_index
                 inputs = self._differentiable_input(first, m, value, device)
                 result = _writable(inputs)
                 for layer in stage.layers:
-                    result = self.call_layer(layer, m, result, stage.device_index, recompute=False)
+                    result = run(layer, m, result)
                 label = to_device(loss_spec.labels[m], stage.device_index)
                 try:
                     loss = loss_spec.loss_fn(result, label)
@@ -698,7 +722,7 @@ class Call:
                     )
                     raise annotate(error, where) from error
                 _check_loss(loss, self.runner.name)
-                watch = _Stopwatch(self.runner.timer, stage.device_index)
+                start = run.clock.start()
                 try:
                     with self._mark("backward", stage.layers, m):
                         if isinstance(loss, torch.Tensor):
@@ -707,7 +731,7 @@ class Call:
                             torch.autograd.backward(list(loss))
                 except Exception as error:
                     raise annotate(error, self._where(stage.layers, "backward", m)) from error
-                watch.stop(stage.layers, "bwd")
+                run.clock.stop(start, stage.layers, "bwd")
                 self.losses.append(tree_map(lambda t: t.detach(), loss))
                 if loss_spec.keep_outputs:
                     self.outputs.append(tree_map(_detach_leaf, result))
@@ -719,21 +743,23 @@ class Call:
 
     def backward_stage(self, stage: ResidentStage, grads: list[Any]) -> list[Any]:
         """Recompute + backward of one backward stage for every microbatch; returns input grads."""
-        with stage.bound(keep_buffer_updates=False):
+        run = _LayerCalls(self, stage, recompute=True)
+        with stage.bound(keep_buffer_updates=False), run:
             new_grads = []
             for m, grad in enumerate(grads):
                 if self.recompute_grain == "layer":
                     for layer in reversed(stage.layers):
-                        grad = self._recompute_backward(range(layer, layer + 1), m, grad, stage)
+                        grad = self._recompute_backward(range(layer, layer + 1), m, grad, run)
                 else:
-                    grad = self._recompute_backward(stage.layers, m, grad, stage)
+                    grad = self._recompute_backward(stage.layers, m, grad, run)
                 new_grads.append(grad)
         self.pending.extend(stage.download_grads())
         return new_grads
 
     def _recompute_backward(
-        self, layers: range, microbatch: int, grad: Any, stage: ResidentStage
+        self, layers: range, microbatch: int, grad: Any, run: _LayerCalls
     ) -> Any:
+        stage = run.stage
         trace = stage.trace
         mark = trace.mark() if trace is not None else None
         saved, landed = self.saved_inputs[(layers.start, microbatch)]
@@ -743,19 +769,17 @@ class Call:
         with torch.enable_grad():
             result = _writable(inputs, saved)
             for layer in layers:
-                result = self.call_layer(
-                    layer, microbatch, result, stage.device_index, recompute=True
-                )
+                result = run(layer, microbatch, result)
         if trace is not None:
             trace.span("recompute", mark, microbatch, layers)
             mark = trace.mark()
-        watch = _Stopwatch(self.runner.timer, stage.device_index)
+        start = run.clock.start()
         try:
             with self._mark("backward", layers, microbatch):
                 _backward(result, grad)
         except Exception as error:
             raise annotate(error, self._where(layers, "backward", microbatch)) from error
-        watch.stop(layers, "bwd")
+        run.clock.stop(start, layers, "bwd")
         if trace is not None:
             trace.span("backward", mark, microbatch, layers)
         return _grads_of(inputs)
@@ -766,15 +790,15 @@ class Call:
         """The stage input on the device as fresh leaves: activations require grad (when
         floating point); for layer 0, exactly the user's tensors that required grad do.
         ``landed``: the event of the copy that put ``value`` in host memory, if any."""
-        leaves, spec = tree_flatten(value)
+        leaves, spec = _flatten(value)
         wanted = [
             isinstance(leaf, torch.Tensor) and (layer > 0 or leaf.requires_grad) for leaf in leaves
         ]
         if layer == 0:
-            moved, _ = tree_flatten(self._model_input(microbatch, value, device_index))
+            moved, _ = _flatten(self._model_input(microbatch, value, device_index))
         else:
             with self._mark("activation", range(layer, layer + 1), microbatch):
-                moved, _ = tree_flatten(to_device(value, device_index, landed))
+                moved, _ = _flatten(to_device(value, device_index, landed))
         fresh = []
         for leaf, wants_grad in zip(moved, wanted, strict=True):
             if isinstance(leaf, torch.Tensor):
@@ -782,7 +806,72 @@ class Call:
                 if wants_grad and leaf.is_floating_point():
                     leaf.requires_grad_(True)
             fresh.append(leaf)
-        return tree_unflatten(fresh, spec)
+        return _unflatten(fresh, spec)
+
+
+_NO_RANGE = nullcontext()  # what a call that marks no NVTX ranges enters (reusable)
+
+
+class _LayerCalls:
+    """Runs single layers of one stage for a call (``run(layer, microbatch, value)``), in forward
+    or in recompute, and times them (``clock``) while entered.
+
+    At short sequences the host's work per layer x microbatch is what caps a GPU's throughput
+    (benchmarks/overhead_cpu.py, the dispatch table), so what does not change from layer to layer
+    is settled here once per stage: the modules, the kind of random stream, the generator to
+    reseed, the recompute context (one object moved from layer to layer), whether NVTX ranges are
+    marked, the clock. Per layer x microbatch there remains: reseed the generators, call the
+    module in its context, read the clock. The message naming layer, phase and microbatch is
+    built only when a layer fails."""
+
+    def __init__(self, call: Call, stage: ResidentStage, recompute: bool) -> None:
+        self.call, self.stage = call, stage
+        self.modules = call.runner.layers
+        self.phase: Phase = "recompute" if recompute else "forward"
+        self.action: Action = "re" if recompute else "fwd"
+        self.rng_seed = call.rng_seed
+        # Recompute replays the forward's draws, unless asked for fresh randomness.
+        self.fresh = recompute and not call.preserve_rng_state
+        self.device_generator: torch.Generator | None = None
+        if call.on_cuda:
+            if recompute and not self.fresh:
+                _warn_if_replay_differs(tuple(devices()))
+            device = devices()[stage.device_index]
+            self.device_generator = torch.cuda.default_generators[device.index]
+        self.context = context.LayerCall(call.recompute_store, recompute, call.saving)
+        self.nvtx = call.nvtx
+        self.clock = _StageClock(call.runner.timer, stage.device_index, call.on_cuda)
+
+    def __enter__(self) -> _LayerCalls:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.clock.flush()
+
+    def __call__(self, layer: int, microbatch: int, value: Any) -> Any:
+        """Run ``layer`` on ``microbatch`` (layer 0 takes ``(args, kwargs)``)."""
+        seed = _layer_seed(self.rng_seed, layer, microbatch, self.fresh)
+        torch.default_generator.manual_seed(seed)
+        if self.device_generator is not None:
+            self.device_generator.manual_seed(seed)
+        module = self.modules[layer]
+        nvtx_range = (
+            self.call._mark(self.phase, range(layer, layer + 1), microbatch)
+            if self.nvtx
+            else _NO_RANGE
+        )
+        start = self.clock.start()
+        try:
+            with nvtx_range, self.context.at(layer, microbatch):
+                if layer == 0:
+                    args, kwargs = value
+                    result = module(*args, **kwargs)
+                else:
+                    result = module(value)
+        except Exception as error:
+            raise annotate(error, self.call._where(layer, self.phase, microbatch)) from error
+        self.clock.stop(start, range(layer, layer + 1), self.action)
+        return result
 
 
 def _check_loss(loss: Any, name: str) -> None:
@@ -821,13 +910,6 @@ def _layer_seed(call_seed: int, layer: int, microbatch: int, fresh: bool) -> int
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _SEED_MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _SEED_MASK
     return (x ^ (x >> 31)) >> 1
-
-
-def _seed_generators(seed: int, device_index: int) -> None:
-    """Seed the generators a layer on ``device_index`` draws from (host-side, no sync)."""
-    torch.default_generator.manual_seed(seed)
-    if _on_cuda():
-        torch.cuda.default_generators[devices()[device_index].index].manual_seed(seed)
 
 
 @functools.cache
@@ -884,14 +966,14 @@ def _unshared(saved: Any, passed: Any) -> Any:
     """``saved`` with a private copy of every tensor that is also ``passed`` to a layer (virtual
     CPU devices, or inputs already on the device): whatever the layer does to its input, the
     recompute must see what the forward saw."""
-    saved_leaves, spec = tree_flatten(saved)
-    passed_leaves, _ = tree_flatten(passed)
+    saved_leaves, spec = _flatten(saved)
+    passed_leaves, _ = _flatten(passed)
     copies = []
     for leaf, other in zip(saved_leaves, passed_leaves, strict=True):
         if _shares_memory(leaf, other):
             leaf = leaf.detach().clone().requires_grad_(leaf.requires_grad)
         copies.append(leaf)
-    return tree_unflatten(copies, spec)
+    return _unflatten(copies, spec)
 
 
 def _writable(inputs: Any, saved: Any = None) -> Any:
@@ -899,14 +981,14 @@ def _writable(inputs: Any, saved: Any = None) -> Any:
     leaves that require grad (so an in-place first layer, ``ReLU(inplace=True)``, does not modify
     an autograd leaf; gradients still reach the leaves) and of those sharing memory with
     ``saved`` (a second backward with ``retain_graph`` recomputes from it again)."""
-    leaves, spec = tree_flatten(inputs)
-    saved_leaves = tree_flatten(saved)[0] if saved is not None else [None] * len(leaves)
+    leaves, spec = _flatten(inputs)
+    saved_leaves = _flatten(saved)[0] if saved is not None else [None] * len(leaves)
     fresh = []
     for leaf, kept in zip(leaves, saved_leaves, strict=True):
         if isinstance(leaf, torch.Tensor) and (leaf.requires_grad or _shares_memory(leaf, kept)):
             leaf = leaf.clone()
         fresh.append(leaf)
-    return tree_unflatten(fresh, spec)
+    return _unflatten(fresh, spec)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Online per-layer timing: the estimates :meth:`ModelExecutePlan.auto` plans with.
 
 The runtime measures every layer's forward (``"fwd"``), recompute (``"re"``) and backward
-(``"bwd"``) time of each microbatch and calls :meth:`ModelTimer.record`: with the host clock on
-virtual CPU devices; on GPUs with timing CUDA events on the compute stream, handed over with
+(``"bwd"``) time of each microbatch: with the host clock on virtual CPU devices, handed over
+once per stage with :meth:`ModelTimer.record_spans` (the same as :meth:`ModelTimer.record` of each
+in order); on GPUs with timing CUDA events on the compute stream, handed over with
 :meth:`ModelTimer.record_later` and read once they completed (never waiting for the GPU) when the
 timer is next asked for its ``version`` or ``profile``.
 
@@ -138,18 +139,48 @@ class ModelTimer:
             raise ValueError(f"action must be 'fwd', 're' or 'bwd', got {action!r}")
         if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"seconds must be a finite non-negative number, got {seconds!r}")
-        beta = self.SMOOTHING
         with self._lock:
-            average = self._average[action]
-            records = self._records[action]
-            average[layer] = beta * average[layer] + (1 - beta) * seconds
-            records[layer] += 1
-            estimate = average[layer] / (1 - beta ** records[layer])
-            planned = self._planned[action]
-            before = planned[layer]
-            if before is None or abs(estimate - before) > self.CHANGE_THRESHOLD * before:
-                planned[layer] = estimate
-                self._version += 1
+            estimate = self._fold_locked(layer, action, seconds)
+        self._report(layer, action, seconds, estimate)
+
+    def record_spans(self, spans: Sequence[tuple[range, Action, float]]) -> None:
+        """:meth:`record` of host-clock times, in order: each ``(layers, action, seconds)`` split
+        evenly over ``layers``. The runtime hands over a stage's timings at once (one lock, checks
+        per span rather than per layer x microbatch)."""
+        folded = []
+        with self._lock:
+            for layers, action, seconds in spans:
+                valid_layers = layers and 0 <= layers.start and layers.stop <= self.num_layers
+                if not (valid_layers and action in _ACTIONS and 0 <= seconds < math.inf):
+                    raise ValueError(
+                        f"a timing span needs layers within [0, {self.num_layers}), an action "
+                        f"'fwd', 're' or 'bwd' and finite non-negative seconds, got "
+                        f"{(layers, action, seconds)!r}"
+                    )
+                share = seconds / len(layers)
+                for layer in layers:
+                    folded.append((layer, action, share, self._fold_locked(layer, action, share)))
+        if ModelTimer.VERBOSE:
+            for report in folded:
+                self._report(*report)
+
+    def _fold_locked(self, layer: int, action: Action, seconds: float) -> float:
+        """Fold one record into the estimate (lock held); returns the new estimate."""
+        beta = self.SMOOTHING
+        average = self._average[action]
+        records = self._records[action]
+        average[layer] = beta * average[layer] + (1 - beta) * seconds
+        records[layer] += 1
+        estimate = average[layer] / (1 - beta ** records[layer])
+        planned = self._planned[action]
+        before = planned[layer]
+        if before is None or abs(estimate - before) > self.CHANGE_THRESHOLD * before:
+            planned[layer] = estimate
+            self._version += 1
+        return estimate
+
+    @staticmethod
+    def _report(layer: int, action: Action, seconds: float, estimate: float) -> None:
         if ModelTimer.VERBOSE:
             # The line format of roundpipe 0.1.1's documentation, which users may parse.
             print(
