@@ -239,6 +239,15 @@ def _buffer_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return staging.to(device, non_blocking=True)
 
 
+def _stage_buffer(nbytes: int, device: torch.device, zero: bool) -> torch.Tensor:
+    """A stage's flat uint8 buffer on ``device``. A virtual CPU device's is host memory: a native
+    arena of its own, returned to the operating system when the stage is done (the C heap would
+    keep a freed buffer of this size resident)."""
+    if device.type == "cpu":
+        return _C.allocate_host_arena(nbytes, "off", zero=zero)
+    return (torch.zeros if zero else torch.empty)(nbytes, dtype=torch.uint8, device=device)
+
+
 class ResidentStage:
     """A stage's parameters (and gradient buffer, for backward) resident on one device.
 
@@ -257,7 +266,7 @@ class ResidentStage:
         self.trace: StageTrace | None = None  # set while a timeline trace is recorded
         device = devices()[device_index]
         begin, end = memory.param_range(layers)
-        self.buffer = torch.empty(end - begin, dtype=torch.uint8, device=device)
+        self.buffer = _stage_buffer(end - begin, device, zero=False)
         fence = memory.fence(layers)
         with _marked(nvtx_model, "upload", layers):
             if memory.params is not None:
@@ -277,7 +286,7 @@ class ResidentStage:
         grad_begin = 0
         if with_grads:
             grad_begin, grad_end = memory.grad_range(layers)
-            self.grad_buffer = torch.zeros(grad_end - grad_begin, dtype=torch.uint8, device=device)
+            self.grad_buffer = _stage_buffer(grad_end - grad_begin, device, zero=True)
         self.views: dict[int, list[torch.Tensor]] = {}
         for index in layers:
             views = []
