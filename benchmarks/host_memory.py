@@ -2,7 +2,8 @@
 
 Each case runs in a fresh subprocess (RSS is per process) on virtual CPU devices:
 
-1. the RSS after imports is the zero point; the kernel's peak-RSS mark is reset there;
+1. the RSS after imports (torch's lazy ones that a training call triggers included) is the zero
+   point; the kernel's peak-RSS mark is reset there;
 2. the plain model is built (its weights count: wrapping must not double them) and wrapped;
 3. the optimizer is built and ``--iters`` training iterations run (``forward_backward`` + ``step``).
 
@@ -95,7 +96,11 @@ class LoRALinear(torch.nn.Module):
 
 
 def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, float]:
+    # torch imports torch.fx.experimental.symbolic_shapes (tens of MB, sympy included) on the
+    # first torch.autograd.backward(tensors, grad_tensors), which backward stages call: an
+    # import, not memory per parameter, so it belongs before the zero point with the others.
     import roundpipe
+    import torch.fx.experimental.symbolic_shapes
     from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig
 
     roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
@@ -161,6 +166,8 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
         "peak": peak / total,
         "steady": steady / total,
         "weights": weights_bytes / total,
+        "grad_arena": sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
+        / total,
         "copies": copies_bytes / total,
         "optimizer_state": state_bytes / total,
     }
@@ -201,17 +208,23 @@ def table(results: list[tuple[Case, dict[str, float]]]) -> str:
         )
     lines += [
         "",
-        "Where the steady bytes go (per parameter):",
+        "Where the bytes go (per parameter): what the design holds, then the rest of the peak and "
+        "of the steady RSS (stage buffers of the virtual devices, temporaries, fixed costs of "
+        "torch and the runtime, allocator slack). Gradient arenas: as counted in the floor; a "
+        "consumed arena's pages are handed back to the OS, so the steady RSS, taken after a "
+        "step, holds at most the one the optimizer may still be reading.",
         "",
-        "| case | weights | optimizer copies | Adam state "
-        "| runtime (arenas, staging) and allocator |",
-        "|---|---:|---:|---:|---:|",
+        "| case | weights | optimizer copies | Adam state | gradient arenas "
+        "| rest of peak | steady - weights - copies - state |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for case, r in results:
-        rest = r["steady"] - r["weights"] - r["copies"] - r["optimizer_state"]
+        held = r["weights"] + r["copies"] + r["optimizer_state"]
+        arenas = r["grad_arena"] * (2 if case.is_async else 1)
         lines.append(
             f"| {case.name} | {r['weights']:.2f} | {r['copies']:.2f} | "
-            f"{r['optimizer_state']:.2f} | {rest:.2f} |"
+            f"{r['optimizer_state']:.2f} | {arenas:.2f} | {r['peak'] - held - arenas:.2f} | "
+            f"{r['steady'] - held:.2f} |"
         )
     return "\n".join(lines)
 

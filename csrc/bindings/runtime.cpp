@@ -134,6 +134,11 @@ void bind_runtime(py::module_& m) {
         "An uninitialised uint8 host tensor of exactly `bytes` bytes, page-locked when CUDA "
         "devices are in use: a download staging area.");
   m.def("is_page_locked", &memory::is_page_locked, py::arg("tensor"));
+  m.def("zero_host_memory", &memory::zero_host_memory, py::arg("tensor"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Zero a contiguous CPU tensor; whole pages of an arena mapping go back to the OS.");
+  m.def("trim_host_heap", &memory::trim_host_heap, py::call_guard<py::gil_scoped_release>(),
+        "Return the C heap's free memory to the OS (glibc); False where unsupported.");
 }
 
 }  // namespace roundpipe::bindings

@@ -49,6 +49,13 @@ def allocate_host_arena(bytes: int, pin_model: str, *, zero: bool = True) -> Ten
 def allocate_pinned_staging(bytes: int) -> Tensor: ...
 def is_page_locked(tensor: Tensor) -> bool: ...
 
+# Zeroes a contiguous CPU tensor; the whole pages it covers in a pageable arena of 1 MiB or more
+# (its own mapping) are handed back to the OS instead, reading as zero when next touched.
+def zero_host_memory(tensor: Tensor) -> None: ...
+
+# glibc's malloc_trim(0): the C heap's free memory back to the OS; False where unsupported.
+def trim_host_heap() -> bool: ...
+
 # Planner (csrc/planner/planner.h). profiles: per model (forward_seconds, recompute_seconds,
 # backward_seconds, forward_bytes, backward_bytes). Returns {"plans": [(forward, backward)] with
 # (begin, end) pairs, "phases": [{"num_stages", "largest_stage_seconds", "objective",

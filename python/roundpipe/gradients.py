@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from roundpipe.memory import ModelMemory
+from roundpipe.memory import ModelMemory, clear_arena
 
 if TYPE_CHECKING:
     from roundpipe.pipeline import Call
@@ -68,7 +68,7 @@ class GradientState:
                 except Exception:  # the call's own error is what the caller needs
                     pass
             if backup is None:
-                self.memory.grads.zero_()
+                clear_arena(self.memory.grads)
             else:
                 self.memory.grads.copy_(backup)
             raise

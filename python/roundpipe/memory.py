@@ -17,6 +17,12 @@ A parameter shared by several layers (tied embeddings) lives in its first layer;
 layer that uses it gets an *alias* slot, a copy in its own part of the arenas, so each stage
 still uploads in one copy. Aliases are refreshed from the parameter before each call and their
 gradients are folded into the parameter's before they are published or stepped.
+
+Host memory is the capacity limit of the design, so the arenas are anonymous mappings of their own
+(native ``allocate_host_arena``): a zeroed arena costs nothing until written, a gradient arena
+handed to the optimizer is cleared by dropping its pages (:func:`clear_arena`), and the storage
+the parameters had before they moved in is returned to the operating system as the copy goes, so
+wrapping never holds the weights twice.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from torch import nn
 from roundpipe._native import _C
 
 _ALIGN = 64  # bytes; keeps every dtype view aligned and SIMD-friendly
+# While parameters move into the arena, the C heap's free memory (their old storage) is handed
+# back to the operating system after every this many bytes, so the peak stays near one copy.
+_TRIM_EVERY = 64 << 20
 
 
 def _aligned(nbytes: int) -> int:
@@ -73,6 +82,12 @@ class LayerMemory:
     @property
     def grad_bytes(self) -> int:
         return self.grad_end - self.grad_begin
+
+
+def clear_arena(arena: torch.Tensor) -> None:
+    """Zero ``arena`` (contiguous host memory); the whole pages of an arena of this module go back
+    to the operating system until written again, so a cleared arena costs no memory."""
+    _C.zero_host_memory(arena)
 
 
 def typed_view(arena: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
@@ -136,6 +151,7 @@ class ModelMemory:
         self._write_count = 0
         self._last_write: Any = None
         with torch.no_grad():
+            moved = 0
             for slot in self.slots():
                 if self.params is None:
                     if not slot.param.is_contiguous():  # uploaded and written back flat
@@ -143,10 +159,15 @@ class ModelMemory:
                     continue
                 view = typed_view(self.params, slot.offset, slot.param)
                 view.copy_(slot.param.data)
-                slot.param.data = view
+                slot.param.data = view  # the old storage is freed here unless the user holds it
+                moved += slot.nbytes
+                if moved >= _TRIM_EVERY:
+                    _C.trim_host_heap()
+                    moved = 0
             if self.params is not None:
                 for alias in self.aliases:
                     self.alias_view(alias).copy_(alias.param)
+                _C.trim_host_heap()
 
     def alias_view(self, alias: ParamSlot) -> torch.Tensor:
         assert self.params is not None
@@ -266,4 +287,4 @@ class ModelMemory:
         return runs
 
 
-__all__ = ["LayerMemory", "ModelMemory", "ParamSlot", "typed_view"]
+__all__ = ["LayerMemory", "ModelMemory", "ParamSlot", "clear_arena", "typed_view"]

@@ -261,6 +261,15 @@ class _TypedViews:
         return base.as_strided(like.shape, like.stride(), (offset - self.first_byte) // size)
 
 
+def _stage_buffer(nbytes: int, device: torch.device, zero: bool) -> torch.Tensor:
+    """A stage's flat uint8 buffer on ``device``. A virtual CPU device's is host memory: a native
+    arena of its own, returned to the operating system when the stage is done (the C heap would
+    keep a freed buffer of this size resident)."""
+    if device.type == "cpu":
+        return _C.allocate_host_arena(nbytes, "off", zero=zero)
+    return (torch.zeros if zero else torch.empty)(nbytes, dtype=torch.uint8, device=device)
+
+
 class ResidentStage:
     """A stage's parameters (and gradient buffer, for backward) resident on one device.
 
@@ -279,7 +288,7 @@ class ResidentStage:
         self.trace: StageTrace | None = None  # set while a timeline trace is recorded
         device = devices()[device_index]
         begin, end = memory.param_range(layers)
-        self.buffer = torch.empty(end - begin, dtype=torch.uint8, device=device)
+        self.buffer = _stage_buffer(end - begin, device, zero=False)
         fence = memory.fence(layers)
         with _marked(nvtx_model, "upload", layers):
             if memory.params is not None:
@@ -299,7 +308,7 @@ class ResidentStage:
         grad_begin = 0
         if with_grads:
             grad_begin, grad_end = memory.grad_range(layers)
-            self.grad_buffer = torch.zeros(grad_end - grad_begin, dtype=torch.uint8, device=device)
+            self.grad_buffer = _stage_buffer(grad_end - grad_begin, device, zero=True)
         params = _TypedViews(self.buffer, begin)
         grads = None if self.grad_buffer is None else _TypedViews(self.grad_buffer, grad_begin)
         self.views: dict[int, list[torch.Tensor]] = {}

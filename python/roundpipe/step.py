@@ -12,11 +12,15 @@ whole write-back before it changes the optimizer copies. ``is_async=False`` wait
 
 Fused path: when ``step_fn`` steps ``roundpipe.optim.Adam`` (directly or through
 ``roundpipe.GradScaler``) on fp32 copies of bf16/fp16 parameters, one native pass reads the
-gradients straight from the arena, unscales them, updates weights and moments, and writes the new
-low-precision weights (``roundpipe.optim.fused_writeback``): a synchronous step straight into the
-parameter arena, an asynchronous one into a staging arena (the iteration in flight still reads the
-parameters), from which the write-back copies them without casting. GradScaler's inf/NaN check is
-a read-only pass before it, since a step with a non-finite gradient must not change anything.
+gradients straight from the arena, unscales them and updates weights and moments; a synchronous
+step also writes the new low-precision weights straight into the parameter arena in that pass
+(``roundpipe.optim.fused_writeback``). An asynchronous one cannot (the iteration in flight still
+reads the parameters) and has the write-back cast them from the copies: a staging arena for them
+would cost 2 bytes per parameter of host memory for the same traffic (the pass would write them
+and the writer read them, instead of the writer reading the 4-byte copies). GradScaler's inf/NaN
+check is a read-only pass before it, since a step with a non-finite gradient must not change
+anything. The handed-over gradient arena is cleared by dropping its pages
+(:func:`roundpipe.memory.clear_arena`), so between steps it costs no memory.
 
 Data parallel (``roundpipe.distributed``): the optimizer copies are the own shard's pieces; the
 job first averages the handed-over arena across the ranks, and after ``step_fn`` stages the
@@ -48,7 +52,7 @@ import torch
 from roundpipe._native import _C
 from roundpipe.context import OptimizerCtx
 from roundpipe.distributed import DataParallel
-from roundpipe.memory import ModelMemory
+from roundpipe.memory import ModelMemory, clear_arena
 from roundpipe.optim import fused_writeback
 from roundpipe.optimizer_copy import OptimizerCopy
 from roundpipe.pipeline import annotate
@@ -256,13 +260,9 @@ class StepPipeline:
         self._job: Any = None  # the optimizer thread's event of the last step
         self._job_iteration = -1  # and the iteration it steps
         self._written: Any = None  # event of the last write-back into the parameter arena
-        # Low-precision weights that roundpipe.optim.Adam wrote in its update pass: for an
-        # asynchronous step into a staging arena (gradient arena layout), since the iteration in
-        # flight still reads the parameter arena; for a synchronous one into the parameter arena
-        # itself. The last successful step's optimizer copies that were written so, and where.
-        self._staged: torch.Tensor | None = None
+        # The optimizer copies whose low-precision weights roundpipe.optim.Adam wrote straight
+        # into the parameter arena in the last successful (synchronous) step's update pass.
         self._fused: set[torch.Tensor] = set()
-        self._fused_in_place = False
 
     def copies(self) -> dict[int, OptimizerCopy]:
         """Optimizer copies keyed by ``id`` of the model parameter, created on first use."""
@@ -317,9 +317,9 @@ class StepPipeline:
         dp = self.data_parallel
         # Synchronous: nothing reads the parameter arena until this step is done (calls wait for
         # their uploads before they return), so Adam may write the new weights right there.
-        # With data parallelism every rank's new weights come through the all-gathered staging.
-        in_place = not is_async and dp is None
-        targets = self._fused_targets(copies, slots, in_place)
+        # Asynchronous: the iteration in flight still reads it, and the write-back casts them from
+        # the copies. With data parallelism the fused pass writes into the staging shard.
+        targets = {} if is_async and dp is None else self._fused_targets(copies, slots)
 
         def run_step() -> None:
             if written is not None:  # the previous step's weights must be read out first
@@ -335,7 +335,7 @@ class StepPipeline:
             try:
                 with OptimizerCtx(), self._agreeing(), fused_writeback(targets) as fused:
                     step_fn(*args, **kwargs)
-                self._fused, self._fused_in_place = fused, in_place
+                self._fused = fused
             except Exception as error:
                 raise annotate(error, f"{self.where} (step_fn)") from error
             finally:
@@ -343,7 +343,7 @@ class StepPipeline:
                 # before their arena is reused.
                 for copy, _ in pairs:
                     copy.resolve_grad()
-                handed_over.zero_()
+                clear_arena(handed_over)
             if dp is not None:
                 self._gather_weights(dp, copies, fused)
 
@@ -451,66 +451,49 @@ class StepPipeline:
         raise_detached_errors(wait=True)
 
     def _fused_targets(
-        self, copies: dict[int, OptimizerCopy], slots: list[Any], in_place: bool
+        self, copies: dict[int, OptimizerCopy], slots: list[Any]
     ) -> dict[torch.Tensor, torch.Tensor]:
         """fp32 optimizer copy -> where our Adam writes its bf16/fp16 parameter's new weights in
-        the same pass as the update: the parameter itself, or its staging view."""
-        pairs = [
-            (copies[id(slot.param)], slot)
+        the same pass as the update: the parameter itself (synchronous steps only: nothing reads
+        the parameter arena meanwhile) or, with data parallelism, the piece's place in the
+        staging arena that is all-gathered."""
+        dp = self.data_parallel
+        return {
+            copies[id(slot.param)]: slot.param.detach()
+            if dp is None
+            else dp.target_of(dp.piece_by_param[id(slot.param)])
             for slot in slots
             if slot.param.dtype in (torch.bfloat16, torch.float16)
             and id(slot.param) in copies
             and copies[id(slot.param)].dtype == torch.float32
-        ]
-        if not pairs:
-            return {}
-        if in_place:
-            return {master: slot.param.detach() for master, slot in pairs}
-        dp = self.data_parallel
-        if dp is not None:
-            pieces = dp.piece_by_param
-            return {master: dp.target_of(pieces[id(slot.param)]) for master, slot in pairs}
-        if self._staged is None:
-            self._staged = self.memory.new_grad_arena()
-        return {master: self.memory.grad_view(slot, self._staged) for master, slot in pairs}
+        }
 
     def _write_back(self) -> Any:
-        """Queue the optimizer copies' values into the parameter arena, layer by layer: the next
-        iteration's uploads wait only for their own layers. Returns the last write's event."""
-        copies, fused = self.copies(), self._fused
-        done = fused if self._fused_in_place else set()
-        dp = self.data_parallel
+        """Queue the new weights into the parameter arena, layer by layer: the next iteration's
+        uploads wait only for their own layers. Returns the last write's event. They are the
+        optimizer copies' values (cast on the way), less those a synchronous fused pass already
+        wrote in place; with data parallelism every trainable parameter's, from the all-gathered
+        staging arena."""
+        copies, done, dp = self.copies(), self._fused, self.data_parallel
         last = None
         for layer in self.memory.layers:
-            slots = [
-                s
-                for s in layer.slots
-                if s.primary is None
-                and (
-                    s.grad_offset is not None
-                    if dp is not None
-                    else id(s.param) in copies and copies[id(s.param)] not in done
-                )
-            ]
+            if dp is None:
+                slots = [
+                    s
+                    for s in layer.slots
+                    if s.primary is None
+                    and id(s.param) in copies
+                    and copies[id(s.param)] not in done
+                ]
+                news = [copies[id(slot.param)].detach() for slot in slots]
+            else:
+                slots = [s for s in layer.slots if s.primary is None and s.grad_offset is not None]
+                news = [self.memory.grad_view(slot, dp.staged()) for slot in slots]
             if slots:
                 last = self.memory.write_async(
-                    layer.index,
-                    [slot.param.detach() for slot in slots],
-                    [self._new_weights(slot, copies.get(id(slot.param)), fused) for slot in slots],
+                    layer.index, [slot.param.detach() for slot in slots], news
                 )
         return last
-
-    def _new_weights(
-        self, slot: Any, master: OptimizerCopy | None, fused: set[torch.Tensor]
-    ) -> torch.Tensor:
-        """Where the parameter's new value is: staged in its own dtype by the fused pass or the
-        data-parallel all-gather, or in the optimizer copy (cast on the way)."""
-        if self.data_parallel is not None:
-            return self.memory.grad_view(slot, self.data_parallel.staged())
-        if master in fused and self._staged is not None:
-            return self.memory.grad_view(slot, self._staged)
-        assert master is not None
-        return master.detach()
 
     def raise_if_failed(self) -> None:
         """Re-raise a finished step's error without waiting for a running one. A step that
