@@ -330,7 +330,8 @@ def _model_with_pending_grads(num_devices: int) -> tuple[RoundPipe, dict[str, An
     model, _ = _trained(num_devices, steps=2)
     # Gradients accumulated but not stepped: saved as _roundpipe.grads.
     model.forward_backward(input_args=(torch.randn(8, 16),), loss_fn=lambda o, _: o.square().mean())
-    checkpoint = {k: v * 2 for k, v in model.state_dict().items()}  # differs from the model
+    # Differs from the model (the pending write-back's flag stays a bool).
+    checkpoint = {k: v * 2 if v.is_floating_point() else v for k, v in model.state_dict().items()}
     checkpoint["_roundpipe.grads"] = model.state_dict()["_roundpipe.grads"].flip(0)
     return model, checkpoint
 
@@ -344,8 +345,19 @@ def _model_with_pending_grads(num_devices: int) -> tuple[RoundPipe, dict[str, An
         ("model.2.weight", torch.ones(16)),
         ("model.2.bias", "not a tensor"),
         ("_roundpipe.grads", torch.zeros(8, dtype=torch.uint8)),
+        ("_roundpipe.pending_writeback", torch.tensor(1.0)),
+        ("_roundpipe.pending_writeback", torch.ones(2, dtype=torch.bool)),
     ],
-    ids=["copy-1x16", "copy-16", "copy-int", "weight-16", "bias-str", "grads-size"],
+    ids=[
+        "copy-1x16",
+        "copy-16",
+        "copy-int",
+        "weight-16",
+        "bias-str",
+        "grads-size",
+        "pending-float",
+        "pending-2",
+    ],
 )
 @pytest.mark.parametrize("strict", [True, False])
 def test_bad_entry_fails_the_load_and_changes_nothing(

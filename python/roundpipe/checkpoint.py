@@ -67,8 +67,9 @@ def save_checkpoint(
 ) -> None:
     """Write a checkpoint of ``model`` (and ``optimizer``, ``scaler``, ``extra``) to ``path``.
 
-    ``model.state_dict()`` is taken first: for a ``RoundPipe`` or ``AutoRoundPipe`` it drains
-    pending transfers and the asynchronous optimizer, so the optimizer's and scaler's states
+    ``model.state_dict()`` is taken first: for a ``RoundPipe`` it waits for pending transfers
+    and the asynchronous step in flight (without writing that step back, so saving does not
+    change the training; an ``AutoRoundPipe`` drains), so the optimizer's and scaler's states
     read afterwards belong to the same step. The write is atomic (a temporary file in the same
     folder, fsync, rename over ``path``, fsync of the folder): a crash leaves the previous
     checkpoint intact. Every chunk of the file is checksummed for :func:`load_checkpoint`.
@@ -93,7 +94,7 @@ def save_checkpoint(
         raise ValueError(f"path {str(target)!r} is a folder; pass a file name")
     _check_weights_only(extra)
 
-    state: dict[str, Any] = {"model": model.state_dict()}  # drains a RoundPipe first
+    state: dict[str, Any] = {"model": model.state_dict()}  # waits for a RoundPipe's step first
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     if scaler is not None:

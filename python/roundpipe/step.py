@@ -126,6 +126,16 @@ def drain_optimizer_thread() -> None:
         raise_detached_errors()
 
 
+def wait_optimizer_thread() -> None:
+    """Wait until every job submitted so far has run, then raise the errors of detached jobs;
+    unlike :func:`drain_optimizer_thread` nothing is settled, so what the steps in flight did
+    stays unseen by the iterations, as if nobody had waited (a checkpoint must not change the
+    training)."""
+    if not in_step_job():
+        submit(lambda: None).synchronize()
+        raise_detached_errors()
+
+
 def _wait_for_optimizer_thread(seconds: float | None) -> bool:
     """Wait (interruptibly) until the jobs queued so far have run, at most ``seconds`` (None: no
     bound). True if they have."""
@@ -360,6 +370,28 @@ class StepPipeline:
                         "writeback", model=self.name, device=None, lane="writer", done=self._written
                     )
         raise_detached_errors(wait=True)
+
+    def wait_step(self) -> None:
+        """Wait for the step in flight without queuing its write-back or settling it: the
+        optimizer copies (and the optimizer's state) are then after that step, the parameters
+        still before it, and its write-back stays pending for the next ``step()``. A failed
+        step's error is raised here and again by the next ``step()`` or ``synchronize()``."""
+        if self._job is not None:
+            self._job.synchronize()
+
+    def write_back_pending(self) -> bool:
+        """Whether the last step's new weights are still to be written into the parameters
+        (queued by the next ``step()``, ``synchronize()`` or ``drain()``)."""
+        return self._job is not None
+
+    def restore_pending_step(self) -> None:
+        """After loading a checkpoint saved with a step in flight: the optimizer copies hold
+        that step's result, the parameters the weights before it. As in the saving run, the next
+        ``step()`` (or ``synchronize()``) writes the copies back. They are cast on the way, which
+        gives the bits the saving run's fused pass staged: both round to nearest even."""
+        self._job = submit(lambda: None)  # a finished step, standing for the saved one
+        self._job_iteration = -1  # settles nothing: the scaler state loaded needs no settling
+        self._fused, self._fused_in_place = set(), False
 
     def _fused_targets(
         self, copies: dict[int, OptimizerCopy], slots: list[Any], in_place: bool
