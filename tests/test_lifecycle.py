@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
+from roundpipe._native import _C as roundpipe_native
 from torch import nn
 
 CPU_ENV = {**os.environ, "ROUNDPIPE_DEVICE_KIND": "cpu", "ROUNDPIPE_CPU_DEVICES": "3"}
@@ -220,6 +221,39 @@ def test_ctrl_c_exits_within_seconds_with_a_step_in_flight(step: str, where: str
 
 
 # -- errors of asynchronous work -------------------------------------------------------------
+
+
+class _SlowWrite:
+    """A weight write whose first wait is interrupted by Ctrl-C (fault injection)."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        if self.waits == 1:
+            raise KeyboardInterrupt
+
+    def query(self) -> bool:
+        return self.waits > 1
+
+
+def test_ctrl_c_while_waiting_for_weight_writes_keeps_them_queued(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An interrupted wait must not forget the write: uploads still wait for it (its fence) and
+    the next wait waits for it again."""
+    from roundpipe.memory import ModelMemory
+
+    write = _SlowWrite()
+    monkeypatch.setattr(roundpipe_native, "writeback_async", lambda dsts, srcs: write)
+    memory = ModelMemory([nn.Linear(4, 4)], "alloc")
+    memory.write_async(0, [torch.zeros(1)], [torch.ones(1)])
+    with pytest.raises(KeyboardInterrupt):
+        memory.wait_writes()
+    assert memory.fence(range(1)) is write
+    memory.wait_writes()
+    assert write.waits == 2 and memory.fence(range(1)) is None
 
 
 def _trained(num_devices: int, steps: int = 1) -> tuple[RoundPipe, torch.optim.Optimizer]:
