@@ -40,11 +40,10 @@ from typing import Any
 import torch
 
 from roundpipe._native import _C
-from roundpipe.context import OptimizerCtx
+from roundpipe.context import OptimizerCtx, annotate
 from roundpipe.memory import ModelMemory
 from roundpipe.optim import fused_writeback
 from roundpipe.optimizer_copy import OptimizerCopy
-from roundpipe.pipeline import annotate
 from roundpipe.tracing import active_tracer
 
 # Iterations are counted by the steps submitted in this process. The main thread is in iteration
