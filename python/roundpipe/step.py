@@ -181,20 +181,23 @@ def _drain_native_workers() -> None:
     alive: jobs may hold tensors that own Python objects, which must not be released during
     shutdown. Errors of unfinished steps stay with their events, unreported at exit.
 
-    A step still running is waited for on a normal exit (a Ctrl-C during that wait gives it up);
-    after an uncaught exception (a Ctrl-C) at most ``EXIT_AFTER_ERROR_SECONDS``. A step given up
-    is left unfinished: the process exits at once, skipping the rest of the exit handlers."""
-    if _used_optimizer_thread:
-        bound = EXIT_AFTER_ERROR_SECONDS if _exiting_after_error() else None
-        try:
-            finished = _wait_for_optimizer_thread(bound)
-        except KeyboardInterrupt:
-            sys.last_value = KeyboardInterrupt()
-            finished = False
-        if not finished:
-            _leave_now()
-    # Only copy engines and the weight writer are left: native work that never waits on Python.
-    _C.drain_workers()
+    Queued work is waited for on a normal exit (a Ctrl-C during that wait gives it up); after an
+    uncaught exception (a Ctrl-C) at most ``EXIT_AFTER_ERROR_SECONDS`` in all, a step in flight
+    and the copies still queued together. Work given up is left unfinished (a copy waiting on a
+    hung GPU, say): the process exits at once, skipping the rest of the exit handlers."""
+    bound = EXIT_AFTER_ERROR_SECONDS if _exiting_after_error() else None
+    deadline = None if bound is None else time.monotonic() + bound
+    try:
+        finished = not _used_optimizer_thread or _wait_for_optimizer_thread(bound)
+        if finished:
+            # Then the copy engines and the weight writer.
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            finished = _C.drain_workers(left)
+    except KeyboardInterrupt:
+        sys.last_value = KeyboardInterrupt()
+        finished = False
+    if not finished:
+        _leave_now()
 
 
 def _drain_before_fork() -> None:
