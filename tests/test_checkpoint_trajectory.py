@@ -55,7 +55,12 @@ class Run:
     """One training run of a setup; ``saves`` are the points (iteration, "before"/"after" its
     step) where it reads its whole state, kept by point."""
 
-    def __init__(self, setup: str, saves: frozenset[tuple[int, str]] = frozenset()) -> None:
+    def __init__(
+        self,
+        setup: str,
+        saves: frozenset[tuple[int, str]] = frozenset(),
+        synchronize_after_save: bool = False,
+    ) -> None:
         dtype, optim_dtype, optimizer, scaler = SETUPS[setup]
         torch.manual_seed(0)
         net = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to(dtype)
@@ -68,7 +73,7 @@ class Run:
             else torch.optim.AdamW(params, lr=1e-2)
         )
         self.scaler = None if scaler is None else roundpipe.GradScaler(**scaler)
-        self.saves = saves
+        self.saves, self.synchronize_after_save = saves, synchronize_after_save
         self.saved: dict[tuple[int, str], dict[str, Any]] = {}
         self.losses: dict[int, float] = {}
 
@@ -88,6 +93,8 @@ class Run:
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
+        if self.synchronize_after_save:  # publishes fresh weights: the trajectory changes here
+            self.model.synchronize()
         return round_trip(state)
 
     def load(self, state: dict[str, Any]) -> None:
@@ -95,6 +102,8 @@ class Run:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
+        if self.synchronize_after_save:
+            self.model.synchronize()
 
     def forward_backward(self, i: int) -> None:
         x, y = batch(i, self.dtype)
@@ -202,3 +211,21 @@ def test_state_dict_of_a_failed_step_raises_and_leaves_the_error_to_step(
     assert "_roundpipe.pending_writeback" not in run.model.state_dict()
     run.train(range(3, 5))
     assert run.model.state_dict()["_roundpipe.pending_writeback"].item() is True
+
+
+def test_a_resumed_run_follows_a_synchronize_after_the_save(num_devices: int) -> None:
+    """A save followed by ``synchronize()`` (which does publish the step in flight): loaded and
+    followed by the same call, the resumed run takes the same weights and loss scales."""
+    saves = frozenset({(1, "after"), (2, "before")})
+    saving = Run("fp16-scaler", saves, synchronize_after_save=True)
+    saving.train(range(ITERATIONS))
+    expected = saving.final()
+    for (i, when), state in sorted(saving.saved.items()):
+        resumed = Run("fp16-scaler", synchronize_after_save=True)
+        resumed.load(state)
+        resumed.train(
+            range(i, ITERATIONS) if when == "before" else range(i + 1, ITERATIONS),
+            step_first=when == "before",
+        )
+        losses = {k: v for k, v in expected["losses"].items() if k > i}
+        assert_bits(resumed.final(), {**expected, "losses": losses}, f"resumed at {(i, when)}")

@@ -26,6 +26,7 @@ from roundpipe.step import (
     drain_optimizer_thread,
     in_step_job,
     raise_detached_errors,
+    restored_iteration,
     settled_iteration,
     submit_detached,
     wait_optimizer_thread,
@@ -105,7 +106,7 @@ class GradScaler:
         # So an iteration's scale never depends on whether an asynchronous step (and its update)
         # happened to finish before the iteration's first scale() call.
         self._settled_scale = self._scale
-        self._updates: list[tuple[int, float]] = []
+        self._updates: list[tuple[float, float]] = []
         self._unscaled: dict[int, bool] = {}  # id(optimizer) -> found inf/NaN
 
     @staticmethod
@@ -205,7 +206,7 @@ class GradScaler:
                 drain_optimizer_thread()
                 self._update(scale, iteration, step)
 
-    def _update(self, new_scale: float | None, iteration: int, step: int) -> None:
+    def _update(self, new_scale: float | None, iteration: int, step: float) -> None:
         found_inf = any(self._unscaled.values())
         with self._lock:
             if new_scale is not None:
@@ -262,37 +263,42 @@ class GradScaler:
 
     def state_dict(self) -> dict[str, Any]:
         """Scale and growth state after the queued steps and updates (waited for, raising the
-        error of an update that failed), plus ``_iteration_scale``: the scale the iteration in
-        progress uses (the next one, between iterations). That one still lags behind ``scale``
-        while a step is in flight; saving changes nothing of the training, and loading makes
-        the resumed run take the same scales (see ``RoundPipe.state_dict``)."""
+        error of an update that failed). Saving settles nothing (see ``RoundPipe.state_dict``):
+        ``_iteration_scale`` is the scale a new iteration takes now, which lags behind ``scale``
+        while a step is in flight, and ``_current_scale`` the one the iteration in progress
+        fixed (its gradients may be in the checkpoint), if any."""
         wait_optimizer_thread()
         if not self._enabled:
             return {}
         with self._lock:
-            iteration_scale = self._iteration_scales.get(current_iteration())
-            if iteration_scale is None:
-                iteration_scale = self._usable_scale()
-        return {
+            usable = self._usable_scale()
+            current = self._iteration_scales.get(current_iteration())
+        state = {
             "scale": self._scale,
             "growth_factor": self._growth_factor,
             "backoff_factor": self._backoff_factor,
             "growth_interval": self._growth_interval,
             "_growth_tracker": self._growth_tracker,
-            "_iteration_scale": iteration_scale,
+            "_iteration_scale": usable,
         }
+        if current is not None:
+            state["_current_scale"] = current
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a ``state_dict()`` (of this class or of ``torch.amp.GradScaler``), checked
-        before anything changes. As in the saving run, the iteration in progress (or the next
-        one) uses ``_iteration_scale`` and later ones ``scale``: what the saving run's updates
-        had left when the step in flight is written back."""
+        before anything changes. The resumed run's iterations take the scales the saving run's
+        took: ``_iteration_scale`` until the loaded model's pending write-back is applied (its
+        first ``step()``), ``scale`` after it, and the iteration in progress ``_current_scale``."""
         if not self._enabled:
             return
         if not state_dict:
             raise RuntimeError("the checkpoint holds no scaler state (saved with enabled=False)")
         scale = _positive("scale", state_dict["scale"])
         iteration_scale = _positive("_iteration_scale", state_dict.get("_iteration_scale", scale))
+        current = state_dict.get("_current_scale")
+        if current is not None:
+            current = _positive("_current_scale", current)
         growth = _positive("growth_factor", state_dict["growth_factor"], above_one=True)
         backoff = _positive("backoff_factor", state_dict["backoff_factor"])
         if backoff >= 1.0:
@@ -304,8 +310,10 @@ class GradScaler:
             self._scale, self._growth_tracker = scale, growth_tracker
             self._growth_factor, self._backoff_factor = growth, backoff
             self._growth_interval = interval
-            self._settled_scale, self._updates = scale, []
-            self._iteration_scales = {current_iteration(): iteration_scale}
+            self._settled_scale, self._updates = iteration_scale, []
+            if scale != iteration_scale:
+                self._updates.append((restored_iteration(), scale))
+            self._iteration_scales = {} if current is None else {current_iteration(): current}
             self._unscaled.clear()
 
 

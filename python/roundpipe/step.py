@@ -51,7 +51,7 @@ from roundpipe.tracing import active_tracer
 _submitted = 0
 # The newest step the program has waited for (finish(), a synchronous step, a drain): what it has
 # done is settled; what a step still in flight does is not, even if it happens to have run.
-_settled = -1
+_settled: float = -1
 _job = threading.local()
 # Events of asynchronous jobs that no model waits for (GradScaler.update(is_async=True)): their
 # errors are raised by the next step(), synchronize(), forward or GradScaler getter.
@@ -104,15 +104,23 @@ def raise_detached_errors(wait: bool = False) -> None:
         _detached.pop(0)
 
 
-def settled_iteration() -> int:
+def settled_iteration() -> float:
     """The newest step iteration the program has waited for (-1: none). State changed by steps up
     to it is what the next iteration may use, whatever the timing of the steps after it."""
     return _settled
 
 
-def _settle(iteration: int) -> None:
+def _settle(iteration: float) -> None:
     global _settled
     _settled = max(_settled, iteration)
+
+
+def restored_iteration() -> float:
+    """The iteration that stands for the step a loaded checkpoint had in flight: between the
+    iterations before the load and those after it (so never settled yet). The loaded model's
+    pending write-back settles it at the next ``step()``, where the saving run settled the real
+    step, and state keyed by it (a loaded scaler's pending scale) follows."""
+    return _submitted - 0.5
 
 
 def drain_optimizer_thread() -> None:
@@ -253,7 +261,7 @@ class StepPipeline:
         self._copies: dict[int, OptimizerCopy] | None = None
         self._spare_grads: torch.Tensor | None = None
         self._job: Any = None  # the optimizer thread's event of the last step
-        self._job_iteration = -1  # and the iteration it steps
+        self._job_iteration: float = -1  # and the iteration it steps
         self._written: Any = None  # event of the last write-back into the parameter arena
         # Low-precision weights that roundpipe.optim.Adam wrote in its update pass: for an
         # asynchronous step into a staging arena (gradient arena layout), since the iteration in
@@ -392,7 +400,7 @@ class StepPipeline:
         ``step()`` (or ``synchronize()``) writes the copies back. They are cast on the way, which
         gives the bits the saving run's fused pass staged: both round to nearest even."""
         self._job = submit(lambda: None)  # a finished step, standing for the saved one
-        self._job_iteration = -1  # settles nothing: the scaler state loaded needs no settling
+        self._job_iteration = restored_iteration()
         self._fused, self._fused_in_place = set(), False
 
     def _fused_targets(
