@@ -169,3 +169,53 @@ def test_ctrl_c_interrupts_a_wait_on_an_event(wait: str) -> None:
     word, when = stdout.split()
     assert word == "interrupted"
     assert float(when) - sent < 1.0
+
+
+STUCK_COPY_SCRIPT = textwrap.dedent(
+    """
+    import sys, threading
+    import torch
+    import roundpipe
+    from roundpipe._native import _C
+
+    # A copy that waits for a job that never finishes: what a copy waiting on a hung GPU is.
+    never = threading.Event()
+    blocker = _C.submit_optimizer_job(never.wait)
+    _C.copy_async(0, torch.zeros(4), torch.ones(4), "activation", blocker)
+    print("queued", flush=True)
+    if sys.argv[1] == "error":
+        raise RuntimeError("the program fails")
+    """
+)
+
+
+@pytest.mark.parametrize("exit_kind", ["error", "ctrl_c"])
+def test_exit_with_a_stuck_copy_is_bounded(exit_kind: str) -> None:
+    """The exit's wait for queued native work gives up after an error (within the exit bound)
+    and on Ctrl-C, instead of waiting for a stuck copy forever."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", STUCK_COPY_SCRIPT, exit_kind],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=CPU_ENV,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "queued"
+        started = time.monotonic()
+        if exit_kind == "ctrl_c":
+            time.sleep(0.5)  # the interpreter is in its exit wait
+            process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+        seconds = time.monotonic() - started
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    if exit_kind == "error":
+        assert process.returncode == 1 and "the program fails" in stderr, stderr
+    else:
+        assert process.returncode == -signal.SIGINT, stderr
+    assert seconds < 10, stderr
+    assert "Fatal Python error" not in stderr and "terminate called" not in stderr

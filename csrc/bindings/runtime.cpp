@@ -1,6 +1,10 @@
 // Bindings of the runtime's native parts: host arenas, events and the per-device copy engines.
 #include <torch/csrc/utils/pybind.h>
 
+#include <chrono>
+#include <cmath>
+#include <optional>
+
 #include "bindings/bindings.h"
 #include "executor/copy_engine.h"
 #include "executor/event.h"
@@ -35,6 +39,30 @@ std::exception_ptr capture_python_error(const py::error_already_set& error) {
 void check_signals() {
   py::gil_scoped_acquire gil;
   if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+}
+
+// Thrown by a wait's check once its time is up.
+struct WaitTimedOut {};
+
+// drain_workers(timeout_s): true once every native worker ran the jobs queued before the call;
+// false if `timeout_s` passed first. Ctrl-C interrupts it. Called without the GIL.
+bool drain_workers(std::optional<double> timeout_s) {
+  if (timeout_s && !(std::isfinite(*timeout_s) && *timeout_s >= 0)) {
+    throw py::value_error("drain_workers: timeout_s must be a finite number >= 0 or None, got " +
+                          std::to_string(*timeout_s));
+  }
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(timeout_s.value_or(0)));
+  try {
+    executor::drain_all_workers([&] {
+      check_signals();
+      if (timeout_s && std::chrono::steady_clock::now() >= deadline) throw WaitTimedOut{};
+    });
+  } catch (const WaitTimedOut&) {
+    return false;
+  }
+  return true;
 }
 
 executor::Lane parse_lane(const std::string& lane) {
@@ -120,8 +148,10 @@ void bind_runtime(py::module_& m) {
   m.def("writeback_async", &executor::write_back, py::arg("dsts"), py::arg("srcs"),
         py::call_guard<py::gil_scoped_release>(),
         "dsts[i].copy_(srcs[i]) (casting) on the weight writer, first in first out.");
-  m.def("drain_workers", &executor::drain_all_workers, py::call_guard<py::gil_scoped_release>(),
-        "Wait until every native worker ran the jobs submitted so far (called at exit).");
+  m.def("drain_workers", &drain_workers, py::arg("timeout_s") = py::none(),
+        py::call_guard<py::gil_scoped_release>(),
+        "Wait until every native worker ran the jobs submitted so far (called at exit and before "
+        "fork): True, or False once timeout_s seconds passed first; Ctrl-C interrupts the wait.");
   m.def(
       "allocate_host_arena",
       [](std::int64_t bytes, const std::string& pin_model, bool zero) {

@@ -175,13 +175,13 @@ CopyEngine& copy_engine(int index) {
   return *engine;
 }
 
-void drain_copy_engines() {
+void drain_copy_engines(const WaitCheck& check) {
   std::vector<CopyEngine*> all;
   {
     std::lock_guard<std::mutex> lock(engines_mutex());
     for (auto& [key, engine] : engines()) all.push_back(engine.get());
   }
-  for (CopyEngine* engine : all) engine->drain();
+  for (CopyEngine* engine : all) engine->drain(check);
 }
 
 }  // namespace roundpipe::executor

@@ -43,8 +43,8 @@ class CopyEngine {
   EventPtr accumulate(const at::Tensor& dst, const at::Tensor& src, const EventPtr& after,
                       const std::optional<at::Tensor>& staging = std::nullopt);
 
-  // Returns once every host job submitted so far has run.
-  void drain() { worker_.drain(); }
+  // Returns once every host job submitted so far has run (`check`: see WorkQueue::drain).
+  void drain(const WaitCheck& check = {}) { worker_.drain(check); }
 
  private:
   bool on_cuda() const { return device_.is_cuda(); }
@@ -60,8 +60,9 @@ class CopyEngine {
 // The process-wide engine of device `index` of the registry's current kind, created on first use.
 CopyEngine& copy_engine(int index);
 
-// Waits for the host jobs of every copy engine created so far (before interpreter shutdown).
-void drain_copy_engines();
+// Waits for the host jobs of every copy engine created so far (before interpreter shutdown);
+// `check`: see WorkQueue::drain.
+void drain_copy_engines(const WaitCheck& check = {});
 
 // An event that completes when the work issued so far to the device's current stream has
 // (already complete on virtual CPU devices).

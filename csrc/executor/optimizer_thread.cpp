@@ -27,10 +27,10 @@ EventPtr write_back(std::vector<at::Tensor> dsts, std::vector<at::Tensor> srcs) 
                     });
 }
 
-void drain_all_workers() {
-  drain_copy_engines();
-  writeback_thread().drain();
-  optimizer_thread().drain();
+void drain_all_workers(const WaitCheck& check) {
+  drain_copy_engines(check);
+  writeback_thread().drain(check);
+  optimizer_thread().drain(check);
 }
 
 }  // namespace roundpipe::executor

@@ -22,7 +22,8 @@ WorkQueue& writeback_thread();
 EventPtr write_back(std::vector<at::Tensor> dsts, std::vector<at::Tensor> srcs);
 
 // Returns once every native worker (copy engines, weight writer, optimizer thread) ran the jobs
-// submitted before the call.
-void drain_all_workers();
+// submitted before the call. With `check`, every wait is in slices with `check` called between
+// them; it may throw to abandon the drain (a copy job waiting on a hung GPU would hold it forever).
+void drain_all_workers(const WaitCheck& check = {});
 
 }  // namespace roundpipe::executor

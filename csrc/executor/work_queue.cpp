@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <memory>
 #include <stdexcept>
 #include <string>
 
@@ -48,23 +49,36 @@ void WorkQueue::submit(int lane, std::function<void()> job) {
   s.ready_cv.notify_one();
 }
 
-void WorkQueue::drain() {
+void WorkQueue::drain(const std::function<void()>& check) {
   {
     State& s = state();
     std::lock_guard<std::mutex> lock(s.mutex);
     if (!s.worker.joinable()) return;
   }
-  std::mutex done_mutex;
-  std::condition_variable done_cv;
-  bool done = false;
+  // Owned with the marker job: a wait that `check` abandons leaves the job to run later.
+  struct Marker {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto marker = std::make_shared<Marker>();
   // The lowest-priority lane runs last: once this job runs, every earlier job has.
-  submit(kLanes - 1, [&] {
-    std::lock_guard<std::mutex> lock(done_mutex);
-    done = true;
-    done_cv.notify_all();
+  submit(kLanes - 1, [marker] {
+    std::lock_guard<std::mutex> lock(marker->mutex);
+    marker->done = true;
+    marker->cv.notify_all();
   });
-  std::unique_lock<std::mutex> lock(done_mutex);
-  done_cv.wait(lock, [&] { return done; });
+  std::unique_lock<std::mutex> lock(marker->mutex);
+  const auto done = [&marker] { return marker->done; };
+  if (!check) {
+    marker->cv.wait(lock, done);
+    return;
+  }
+  while (!marker->cv.wait_for(lock, kDrainSlice, done)) {
+    lock.unlock();
+    check();
+    lock.lock();
+  }
 }
 
 void WorkQueue::run(State& s) {

@@ -11,6 +11,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -33,8 +34,10 @@ class WorkQueue {
   // signal the caller may move on, even into interpreter shutdown.
   void submit(int lane, std::function<void()> job);
 
-  // Returns once every job submitted before the call has run (no-op if none ever was).
-  void drain();
+  // Returns once every job submitted before the call has run (no-op if none ever was). With
+  // `check`, waits in slices and calls it between them; it may throw to abandon the wait (the
+  // jobs still run, the wait's own marker job included).
+  void drain(const std::function<void()>& check = {});
 
  private:
   struct State {
@@ -46,6 +49,8 @@ class WorkQueue {
     bool stopping = false;
     std::thread worker;
   };
+
+  static constexpr std::chrono::milliseconds kDrainSlice{50};
 
   // This process's state (a fresh one in a forked child).
   State& state();

@@ -27,8 +27,10 @@ from roundpipe.step import (
     drain_optimizer_thread,
     in_step_job,
     raise_detached_errors,
+    restored_iteration,
     settled_iteration,
     submit_detached,
+    wait_optimizer_thread,
 )
 
 _T = TypeVar("_T")
@@ -105,7 +107,7 @@ class GradScaler:
         # So an iteration's scale never depends on whether an asynchronous step (and its update)
         # happened to finish before the iteration's first scale() call.
         self._settled_scale = self._scale
-        self._updates: list[tuple[int, float]] = []
+        self._updates: list[tuple[float, float]] = []
         self._unscaled: dict[int, bool] = {}  # id(optimizer) -> found inf/NaN
 
     @staticmethod
@@ -124,11 +126,16 @@ class GradScaler:
         if not self._enabled:
             return outputs
         with self._lock:
-            settled = settled_iteration()
-            while self._updates and self._updates[0][0] <= settled:
-                self._settled_scale = self._updates.pop(0)[1]
-            scale = self._iteration_scales.setdefault(current_iteration(), self._settled_scale)
+            scale = self._iteration_scales.setdefault(current_iteration(), self._usable_scale())
         return tree_map(lambda t: t * scale if isinstance(t, torch.Tensor) else t, outputs)
+
+    def _usable_scale(self) -> float:
+        """The scale a new iteration takes now: after the updates of the settled steps (the
+        lock held)."""
+        settled = settled_iteration()
+        while self._updates and self._updates[0][0] <= settled:
+            self._settled_scale = self._updates.pop(0)[1]
+        return self._settled_scale
 
     # -- optimizer thread ----------------------------------------------------------------------
 
@@ -201,7 +208,7 @@ class GradScaler:
                 drain_optimizer_thread()
                 self._update(scale, iteration, step)
 
-    def _update(self, new_scale: float | None, iteration: int, step: int) -> None:
+    def _update(self, new_scale: float | None, iteration: int, step: float) -> None:
         found_inf = any(self._unscaled.values())
         with self._lock:
             if new_scale is not None:
@@ -257,31 +264,59 @@ class GradScaler:
         self._growth_interval = self._check_interval(new_interval)
 
     def state_dict(self) -> dict[str, Any]:
-        """Scale and growth state (waits for queued updates first)."""
-        drain_optimizer_thread()
+        """Scale and growth state after the queued steps and updates (waited for, raising the
+        error of an update that failed). Saving settles nothing (see ``RoundPipe.state_dict``):
+        ``_iteration_scale`` is the scale a new iteration takes now, which lags behind ``scale``
+        while a step is in flight, and ``_current_scale`` the one the iteration in progress
+        fixed (its gradients may be in the checkpoint), if any."""
+        wait_optimizer_thread()
         if not self._enabled:
             return {}
-        return {
+        with self._lock:
+            usable = self._usable_scale()
+            current = self._iteration_scales.get(current_iteration())
+        state = {
             "scale": self._scale,
             "growth_factor": self._growth_factor,
             "backoff_factor": self._backoff_factor,
             "growth_interval": self._growth_interval,
             "_growth_tracker": self._growth_tracker,
+            "_iteration_scale": usable,
         }
+        if current is not None:
+            state["_current_scale"] = current
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a ``state_dict()`` (of this class or of ``torch.amp.GradScaler``), checked
+        before anything changes. The resumed run's iterations take the scales the saving run's
+        took: ``_iteration_scale`` until the loaded model's pending write-back is applied (its
+        first ``step()``), ``scale`` after it, and the iteration in progress ``_current_scale``."""
         if not self._enabled:
             return
         if not state_dict:
             raise RuntimeError("the checkpoint holds no scaler state (saved with enabled=False)")
+        scale = _positive("scale", state_dict["scale"])
+        iteration_scale = _positive("_iteration_scale", state_dict.get("_iteration_scale", scale))
+        current = state_dict.get("_current_scale")
+        if current is not None:
+            current = _positive("_current_scale", current)
+        growth = _positive("growth_factor", state_dict["growth_factor"], above_one=True)
+        backoff = _positive("backoff_factor", state_dict["backoff_factor"])
+        if backoff >= 1.0:
+            raise ValueError(f"backoff_factor must be < 1, got {backoff}")
+        interval = self._check_interval(state_dict["growth_interval"])
+        growth_tracker = int(state_dict["_growth_tracker"])
         drain_optimizer_thread()
-        self._scale = _positive("scale", state_dict["scale"])
         with self._lock:
-            self._settled_scale, self._updates = self._scale, []
-        self.set_growth_factor(state_dict["growth_factor"])
-        self.set_backoff_factor(state_dict["backoff_factor"])
-        self.set_growth_interval(state_dict["growth_interval"])
-        self._growth_tracker = int(state_dict["_growth_tracker"])
+            self._scale, self._growth_tracker = scale, growth_tracker
+            self._growth_factor, self._backoff_factor = growth, backoff
+            self._growth_interval = interval
+            self._settled_scale, self._updates = iteration_scale, []
+            if scale != iteration_scale:
+                self._updates.append((restored_iteration(), scale))
+            self._iteration_scales = {} if current is None else {current_iteration(): current}
+            self._unscaled.clear()
 
 
 __all__ = ["GradScaler"]

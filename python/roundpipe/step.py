@@ -50,12 +50,11 @@ from typing import Any
 import torch
 
 from roundpipe._native import _C
-from roundpipe.context import OptimizerCtx
+from roundpipe.context import OptimizerCtx, annotate
 from roundpipe.distributed import DataParallel
 from roundpipe.memory import ModelMemory, clear_arena
 from roundpipe.optim import fused_writeback
 from roundpipe.optimizer_copy import OptimizerCopy
-from roundpipe.pipeline import annotate
 from roundpipe.tracing import active_tracer
 
 # Iterations are counted by the steps submitted in this process. The main thread is in iteration
@@ -63,7 +62,7 @@ from roundpipe.tracing import active_tracer
 _submitted = 0
 # The newest step the program has waited for (finish(), a synchronous step, a drain): what it has
 # done is settled; what a step still in flight does is not, even if it happens to have run.
-_settled = -1
+_settled: float = -1
 _job = threading.local()
 # Events of asynchronous jobs that no model waits for (GradScaler.update(is_async=True)): their
 # errors are raised by the next step(), synchronize(), forward or GradScaler getter.
@@ -116,15 +115,23 @@ def raise_detached_errors(wait: bool = False) -> None:
         _detached.pop(0)
 
 
-def settled_iteration() -> int:
+def settled_iteration() -> float:
     """The newest step iteration the program has waited for (-1: none). State changed by steps up
     to it is what the next iteration may use, whatever the timing of the steps after it."""
     return _settled
 
 
-def _settle(iteration: int) -> None:
+def _settle(iteration: float) -> None:
     global _settled
     _settled = max(_settled, iteration)
+
+
+def restored_iteration() -> float:
+    """The iteration that stands for the step a loaded checkpoint had in flight: between the
+    iterations before the load and those after it (so never settled yet). The loaded model's
+    pending write-back settles it at the next ``step()``, where the saving run settled the real
+    step, and state keyed by it (a loaded scaler's pending scale) follows."""
+    return _submitted - 0.5
 
 
 def drain_optimizer_thread() -> None:
@@ -134,6 +141,16 @@ def drain_optimizer_thread() -> None:
         submitted = _submitted
         submit(lambda: None).synchronize()
         _settle(submitted - 1)
+        raise_detached_errors()
+
+
+def wait_optimizer_thread() -> None:
+    """Wait until every job submitted so far has run, then raise the errors of detached jobs;
+    unlike :func:`drain_optimizer_thread` nothing is settled, so what the steps in flight did
+    stays unseen by the iterations, as if nobody had waited (a checkpoint must not change the
+    training)."""
+    if not in_step_job():
+        submit(lambda: None).synchronize()
         raise_detached_errors()
 
 
@@ -183,20 +200,23 @@ def _drain_native_workers() -> None:
     alive: jobs may hold tensors that own Python objects, which must not be released during
     shutdown. Errors of unfinished steps stay with their events, unreported at exit.
 
-    A step still running is waited for on a normal exit (a Ctrl-C during that wait gives it up);
-    after an uncaught exception (a Ctrl-C) at most ``EXIT_AFTER_ERROR_SECONDS``. A step given up
-    is left unfinished: the process exits at once, skipping the rest of the exit handlers."""
-    if _used_optimizer_thread:
-        bound = EXIT_AFTER_ERROR_SECONDS if _exiting_after_error() else None
-        try:
-            finished = _wait_for_optimizer_thread(bound)
-        except KeyboardInterrupt:
-            sys.last_value = KeyboardInterrupt()
-            finished = False
-        if not finished:
-            _leave_now()
-    # Only copy engines and the weight writer are left: native work that never waits on Python.
-    _C.drain_workers()
+    Queued work is waited for on a normal exit (a Ctrl-C during that wait gives it up); after an
+    uncaught exception (a Ctrl-C) at most ``EXIT_AFTER_ERROR_SECONDS`` in all, a step in flight
+    and the copies still queued together. Work given up is left unfinished (a copy waiting on a
+    hung GPU, say): the process exits at once, skipping the rest of the exit handlers."""
+    bound = EXIT_AFTER_ERROR_SECONDS if _exiting_after_error() else None
+    deadline = None if bound is None else time.monotonic() + bound
+    try:
+        finished = not _used_optimizer_thread or _wait_for_optimizer_thread(bound)
+        if finished:
+            # Then the copy engines and the weight writer.
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            finished = _C.drain_workers(left)
+    except KeyboardInterrupt:
+        sys.last_value = KeyboardInterrupt()
+        finished = False
+    if not finished:
+        _leave_now()
 
 
 def _drain_before_fork() -> None:
@@ -258,7 +278,7 @@ class StepPipeline:
         self._copies: dict[int, OptimizerCopy] | None = None
         self._spare_grads: torch.Tensor | None = None
         self._job: Any = None  # the optimizer thread's event of the last step
-        self._job_iteration = -1  # and the iteration it steps
+        self._job_iteration: float = -1  # and the iteration it steps
         self._written: Any = None  # event of the last write-back into the parameter arena
         # The optimizer copies whose low-precision weights roundpipe.optim.Adam wrote straight
         # into the parameter arena in the last successful (synchronous) step's update pass.
@@ -449,6 +469,35 @@ class StepPipeline:
                         "writeback", model=self.name, device=None, lane="writer", done=self._written
                     )
         raise_detached_errors(wait=True)
+
+    def wait_step(self) -> None:
+        """Wait for the step in flight without queuing its write-back or settling it: the
+        optimizer copies (and the optimizer's state) are then after that step, the parameters
+        still before it, and its write-back stays pending for the next ``step()``. A failed
+        step's error is raised here and again by the next ``step()`` or ``synchronize()``."""
+        if self._job is not None:
+            self._job.synchronize()
+
+    def write_back_pending(self) -> bool:
+        """Whether the last step's new weights are still to be written into the parameters
+        (queued by the next ``step()``, ``synchronize()`` or ``drain()``)."""
+        return self._job is not None
+
+    def restore_pending_step(self) -> None:
+        """After loading a checkpoint saved with a step in flight: the optimizer copies hold
+        that step's result, the parameters the weights before it. As in the saving run, the next
+        ``step()`` (or ``synchronize()``) writes the copies back. They are cast on the way, which
+        gives the bits an asynchronous step writes back (its copies, cast the same way). With
+        data parallelism every rank loads together, and each stages and all-gathers its pieces
+        as the saved step did (on the optimizer thread, in the order of the collectives)."""
+        dp = self.data_parallel
+        if dp is None:
+            self._job = submit(lambda: None)  # a finished step, standing for the saved one
+        else:
+            copies = self.copies()
+            self._job = submit(lambda: self._gather_weights(dp, copies, set()))
+        self._job_iteration = restored_iteration()
+        self._fused = set()
 
     def _fused_targets(
         self, copies: dict[int, OptimizerCopy], slots: list[Any]

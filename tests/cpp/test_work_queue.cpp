@@ -5,6 +5,7 @@
 #include <chrono>
 #include <csignal>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -79,4 +80,25 @@ TEST_CASE("work_queue_forked_child_starts_afresh") {
   queue.drain();
   CHECK_EQ(done, child);
   CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+TEST_CASE("work_queue_drain_with_a_check_can_be_abandoned") {
+  WorkQueue queue;
+  std::atomic<bool> release{false};
+  queue.submit(0, [&] {
+    while (!release.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  // The worker is stuck: the check is called between slices of the wait and ends it by throwing.
+  int checks = 0;
+  const auto give_up_third_time = [&] {
+    if (++checks == 3) throw std::runtime_error("given up");
+  };
+  CHECK_THROWS(queue.drain(give_up_third_time), std::runtime_error, "given up");
+  CHECK_EQ(checks, 3);
+  // The abandoned wait's marker job still runs (into state it shares, not the dead frame).
+  std::atomic<int> ran{0};
+  queue.submit(2, [&] { ran.fetch_add(1); });
+  release.store(true);
+  queue.drain([] {});
+  CHECK_EQ(ran.load(), 1);
 }
