@@ -15,8 +15,8 @@ import torch
 from roundpipe import sharded_files
 from roundpipe.sharded_files import (
     MANIFEST,
+    CheckpointError,
     Piece,
-    ShardedCheckpointError,
     load_folder,
     save_folder,
 )
@@ -60,7 +60,7 @@ def test_a_flipped_byte_is_an_error_naming_the_file(tmp_path: Path) -> None:
     raw = bytearray(victim.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     victim.write_bytes(bytes(raw))
-    with pytest.raises(ShardedCheckpointError, match=victim.name):
+    with pytest.raises(CheckpointError, match=victim.name):
         load_folder(folder, {"w": torch.zeros(1000)}, {}, None)
 
 
@@ -70,7 +70,7 @@ def test_a_missing_file_or_manifest_is_an_error(tmp_path: Path) -> None:
         load_folder(folder, {"w": torch.zeros(3)}, {}, None)
     save_folder(folder, {"w": torch.randn(3)}, {}, None)
     _data_files(folder)[0].unlink()
-    with pytest.raises(ShardedCheckpointError, match="missing"):
+    with pytest.raises(CheckpointError, match="missing"):
         load_folder(folder, {"w": torch.zeros(3)}, {}, None)
 
 
@@ -79,7 +79,7 @@ def test_a_corrupt_manifest_is_an_error(tmp_path: Path) -> None:
     save_folder(folder, {"w": torch.randn(3)}, {}, None)
     manifest = folder / MANIFEST
     manifest.write_text(manifest.read_text().replace('"world_size": 1', '"world_size": 2'))
-    with pytest.raises(ShardedCheckpointError, match="checksum"):
+    with pytest.raises(CheckpointError, match="checksum"):
         load_folder(folder, {"w": torch.zeros(3)}, {}, None)
 
 
@@ -87,13 +87,13 @@ def test_entries_must_match_in_name_size_and_dtype(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
     save_folder(folder, {"w": torch.randn(3), "p": torch.randn(5)}, {"p": Piece(5, 0)}, None)
     target = {"w": torch.zeros(3), "p": torch.zeros(5)}
-    with pytest.raises(ShardedCheckpointError, match="lacks 1 entries: q"):
+    with pytest.raises(CheckpointError, match="lacks 1 entries: q"):
         load_folder(folder, {**target, "q": torch.zeros(1)}, {"p": Piece(5, 0)}, None)
-    with pytest.raises(ShardedCheckpointError, match="size"):
+    with pytest.raises(CheckpointError, match="size"):
         load_folder(folder, {"w": torch.zeros(4), "p": torch.zeros(5)}, {"p": Piece(5, 0)}, None)
-    with pytest.raises(ShardedCheckpointError, match="float64"):
+    with pytest.raises(CheckpointError, match="float64"):
         load_folder(folder, {"w": torch.zeros(3, dtype=torch.float64)}, {}, None)
-    with pytest.raises(ShardedCheckpointError, match="size"):
+    with pytest.raises(CheckpointError, match="size"):
         load_folder(folder, {"p": torch.zeros(5)}, {"p": Piece(6, 0)}, None)
     assert torch.equal(target["w"], torch.zeros(3))  # nothing was read
 
@@ -101,7 +101,7 @@ def test_entries_must_match_in_name_size_and_dtype(tmp_path: Path) -> None:
 def test_objects_are_loaded_without_running_code(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
     save_folder(folder, {"extra": _Unsafe()}, {}, None)
-    with pytest.raises(ShardedCheckpointError, match=r"weights_only|Unsupported global"):
+    with pytest.raises(CheckpointError, match=r"weights_only|Unsupported global"):
         load_folder(folder, {"extra": None}, {}, None)
 
 

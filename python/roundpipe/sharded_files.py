@@ -69,8 +69,9 @@ MANIFEST = "MANIFEST.json"
 _READ_BYTES = 8 << 20
 
 
-class ShardedCheckpointError(RuntimeError):
-    """A checkpoint folder is incomplete, corrupt, or does not match the model."""
+class CheckpointError(RuntimeError):
+    """A checkpoint (a file, or a folder of shards) is corrupt, truncated, incomplete, not a
+    RoundPipe checkpoint, or does not match what it is loaded into."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ def load_folder(
     errors = [error for error in map(_check_file(data, manifest["files"]), mine) if error]
     for part in ranks.gather(errors):
         if part:
-            raise ShardedCheckpointError(part[0])
+            raise CheckpointError(part[0])
     reader = FileSystemReader(data)
     saved = reader.read_metadata().state_dict_metadata
     _check_against(folder, entries, pieces, saved)
@@ -155,6 +156,19 @@ def load_folder(
             process_group=group,
             no_dist=ranks.alone,
         )
+
+
+def read_saved_entries(folder: Path) -> dict[str, tuple[torch.Size | None, torch.dtype | None]]:
+    """Name -> (size, dtype) of every entry in the checkpoint folder; (None, None) for objects.
+    Reads the manifest and the metadata only (the files are checked by :func:`load_folder`)."""
+    manifest = read_manifest(folder)
+    saved = FileSystemReader(folder / manifest["data"]).read_metadata().state_dict_metadata
+    return {
+        key: (meta.size, meta.properties.dtype)
+        if isinstance(meta, TensorStorageMetadata)
+        else (None, None)
+        for key, meta in saved.items()
+    }
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
@@ -173,9 +187,9 @@ def read_manifest(folder: Path) -> dict[str, Any]:
             raise ValueError(f"format is {body.get('format')!r}, not {FORMAT!r}")
     except (ValueError, KeyError, TypeError) as error:
         message = f"checkpoint manifest {str(path)!r} is corrupt: {error}"
-        raise ShardedCheckpointError(message) from error
+        raise CheckpointError(message) from error
     if body["format_version"] > FORMAT_VERSION:
-        raise ShardedCheckpointError(
+        raise CheckpointError(
             f"checkpoint {str(folder)!r} has format version {body['format_version']}; this "
             f"roundpipe reads up to {FORMAT_VERSION}: upgrade roundpipe"
         )
@@ -273,7 +287,7 @@ def _check_against(
     """Every entry asked for is in the checkpoint, with the right size and dtype."""
     missing = sorted(key for key in entries if key not in saved)
     if missing:
-        raise ShardedCheckpointError(
+        raise CheckpointError(
             f"checkpoint {str(folder)!r} lacks {len(missing)} entries: {', '.join(missing[:5])}"
         )
     for key, value in entries.items():
@@ -281,10 +295,10 @@ def _check_against(
             continue
         meta = saved[key]
         if not isinstance(meta, TensorStorageMetadata):
-            raise ShardedCheckpointError(f"checkpoint entry {key!r} is not a tensor")
+            raise CheckpointError(f"checkpoint entry {key!r} is not a tensor")
         size = torch.Size([pieces[key].global_numel]) if key in pieces else value.shape
         if meta.size != size or meta.properties.dtype != value.dtype:
-            raise ShardedCheckpointError(
+            raise CheckpointError(
                 f"checkpoint entry {key!r} is {meta.properties.dtype} of size "
                 f"{tuple(meta.size)}; the model expects {value.dtype} of size {tuple(size)}"
             )
@@ -385,7 +399,7 @@ def _fsync_folder(folder: Path) -> None:
 @contextmanager
 def _quiet(what: str) -> Iterator[None]:
     """Around torch.distributed.checkpoint: its failures (a ``BaseException`` holding every
-    rank's error) become a ``ShardedCheckpointError`` caused by the first one, and its warning
+    rank's error) become a ``CheckpointError`` caused by the first one, and its warning
     that a save or load without a process group runs in this process alone (what is meant
     here) is silenced."""
     with warnings.catch_warnings():
@@ -394,9 +408,16 @@ def _quiet(what: str) -> Iterator[None]:
             yield
         except CheckpointException as failed:
             rank, (error, _) = min(failed.failures.items())
-            raise ShardedCheckpointError(
+            raise CheckpointError(
                 f"{what} failed on rank {rank}: {type(error).__name__}: {error}"
             ) from error
 
 
-__all__ = ["Piece", "ShardedCheckpointError", "load_folder", "read_manifest", "save_folder"]
+__all__ = [
+    "CheckpointError",
+    "Piece",
+    "load_folder",
+    "read_manifest",
+    "read_saved_entries",
+    "save_folder",
+]
