@@ -19,6 +19,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from roundpipe._native import _C
+from roundpipe.distributed import any_rank
 from roundpipe.optim import Adam
 from roundpipe.optimizer_copy import gradient_of
 from roundpipe.step import (
@@ -151,7 +152,8 @@ class GradScaler:
         with torch.no_grad():
             for grad in grads:
                 grad.mul_(inverse)
-        self._unscaled[id(optimizer)] = not _all_finite(grads)
+        # With data parallelism each rank holds a shard: all skip if any shard overflowed.
+        self._unscaled[id(optimizer)] = any_rank(not _all_finite(grads))
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step(*args, **kwargs)`` on unscaled gradients, skipped on inf/NaN.
@@ -163,7 +165,7 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if isinstance(optimizer, Adam) and id(optimizer) not in self._unscaled:
             grads = [gradient_of(p) for group in optimizer.param_groups for p in group["params"]]
-            found_inf = not _all_finite([g for g in grads if g is not None])
+            found_inf = any_rank(not _all_finite([g for g in grads if g is not None]))
             self._unscaled[id(optimizer)] = found_inf
             if found_inf:
                 return None

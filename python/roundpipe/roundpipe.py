@@ -25,6 +25,7 @@ from roundpipe.batch import (
     split_label,
 )
 from roundpipe.device import device_count
+from roundpipe.distributed import DataParallel, DataParallelShard, ShardPiece, check_group
 from roundpipe.forwarding import ForwardingModule
 from roundpipe.gradients import GradientState
 from roundpipe.memory import ModelMemory
@@ -110,6 +111,12 @@ class RoundPipe(ForwardingModule):
             ``"register"`` (page-locked in place, CUDA) or ``"off"`` (the parameters stay in
             their own pageable storage, memory-mapped weights included, and upload one copy
             each). On virtual CPU devices there is nothing to pin and all three are pageable.
+        data_parallel_group: a ``torch.distributed.ProcessGroup`` (e.g. ``dist.group.WORLD``)
+            whose ranks each run a replica of this model on their own part of the global batch:
+            gradients are averaged across them at every ``step()`` and the optimizer copies are
+            sharded (see ``docs/guide.md``, "Scaling out"). Every rank must create the same model
+            with the same settings, in the same order as its other data-parallel models. None
+            or a group of one rank: no data parallelism.
     """
 
     name: str
@@ -126,6 +133,7 @@ class RoundPipe(ForwardingModule):
         name: str | None = None,
         model_run_config: RoundPipeRunConfig | None = None,
         pin_model: str = "alloc",
+        data_parallel_group: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -146,19 +154,33 @@ class RoundPipe(ForwardingModule):
             )
         if pin_model not in _PIN_MODES:
             raise ValueError(f"pin_model must be one of {_PIN_MODES}, got {pin_model!r}")
+        data_parallel_size = check_group(data_parallel_group)
         # list(Sequential) keeps a module that appears twice (children() would drop the repeat).
         layers = list(model) if isinstance(model, nn.Sequential) else [model]
         if not layers:
             raise ValueError("model is an empty nn.Sequential; give it at least one layer")
         name = name if name is not None else _default_name()
         memory = ModelMemory(layers, pin_model)
+        data_parallel = None
+        if data_parallel_size > 1:
+            params = list(model.named_parameters(remove_duplicate=False))
+            signature = {
+                "world size": data_parallel_size,
+                "layer count": len(layers),
+                "optim_dtype": str(optim_dtype),
+                "pin_model": pin_model,
+                "parameters": [
+                    (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in params
+                ],
+            }
+            data_parallel = DataParallel(data_parallel_group, memory, name, signature)
         timer = ModelTimer(len(layers), [layer.param_bytes for layer in memory.layers], name)
         runtime = _Runtime(
             memory=memory,
             timer=timer,
             runner=LayerRunner(name, layers, memory, timer),
             gradients=GradientState(memory),
-            steps=StepPipeline(memory, optim_dtype, name),
+            steps=StepPipeline(memory, optim_dtype, name, data_parallel),
             param_names=list(model.named_parameters(remove_duplicate=False)),
         )
         super().__init__(
@@ -183,7 +205,48 @@ class RoundPipe(ForwardingModule):
         copies = self._runtime.steps.copies()
         dotted = f"{prefix}." if prefix else ""
         for name, param in self._trainable_named_parameters(remove_duplicate):
-            yield f"{dotted}model.{name}", copies[id(param)]
+            if id(param) in copies:  # with data parallelism: the own shard's only
+                yield f"{dotted}model.{name}", copies[id(param)]
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The number of data-parallel ranks (1 without data parallelism)."""
+        dp = self._runtime.steps.data_parallel
+        return 1 if dp is None else dp.world_size
+
+    def data_parallel_shard(self) -> DataParallelShard:
+        """This rank's part of the optimizer: rank, world size and one :class:`ShardPiece`
+        (name, whole shape, flattened element range, optimizer copy) per optimizer copy, in
+        ``optim_named_parameters()`` order. Without data parallelism: rank 0 of 1, whole
+        parameters."""
+        steps = self._runtime.steps
+        copies = steps.copies()
+        pieces = [
+            ShardPiece(f"model.{name}", param.shape, *steps.elements_of(param), copies[id(param)])
+            for name, param in self._trainable_named_parameters()
+            if id(param) in copies
+        ]
+        dp = steps.data_parallel
+        if dp is None:
+            return DataParallelShard(0, 1, pieces)
+        return DataParallelShard(dp.rank, dp.world_size, pieces)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the optimizer copies to a total norm of ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_(model.optim_parameters(), ...)``, but with data
+        parallelism over the whole model: the norm is combined across the ranks. Call it in
+        ``step_fn`` (on every rank). Returns the total norm before clipping."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+            raise TypeError(f"norm_type must be a number, got {type(norm_type).__name__}")
+        steps = self._runtime.steps
+        if steps.data_parallel is not None and not in_step_job():
+            raise RuntimeError(
+                f"RoundPipe model '{self.name}': with data parallelism clip_grad_norm_() combines "
+                "the ranks' norms in the optimizer step; call it inside step_fn"
+            )
+        return steps.clip_grad_norm_(float(max_norm), float(norm_type))
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -365,19 +428,22 @@ class RoundPipe(ForwardingModule):
                 runtime.memory.grads.copy_(grads)
             runtime.gradients.dirty = True
         saved_copies = {key.removeprefix("optim."): value for key, value in staged.items()}
-        if saved_copies or runtime.steps.has_copies():
+        steps = runtime.steps
+        if saved_copies or steps.has_copies():
+            copies = steps.copies()
             with torch.no_grad():
-                for (name, copy), (_, param) in zip(
-                    self.optim_named_parameters(), self._trainable_named_parameters(), strict=True
-                ):
-                    copy.copy_(saved_copies.get(name, param))
+                for name, param in self._trainable_named_parameters():
+                    if id(param) in copies:
+                        value = saved_copies.get(f"model.{name}", param)
+                        copies[id(param)].copy_(steps.piece_of(param, value))
 
     def _own_state(self) -> dict[str, Any]:
         """The optimizer copies (``optim.<name>``) and gradients accumulated but not yet stepped
         (``grads``)."""
         runtime = self._runtime
         entries: dict[str, Any] = {}
-        if runtime.steps.has_copies():
+        # Sharded optimizer copies are saved by the sharded checkpoint, not here.
+        if runtime.steps.has_copies() and runtime.steps.data_parallel is None:
             for name, copy in self.optim_named_parameters():
                 entries[f"optim.{name}"] = copy.detach().clone()
         if runtime.gradients.dirty:

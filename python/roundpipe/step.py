@@ -29,6 +29,7 @@ the same way (:func:`submit_detached`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -41,6 +42,7 @@ import torch
 
 from roundpipe._native import _C
 from roundpipe.context import OptimizerCtx
+from roundpipe.distributed import DataParallel
 from roundpipe.memory import ModelMemory
 from roundpipe.optim import fused_writeback
 from roundpipe.optimizer_copy import OptimizerCopy
@@ -232,9 +234,15 @@ class StepPipeline:
     """Optimizer copies and in-flight optimizer work of one model."""
 
     def __init__(
-        self, memory: ModelMemory, optim_dtype: torch.dtype | None, name: str = "model"
+        self,
+        memory: ModelMemory,
+        optim_dtype: torch.dtype | None,
+        name: str = "model",
+        data_parallel: DataParallel | None = None,
     ) -> None:
         self.memory, self.name = memory, name
+        # With data parallelism: the own shard's layout and the collectives of every step.
+        self.data_parallel = data_parallel
         # How step_fn's errors name the step.
         self.where = f"RoundPipe model {name!r}: optimizer step"
         self.optim_dtype = optim_dtype
@@ -255,13 +263,34 @@ class StepPipeline:
         """Optimizer copies keyed by ``id`` of the model parameter, created on first use."""
         if self._copies is None:
             self._copies = {
-                id(slot.param): OptimizerCopy(
-                    slot.param.detach().to(self.optim_dtype or slot.param.dtype, copy=True)
+                id(param): OptimizerCopy(
+                    self.piece_of(param, param.detach()).to(
+                        self.optim_dtype or param.dtype, copy=True
+                    )
                 )
-                for slot in self.memory.slots()
-                if slot.param.requires_grad
+                for param in self._stepped_params()
             }
         return self._copies
+
+    def _stepped_params(self) -> list[torch.Tensor]:
+        """The parameters this process has optimizer copies of: with data parallelism those
+        overlapping the own shard, else every trainable one."""
+        dp = self.data_parallel
+        if dp is not None:
+            return [piece.slot.param for piece in dp.slices]
+        return [slot.param for slot in self.memory.slots() if slot.param.requires_grad]
+
+    def piece_of(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The part of ``value`` (shaped as ``param``) that ``param``'s optimizer copy holds:
+        all of it, or with data parallelism the own shard's elements (1-D)."""
+        start, stop = self.elements_of(param)
+        return value if self.data_parallel is None else value.reshape(-1)[start:stop]
+
+    def elements_of(self, param: torch.Tensor) -> tuple[int, int]:
+        """``[start, stop)`` of the flattened ``param`` that its optimizer copy holds."""
+        dp = self.data_parallel
+        piece = None if dp is None else dp.piece_by_param.get(id(param))
+        return (0, param.numel()) if piece is None else (piece.start, piece.stop)
 
     def has_copies(self) -> bool:
         return self._copies is not None
@@ -280,20 +309,26 @@ class StepPipeline:
         self._job_iteration = iteration
 
         written = self._written
+        dp = self.data_parallel
         # Synchronous: nothing reads the parameter arena until this step is done (calls wait for
         # their uploads before they return), so Adam may write the new weights right there.
-        in_place = not is_async
+        # With data parallelism every rank's new weights come through the all-gathered staging.
+        in_place = not is_async and dp is None
         targets = self._fused_targets(copies, slots, in_place)
 
         def run_step() -> None:
             if written is not None:  # the previous step's weights must be read out first
                 written.synchronize()
-            pairs = [
-                (copies[id(slot.param)], self.memory.grad_view(slot, handed_over)) for slot in slots
-            ]
+            if dp is None:
+                pairs = [
+                    (copies[id(slot.param)], self.memory.grad_view(slot, handed_over))
+                    for slot in slots
+                ]
+            else:
+                pairs = self._reduce_gradients(dp, copies, handed_over)
             _hand_over(pairs)
             try:
-                with OptimizerCtx(), fused_writeback(targets) as fused:
+                with OptimizerCtx(), self._agreeing(), fused_writeback(targets) as fused:
                     step_fn(*args, **kwargs)
                 self._fused, self._fused_in_place = fused, in_place
             except Exception as error:
@@ -304,6 +339,8 @@ class StepPipeline:
                 for copy, _ in pairs:
                     copy.resolve_grad()
                 handed_over.zero_()
+            if dp is not None:
+                self._gather_weights(dp, copies, fused)
 
         tracer = active_tracer()
 
@@ -328,6 +365,53 @@ class StepPipeline:
         if not is_async:
             self.finish()
             self.memory.wait_writes()
+
+    def _agreeing(self) -> Any:
+        """The context in which GradScaler's verdicts agree over the data-parallel ranks."""
+        dp = self.data_parallel
+        return dp.active() if dp is not None else contextlib.nullcontext()
+
+    def _reduce_gradients(
+        self, dp: DataParallel, copies: dict[int, OptimizerCopy], handed_over: torch.Tensor
+    ) -> list[tuple[OptimizerCopy, torch.Tensor]]:
+        """Average the handed-over gradients over the ranks; the own pieces' copies and their
+        averaged gradients."""
+        try:
+            dp.reduce_gradients(handed_over)
+        except Exception as error:
+            handed_over.zero_()
+            raise annotate(error, f"{self.where} (data-parallel gradient reduce)") from error
+        return [(copies[id(piece.slot.param)], dp.grad_of(piece)) for piece in dp.slices]
+
+    def _gather_weights(
+        self, dp: DataParallel, copies: dict[int, OptimizerCopy], fused: set[torch.Tensor]
+    ) -> None:
+        """Stage the own pieces' new weights that the fused pass did not write (cast to the
+        parameters' dtypes) and all-gather every rank's."""
+        try:
+            with torch.no_grad():
+                for piece in dp.slices:
+                    copy = copies[id(piece.slot.param)]
+                    if copy not in fused:
+                        dp.target_of(piece).copy_(copy.detach())
+            dp.gather_weights()
+        except Exception as error:
+            raise annotate(error, f"{self.where} (weight all-gather)") from error
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Scale the optimizer copies' gradients so that their norm over the whole model (every
+        rank's pieces) is at most ``max_norm``; returns that norm before clipping."""
+        copies = list(self.copies().values())
+        dp = self.data_parallel
+        if dp is None:
+            return torch.nn.utils.clip_grad_norm_(copies, max_norm, norm_type)
+        grads = [g for g in (copy.grad for copy in copies) if g is not None]
+        with torch.no_grad():
+            total = dp.grad_norm(grads, norm_type)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for grad in grads:
+                grad.mul_(coef.to(grad.dtype))
+        return total
 
     def finish(self) -> None:
         """Wait for the last step, re-raise its error, and queue its weights' write-back."""
@@ -370,12 +454,17 @@ class StepPipeline:
             (copies[id(slot.param)], slot)
             for slot in slots
             if slot.param.dtype in (torch.bfloat16, torch.float16)
+            and id(slot.param) in copies
             and copies[id(slot.param)].dtype == torch.float32
         ]
         if not pairs:
             return {}
         if in_place:
             return {master: slot.param.detach() for master, slot in pairs}
+        dp = self.data_parallel
+        if dp is not None:
+            pieces = dp.piece_by_param
+            return {master: dp.target_of(pieces[id(slot.param)]) for master, slot in pairs}
         if self._staged is None:
             self._staged = self.memory.new_grad_arena()
         return {master: self.memory.grad_view(slot, self._staged) for master, slot in pairs}
@@ -385,28 +474,37 @@ class StepPipeline:
         iteration's uploads wait only for their own layers. Returns the last write's event."""
         copies, fused = self.copies(), self._fused
         done = fused if self._fused_in_place else set()
+        dp = self.data_parallel
         last = None
         for layer in self.memory.layers:
             slots = [
                 s
                 for s in layer.slots
-                if s.primary is None and id(s.param) in copies and copies[id(s.param)] not in done
+                if s.primary is None
+                and (
+                    s.grad_offset is not None
+                    if dp is not None
+                    else id(s.param) in copies and copies[id(s.param)] not in done
+                )
             ]
             if slots:
                 last = self.memory.write_async(
                     layer.index,
                     [slot.param.detach() for slot in slots],
-                    [self._new_weights(slot, copies[id(slot.param)], fused) for slot in slots],
+                    [self._new_weights(slot, copies.get(id(slot.param)), fused) for slot in slots],
                 )
         return last
 
     def _new_weights(
-        self, slot: Any, master: OptimizerCopy, fused: set[torch.Tensor]
+        self, slot: Any, master: OptimizerCopy | None, fused: set[torch.Tensor]
     ) -> torch.Tensor:
-        """Where the parameter's new value is: staged in its own dtype by the fused pass, or in
-        the optimizer copy (cast on the way)."""
+        """Where the parameter's new value is: staged in its own dtype by the fused pass or the
+        data-parallel all-gather, or in the optimizer copy (cast on the way)."""
+        if self.data_parallel is not None:
+            return self.memory.grad_view(slot, self.data_parallel.staged())
         if master in fused and self._staged is not None:
             return self.memory.grad_view(slot, self._staged)
+        assert master is not None
         return master.detach()
 
     def raise_if_failed(self) -> None:

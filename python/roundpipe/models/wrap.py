@@ -305,6 +305,14 @@ class AutoRoundPipe(ForwardingModule):
                 f"optim_dtype and ignores {sorted(_IGNORED_AUTO_KWARGS)}"
             )
         parts = _find_parts(model)
+        data_parallel = [path for path, part in parts if part.data_parallel_size > 1]
+        if data_parallel:
+            raise ValueError(
+                f"AutoRoundPipe: parts {data_parallel} have a data_parallel_group, but the "
+                "gradients of the parameters left on the host would not be averaged across "
+                "ranks; data parallelism needs the whole model in one RoundPipe (an "
+                "nn.Sequential or a preset)"
+            )
         part_params = {id(p) for _, part in parts for p in part.model.parameters()}
         glue = [
             (param_name, param)

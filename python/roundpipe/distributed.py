@@ -1,0 +1,311 @@
+"""Data-parallel RoundPipe replicas over ``torch.distributed`` with a sharded host optimizer.
+
+Every rank of a data-parallel group holds the whole model in its host arenas and trains on its own
+part of the global batch. The optimizer state is sharded: the flat gradient arena (see
+``roundpipe.memory``) is cut into ``world_size`` contiguous byte ranges of equal size (multiples
+of 64 bytes; the last one padded), and a rank keeps optimizer copies only for the parameter
+elements inside its own range. A parameter may straddle two shards; each rank then holds a 1-D
+piece of it (elements ``[start, stop)`` of the flattened parameter).
+
+One optimizer step, on the optimizer thread of every rank, in the same order everywhere:
+
+1. the handed-over gradient arena is summed across ranks, in place, by an all-reduce per
+   same-dtype run in chunks of at most :data:`CHUNK_BYTES` (no temporary arena), and the own
+   shard is divided by ``world_size`` (the mean, as ``DistributedDataParallel``). A
+   reduce-scatter would move half the bytes, but gloo's (torch 2.13) is slower than its
+   all-reduce at every size measured (``benchmarks/scale_cpu.py``) and would need one dtype per
+   collective where a shard may hold several;
+2. the own pieces receive their gradients, ``step_fn`` runs (``GradScaler`` and
+   ``RoundPipe.clip_grad_norm_`` agree across ranks through :func:`any_rank` and
+   :meth:`DataParallel.all_reduce_scalar`);
+3. the new weights of the own pieces are cast to the parameters' dtypes into a staging arena with
+   the gradient arena's layout, which is then all-gathered, so that every rank writes every new
+   weight into its parameter arena at the next ``step()``, as on one process.
+
+The collectives run on a process group of RoundPipe's own (gloo, over host tensors) created over
+the ranks of the user's group, so they never interleave with the user's collectives. Its timeout
+is the user's group's (``init_process_group(timeout=...)``): a rank that fails or dies makes the
+others raise within it instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from roundpipe.memory import ModelMemory, ParamSlot
+    from roundpipe.optimizer_copy import OptimizerCopy
+
+# Bytes in one all-reduce of the gradient reduce: bounds gloo's own buffers whatever the model
+# size, and lets the ranks' transfers of one chunk overlap the reduction of the previous one.
+CHUNK_BYTES = 16 << 20
+_ALIGN = 64
+
+# torch 2.13 renamed all_gather_into_tensor; older releases have only the old name.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_active = threading.local()
+
+
+# The collectives RoundPipe issues, one function each (tests wrap them to inject delays).
+
+
+def all_reduce(tensor: torch.Tensor, op: Any, group: Any) -> None:
+    """``tensor`` reduced with ``op`` over ``group``, in place."""
+    dist.all_reduce(tensor, op=op, group=group)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+    """Every rank's ``input`` side by side in ``output`` (rank order)."""
+    _ALL_GATHER(output, input, group=group)
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The part of one trainable parameter that a rank's optimizer steps.
+
+    ``copy`` is its optimizer copy: elements ``[start, stop)`` of the flattened parameter as a
+    1-D tensor in ``optim_dtype`` with data parallelism, the whole parameter in its own shape
+    (``start == 0``, ``stop == shape.numel()``) without."""
+
+    name: str  # as optim_named_parameters() names it
+    shape: torch.Size  # of the whole parameter
+    start: int
+    stop: int
+    copy: OptimizerCopy
+
+
+@dataclass(frozen=True)
+class DataParallelShard:
+    """What a rank of a data-parallel RoundPipe steps: its rank, the world size and its pieces,
+    in ``optim_named_parameters()`` order."""
+
+    rank: int
+    world_size: int
+    pieces: list[ShardPiece]
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """A trainable parameter's elements ``[start, stop)`` inside the own shard, ``offset``
+    bytes into it."""
+
+    slot: ParamSlot
+    start: int
+    stop: int
+    offset: int
+
+
+def _group_timeout(group: Any) -> timedelta | None:
+    """The timeout the user's group was created with (None: unknown, torch's default applies).
+    torch has no public getter; the gloo backend's options hold it."""
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, timedelta) else None
+
+
+def check_group(group: Any) -> int:
+    """Validate ``data_parallel_group`` and return its size (1 for None)."""
+    if group is None:
+        return 1
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "data_parallel_group must be a torch.distributed.ProcessGroup (for example "
+            f"dist.group.WORLD) or None, got {type(group).__name__}"
+        )
+    if not dist.is_initialized():
+        raise ValueError(
+            "data_parallel_group needs the default process group: call "
+            "torch.distributed.init_process_group(...) before creating the RoundPipe"
+        )
+    return int(dist.get_world_size(group))
+
+
+def _first_difference(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    for key, value in mine.items():
+        other = theirs.get(key)
+        if value == other:
+            continue
+        if isinstance(value, list) and isinstance(other, list):
+            for index, (a, b) in enumerate(zip(value, other, strict=False)):
+                if a != b:
+                    return f"{key}[{index}] is {a} there but {b} on rank 0"
+            return f"{key} has {len(value)} entries there but {len(other)} on rank 0"
+        return f"{key} is {value!r} there but {other!r} on rank 0"
+    return None
+
+
+class DataParallel:
+    """The shard layout and the collectives of one data-parallel model on one rank."""
+
+    def __init__(
+        self, group: Any, memory: ModelMemory, name: str, signature: dict[str, Any]
+    ) -> None:
+        """Create RoundPipe's own group over ``group``'s ranks (a collective call: every rank
+        creates its models in the same order) and check that every rank built the same model
+        (``signature``: what must agree, compared with rank 0's; ValueError naming the first
+        difference and the rank)."""
+        ranks = dist.get_process_group_ranks(group)
+        self.group = dist.new_group(
+            ranks=ranks,
+            backend="gloo",
+            timeout=_group_timeout(group),
+            use_local_synchronization=True,
+        )
+        self.world_size = len(ranks)
+        self.rank = dist.get_rank(self.group)
+        self.name = name
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, signature, group=self.group)
+        for rank, other in enumerate(gathered):
+            difference = _first_difference(other, gathered[0])
+            if difference is not None:
+                raise ValueError(
+                    f"RoundPipe model {name!r}: the data-parallel ranks must build the same model "
+                    f"with the same settings, but on rank {rank} {difference}"
+                )
+
+        self.memory = memory
+        total = memory.grads.numel()
+        self.total = total
+        per_rank = -(-total // self.world_size)
+        self.shard_bytes = -(-per_rank // _ALIGN) * _ALIGN
+        self.begin = self.rank * self.shard_bytes
+        end = self.begin + self.shard_bytes
+        self.slices: list[_Slice] = []
+        for slot in memory.slots():
+            if slot.grad_offset is None:
+                continue
+            first, last = slot.grad_offset, slot.grad_offset + slot.nbytes
+            low, high = max(first, self.begin), min(last, end)
+            if low < high:
+                size = slot.param.element_size()
+                self.slices.append(
+                    _Slice(slot, (low - first) // size, (high - first) // size, low - self.begin)
+                )
+        self.piece_by_param = {id(piece.slot.param): piece for piece in self.slices}
+        self.runs = memory.grad_runs(range(len(memory.layers)))
+        # The own shard's averaged gradients (the arena is zeroed for the next iteration while
+        # step_fn may still hold them).
+        self.shard_grads = torch.zeros(self.shard_bytes, dtype=torch.uint8)
+        # New weights in the gradient arena's layout, padded to world_size shards.
+        self.staging = torch.zeros(self.world_size * self.shard_bytes, dtype=torch.uint8)
+
+    # -- layout ------------------------------------------------------------------------------
+
+    def staged(self) -> torch.Tensor:
+        """The staging arena as a gradient arena (unpadded): the new weights after a step."""
+        return self.staging[: self.total]
+
+    def _shard_view(self, arena: torch.Tensor, piece: _Slice) -> torch.Tensor:
+        """``piece``'s elements in a shard-sized ``arena`` (1-D, the parameter's dtype)."""
+        param = piece.slot.param
+        nbytes = (piece.stop - piece.start) * param.element_size()
+        return arena[piece.offset : piece.offset + nbytes].view(param.dtype)
+
+    def grad_of(self, piece: _Slice) -> torch.Tensor:
+        """The averaged gradient of ``piece`` (valid after :meth:`reduce_gradients`)."""
+        return self._shard_view(self.shard_grads, piece)
+
+    def target_of(self, piece: _Slice) -> torch.Tensor:
+        """Where ``piece``'s new weights go before the all-gather."""
+        own = self.staging[self.begin : self.begin + self.shard_bytes]
+        return self._shard_view(own, piece)
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def reduce_gradients(self, arena: torch.Tensor) -> None:
+        """Sum ``arena`` (a gradient arena) over the ranks, in place, chunk by chunk of every
+        same-dtype run; the own shard divided by the world size goes to ``shard_grads``."""
+        if self.shard_bytes == 0:
+            return
+        for begin, end, dtype in self.runs:
+            for low in range(begin, end, CHUNK_BYTES):
+                all_reduce(
+                    arena[low : min(end, low + CHUNK_BYTES)].view(dtype),
+                    dist.ReduceOp.SUM,
+                    self.group,
+                )
+        own = arena[self.begin : min(self.total, self.begin + self.shard_bytes)]
+        self.shard_grads[: own.numel()].copy_(own)
+        self.shard_grads[own.numel() :].zero_()
+        with torch.no_grad():
+            for piece in self.slices:
+                self.grad_of(piece).div_(self.world_size)
+
+    def gather_weights(self) -> None:
+        """Every rank's staged new weights into every rank's staging arena (as bytes)."""
+        if self.shard_bytes == 0:
+            return
+        own = self.staging[self.begin : self.begin + self.shard_bytes]
+        all_gather(self.staging, own, self.group)
+
+    def all_reduce_scalar(self, value: torch.Tensor, op: Any, what: str) -> torch.Tensor:
+        """``value`` (a one-element tensor) reduced with ``op`` over the ranks; a failure is
+        raised as a RuntimeError naming ``what`` was being agreed on."""
+        result = value.detach().reshape(1).clone()
+        try:
+            all_reduce(result, op, self.group)
+        except Exception as error:
+            raise RuntimeError(f"data-parallel {what} across ranks failed: {error}") from error
+        return result.reshape(value.shape)
+
+    def grad_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """The ``norm_type``-norm of every rank's ``grads`` together (accumulated in float64),
+        in the dtype of the gradients."""
+        zero = torch.zeros((), dtype=torch.float64)
+        if norm_type == math.inf:
+            local = max((g.abs().max().double() for g in grads), default=zero)
+            total = self.all_reduce_scalar(local, dist.ReduceOp.MAX, "gradient norm")
+        else:
+            powers = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]
+            local = sum((power**norm_type for power in powers), zero)
+            summed = self.all_reduce_scalar(local, dist.ReduceOp.SUM, "gradient norm")
+            total = summed ** (1.0 / norm_type)
+        return total.to(grads[0].dtype if grads else torch.float32)
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Around ``step_fn``: :func:`any_rank` agrees over this model's ranks."""
+        previous = getattr(_active, "model", None)
+        _active.model = self
+        try:
+            yield
+        finally:
+            _active.model = previous
+
+
+def any_rank(flag: bool) -> bool:
+    """``flag`` or-ed over the data-parallel ranks of the step running on this thread (``flag``
+    itself outside a data-parallel step): GradScaler's inf/NaN verdict, so that every rank skips
+    the same steps."""
+    model: DataParallel | None = getattr(_active, "model", None)
+    if model is None:
+        return flag
+    verdict = model.all_reduce_scalar(
+        torch.tensor([float(flag)]), dist.ReduceOp.MAX, "GradScaler inf/NaN check"
+    )
+    return bool(verdict.item() > 0)
+
+
+__all__ = [
+    "CHUNK_BYTES",
+    "DataParallel",
+    "DataParallelShard",
+    "ShardPiece",
+    "all_gather",
+    "all_reduce",
+    "any_rank",
+    "check_group",
+]

@@ -1,0 +1,157 @@
+"""One process of a data-parallel test (run by tests/test_distributed.py, never collected).
+
+``python tests/dp_worker.py CONFIG_JSON``: trains a small model for a few iterations on the rank's
+part of a fixed global batch and saves what the test compares to ``out``: the parameters, the
+optimizer copies reassembled from the rank's shard pieces, the clipped norms and GradScaler
+scales. ``world == 0`` is the reference: one process without torch.distributed on the whole batch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+import roundpipe
+import roundpipe.distributed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+GLOBAL_BATCH = 12
+ITERATIONS = 4
+
+
+def build(cfg: dict[str, Any], rank: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    hidden = 10 + (1 if cfg["scenario"] == "mismatch" and rank == 1 else 0)
+    layers: list[nn.Module] = [
+        nn.Linear(6, hidden),
+        nn.Tanh(),
+        nn.Linear(hidden, hidden),
+        nn.Tanh(),
+        nn.Linear(hidden, 3),
+    ]
+    if cfg["dtype"] == "bf16":
+        model = nn.Sequential(*layers).to(torch.bfloat16)
+        # An fp32 norm among bf16 weights: gradients of two dtypes.
+        model.insert(4, nn.LayerNorm(hidden))
+        return model
+    return nn.Sequential(*layers).to(torch.float16 if cfg["dtype"] == "fp16" else torch.float64)
+
+
+def data(dtype: torch.dtype, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + iteration)
+    x = torch.randn(GLOBAL_BATCH, 6, generator=generator, dtype=torch.float64)
+    y = torch.randn(GLOBAL_BATCH, 3, generator=generator, dtype=torch.float64)
+    return x.to(dtype), y.to(dtype)
+
+
+def delayed(collective: Any, rank: int) -> Any:
+    """``collective`` after a random pause (up to 20 ms), different on every rank."""
+    rng = random.Random(rank)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(rng.random() * 0.02)
+        return collective(*args, **kwargs)
+
+    return run
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    rank, world, out = cfg["rank"], cfg["world"], cfg["out"]
+    roundpipe.configure_devices(kind="cpu", num_cpu_devices=2)
+    group = None
+    if world > 0:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=cfg.get("timeout", 60)),
+        )
+        group = dist.group.WORLD
+    if cfg.get("chunk"):
+        roundpipe.distributed.CHUNK_BYTES = cfg["chunk"]
+    if cfg.get("delay"):
+        for name in ("all_reduce", "all_gather"):
+            collective = getattr(roundpipe.distributed, name)
+            setattr(roundpipe.distributed, name, delayed(collective, rank))
+    result: dict[str, Any] = {"norms": [], "scales": []}
+    try:
+        train(cfg, rank, max(world, 1), group, result)
+    except Exception as error:  # the test reads what each rank raised
+        result["error"] = f"{type(error).__name__}: {error}"
+    torch.save(result, os.path.join(out, f"{cfg.get('tag', 'rank')}{rank}.pt"))
+    if world > 0:
+        # A failed peer leaves nothing to synchronize with: leave without the exit barrier.
+        sys.stdout.flush()
+        os._exit(0)
+
+
+def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[str, Any]) -> None:
+    scenario = cfg["scenario"]
+    model_dtype = torch.float16 if cfg["dtype"] == "fp16" else torch.float64
+    if cfg["dtype"] == "bf16":
+        model_dtype = torch.bfloat16
+    optim_dtype = None if cfg["dtype"] == "float64" else torch.float32
+    model = roundpipe.RoundPipe(
+        build(cfg, rank),
+        optim_dtype=optim_dtype,
+        name="dp",
+        model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=2),
+        data_parallel_group=group,
+    )
+    if cfg["dtype"] == "float64":
+        optimizer: Any = torch.optim.Adam(model.optim_parameters(), lr=0.02)
+    else:
+        optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    scaler = roundpipe.GradScaler(init_scale=2.0**10) if scenario == "scaler" else None
+    local = GLOBAL_BATCH // world
+    ours = slice(rank * local, (rank + 1) * local)
+
+    def loss_fn(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        loss = ((output.double() - label.double()) ** 2).sum() / local
+        return scaler.scale(loss) if scaler is not None else loss
+
+    def step_fn(iteration: int) -> None:
+        if scenario == "raise" and rank == 1 and iteration == 1:
+            raise RuntimeError("rank 1 fails on purpose")
+        if scaler is not None:
+            if iteration == 1 and rank == world - 1:
+                # An overflow that only this rank's shard sees: every rank must skip the step.
+                next(iter(model.optim_parameters())).grad[0] = float("inf")
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            result["norms"].append(float(model.clip_grad_norm_(0.5)))
+            optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+    for iteration in range(ITERATIONS):
+        if scenario == "exit" and rank == 1 and iteration == 1:
+            os._exit(3)
+        x, y = data(model_dtype, iteration)
+        if scaler is not None:
+            result["scales"].append(scaler.get_scale())
+        model.forward_backward(input_args=(x[ours],), label=y[ours], loss_fn=loss_fn)
+        model.step(step_fn, cfg["is_async"], iteration)
+    model.synchronize()
+    result["params"] = {k: v.detach().clone() for k, v in model.model.named_parameters()}
+    shard = model.data_parallel_shard()
+    result["shard"] = [
+        (piece.name, tuple(piece.shape), piece.start, piece.stop, piece.copy.detach().clone())
+        for piece in shard.pieces
+    ]
+    result["rank_world"] = (shard.rank, shard.world_size)
+
+
+if __name__ == "__main__":
+    main()

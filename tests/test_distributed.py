@@ -1,0 +1,218 @@
+"""Data-parallel RoundPipe over torch.distributed (gloo on loopback), in spawned processes.
+
+Each case runs ``tests/dp_worker.py`` once per rank (and once more as the reference: one process,
+no torch.distributed, the whole batch) and compares what they saved: N ranks training on
+``batch / N`` each must end with the reference's parameters and optimizer copies (fp64: within
+summation-order rounding; bf16 weights with fp32 copies: allclose), the global gradient norms
+must be the reference's, GradScaler must skip the same steps, and failures must surface as
+errors within the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import roundpipe
+import torch
+import torch.distributed as dist
+
+WORKER = Path(__file__).with_name("dp_worker.py")
+PYTHON_PATH = str(Path(roundpipe.__file__).resolve().parent.parent)
+PROCESS_TIMEOUT = 120
+
+_spec = importlib.util.spec_from_file_location("dp_worker", WORKER)
+assert _spec is not None and _spec.loader is not None
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _launch(cfg: dict[str, Any]) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": PYTHON_PATH, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), json.dumps(cfg)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def run(
+    tmp_path: Path, world: int, reference: bool = True, **cfg: Any
+) -> tuple[list[dict[str, Any] | None], dict[str, Any] | None, list[int]]:
+    """Run ``world`` ranks and, meanwhile, the reference in this process; wait for the ranks
+    (bounded). Returns what each rank saved (None if it saved nothing), the reference's, and
+    the exit codes."""
+    base = {"dtype": "float64", "is_async": True, "scenario": "plain", "out": str(tmp_path)}
+    base.update(cfg)
+    port = _free_port()
+    procs = [_launch({**base, "rank": r, "world": world, "port": port}) for r in range(world)]
+    ref: dict[str, Any] | None = None
+    if reference:
+        ref = {"norms": [], "scales": []}
+        worker.train(base, 0, 1, None, ref)
+    codes, logs = [], []
+    for proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=PROCESS_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            pytest.fail("a data-parallel rank hung past the test's bound")
+        codes.append(proc.returncode)
+        logs.append(output.decode(errors="replace"))
+
+    def load(name: str) -> dict[str, Any] | None:
+        path = tmp_path / name
+        return torch.load(path) if path.exists() else None
+
+    results = [load(f"rank{r}.pt") for r in range(world)]
+    for result, code, log in zip(results, codes, logs, strict=False):
+        if result is None and code == 0:
+            pytest.fail(f"a rank exited without a result:\n{log}")
+    return results, ref, codes
+
+
+def _full_copies(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The optimizer copies reassembled from every rank's shard pieces."""
+    full: dict[str, torch.Tensor] = {}
+    for result in results:
+        for name, shape, start, stop, copy in result["shard"]:
+            flat = full.setdefault(name, torch.full((torch.Size(shape).numel(),), float("nan")))
+            flat = flat.to(copy.dtype) if flat.dtype != copy.dtype else flat
+            flat[start:stop] = copy.reshape(-1)
+            full[name] = flat
+    return full
+
+
+def assert_matches(
+    results: list[dict[str, Any] | None],
+    ref: dict[str, Any] | None,
+    rtol: float,
+    atol: float,
+    norm_rtol: float = 1e-9,
+) -> None:
+    assert ref is not None and "error" not in ref, ref
+    world = len(results)
+    for rank, result in enumerate(results):
+        assert result is not None and "error" not in result, result
+        assert result["rank_world"] == (rank, world)
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(result["params"][name], value, rtol=rtol, atol=atol)
+        assert result["norms"] == pytest.approx(ref["norms"], rel=norm_rtol)
+        assert result["scales"] == ref["scales"]
+    copies = _full_copies(results)  # type: ignore[arg-type]
+    ref_copies = {name: copy.reshape(-1) for name, _, _, _, copy in ref["shard"]}
+    assert copies.keys() == ref_copies.keys()
+    for name, value in ref_copies.items():
+        torch.testing.assert_close(copies[name], value, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize(
+    ("world", "is_async", "chunk", "delay"),
+    [(2, False, 0, False), (3, True, 128, True)],
+    ids=["2ranks-sync", "3ranks-async-chunked-delayed"],
+)
+def test_fp64_ranks_equal_one_process(
+    tmp_path: Path, world: int, is_async: bool, chunk: int, delay: bool
+):
+    # torch.optim.Adam on the shards, a StepLR schedule and model.clip_grad_norm_ every step.
+    # 3 ranks: pieces straddle parameters and the last shard is padded; chunks of 128 bytes;
+    # random pauses before every collective, different per rank, while the next iteration
+    # computes (a transport wrapper that shakes out overlap races).
+    results, ref, _ = run(tmp_path, world, is_async=is_async, chunk=chunk, delay=delay)
+    assert_matches(results, ref, rtol=1e-10, atol=1e-12)
+    assert all(ref["norms"]), "clipping must have seen nonzero gradients"
+
+
+def test_bf16_weights_fp32_copies_equal_one_process(tmp_path: Path):
+    # bf16 Linear weights and an fp32 LayerNorm (two gradient dtypes, in one shard),
+    # fp32 copies stepped by roundpipe.optim.Adam (fused bf16 write-back into the staging).
+    results, ref, _ = run(tmp_path, 2, dtype="bf16")
+    assert_matches(results, ref, rtol=0.0, atol=2e-3, norm_rtol=1e-3)
+    copies = _full_copies(results)  # type: ignore[arg-type]
+    ref_copies = {name: copy.reshape(-1) for name, _, _, _, copy in ref["shard"]}  # type: ignore[index]
+    for name, value in ref_copies.items():
+        assert copies[name].dtype == torch.float32
+        torch.testing.assert_close(copies[name], value, rtol=1e-3, atol=1e-3)
+
+
+def test_grad_scaler_overflow_on_one_rank_skips_everywhere(tmp_path: Path):
+    # The last rank alone sees an inf in its shard at iteration 1: every rank must skip that step
+    # (else rank 0 steps its shard and its weights leave the reference's) and back off alike.
+    results, ref, _ = run(tmp_path, 2, dtype="fp16", scenario="scaler", is_async=False)
+    assert ref is not None and ref["scales"] == [1024.0, 1024.0, 512.0, 512.0]
+    assert_matches(results, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_world_size_one_group_is_no_group(tmp_path: Path):
+    # The same training as without a group (only thread counts differ: rounding-level bounds).
+    results, ref, _ = run(tmp_path, 1)
+    assert_matches(results, ref, rtol=1e-12, atol=1e-14)
+
+
+def test_mismatched_models_raise_on_every_rank(tmp_path: Path):
+    results, _, _ = run(tmp_path, 2, reference=False, scenario="mismatch")
+    for result in results:
+        assert result is not None
+        error = result["error"]
+        assert error.startswith("ValueError") and "on rank 1" in error, error
+        assert "parameters[0]" in error and "(11, 6)" in error, error
+
+
+@pytest.mark.parametrize("scenario", ["raise", "exit"])
+def test_failed_rank_makes_the_others_raise(tmp_path: Path, scenario: str):
+    # Rank 1 raises in step_fn (and stays alive) or exits: rank 0 must raise a clear error
+    # within the group's timeout (5 s here), not hang.
+    results, _, codes = run(tmp_path, 2, reference=False, scenario=scenario, timeout=5)
+    error = results[0]["error"] if results[0] is not None else ""
+    assert "RoundPipe model 'dp': optimizer step (" in error, error
+    phases = ("data-parallel gradient reduce", "weight all-gather", "data-parallel gradient norm")
+    assert any(phase in error for phase in phases), error
+    if scenario == "raise":
+        assert results[1] is not None and "rank 1 fails on purpose" in results[1]["error"]
+    else:
+        assert codes[1] == 3
+
+
+def test_invalid_group_arguments():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="data_parallel_group must be"):
+        roundpipe.RoundPipe(model, data_parallel_group="world")
+    if not dist.is_initialized():
+        group = dist.ProcessGroup(dist.HashStore(), 0, 1)
+        with pytest.raises(ValueError, match="init_process_group"):
+            roundpipe.RoundPipe(model, data_parallel_group=group)
+
+
+def test_clip_grad_norm_without_data_parallel_is_torchs():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 3))
+    reference = [p.detach().clone() for p in model.parameters()]
+    rp = roundpipe.RoundPipe(model, name="clip")
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum())
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 3))
+    with torch.no_grad():
+        for param, value in zip(plain.parameters(), reference, strict=True):
+            param.copy_(value)
+    ((plain(x) - y) ** 2).sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+    got: list[torch.Tensor] = []
+    rp.step(lambda: got.append(rp.clip_grad_norm_(0.1)), is_async=False)
+    torch.testing.assert_close(got[0], expected)
+    for copy, param in zip(rp.optim_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(copy.grad, param.grad)
