@@ -229,7 +229,7 @@ class RoundPipe(ForwardingModule):
         dp = steps.data_parallel
         if dp is None:
             return DataParallelShard(0, 1, pieces)
-        return DataParallelShard(dp.rank, dp.world_size, pieces)
+        return DataParallelShard(dp.rank, dp.world_size, pieces, dp.group)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the optimizer copies to a total norm of ``max_norm``, as
