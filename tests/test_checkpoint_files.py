@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -369,3 +370,29 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
     save_checkpoint(path, model, extra={"generation": -1})
     assert load_checkpoint(path, model)["generation"] == -1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt[1].rp", "saver.py"]
+
+
+def test_saves_leave_torchs_crc_setting_to_other_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save turns torch's record CRCs off for its own torch.save only: another thread's setting
+    is untouched while it writes, and the saving thread's is restored afterwards."""
+    seen: list[tuple[bool, bool]] = []
+    real_save = torch.save
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if str(f).startswith(str(tmp_path / ".ckpt")):  # the checkpoint's temporary file
+            other: list[bool] = []
+            thread = threading.Thread(
+                target=lambda: other.append(torch.serialization.get_crc32_options())
+            )
+            thread.start()
+            thread.join(60)
+            seen.append((torch.serialization.get_crc32_options(), other[0]))
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    save_checkpoint(tmp_path / "ckpt", nn.Linear(2, 2))
+    assert seen == [(False, True)]
+    assert torch.serialization.get_crc32_options() is True
+    load_checkpoint(tmp_path / "ckpt", nn.Linear(2, 2))

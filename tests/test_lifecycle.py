@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
+from roundpipe._native import _C as roundpipe_native
 from torch import nn
 
 CPU_ENV = {**os.environ, "ROUNDPIPE_DEVICE_KIND": "cpu", "ROUNDPIPE_CPU_DEVICES": "3"}
@@ -222,6 +223,39 @@ def test_ctrl_c_exits_within_seconds_with_a_step_in_flight(step: str, where: str
 # -- errors of asynchronous work -------------------------------------------------------------
 
 
+class _SlowWrite:
+    """A weight write whose first wait is interrupted by Ctrl-C (fault injection)."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        if self.waits == 1:
+            raise KeyboardInterrupt
+
+    def query(self) -> bool:
+        return self.waits > 1
+
+
+def test_ctrl_c_while_waiting_for_weight_writes_keeps_them_queued(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An interrupted wait must not forget the write: uploads still wait for it (its fence) and
+    the next wait waits for it again."""
+    from roundpipe.memory import ModelMemory
+
+    write = _SlowWrite()
+    monkeypatch.setattr(roundpipe_native, "writeback_async", lambda dsts, srcs: write)
+    memory = ModelMemory([nn.Linear(4, 4)], "alloc")
+    memory.write_async(0, [torch.zeros(1)], [torch.ones(1)])
+    with pytest.raises(KeyboardInterrupt):
+        memory.wait_writes()
+    assert memory.fence(range(1)) is write
+    memory.wait_writes()
+    assert write.waits == 2 and memory.fence(range(1)) is None
+
+
 def _trained(num_devices: int, steps: int = 1) -> tuple[RoundPipe, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = RoundPipe(nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)]), name="net")
@@ -330,7 +364,8 @@ def _model_with_pending_grads(num_devices: int) -> tuple[RoundPipe, dict[str, An
     model, _ = _trained(num_devices, steps=2)
     # Gradients accumulated but not stepped: saved as _roundpipe.grads.
     model.forward_backward(input_args=(torch.randn(8, 16),), loss_fn=lambda o, _: o.square().mean())
-    checkpoint = {k: v * 2 for k, v in model.state_dict().items()}  # differs from the model
+    # Differs from the model (the pending write-back's flag stays a bool).
+    checkpoint = {k: v * 2 if v.is_floating_point() else v for k, v in model.state_dict().items()}
     checkpoint["_roundpipe.grads"] = model.state_dict()["_roundpipe.grads"].flip(0)
     return model, checkpoint
 
@@ -344,8 +379,19 @@ def _model_with_pending_grads(num_devices: int) -> tuple[RoundPipe, dict[str, An
         ("model.2.weight", torch.ones(16)),
         ("model.2.bias", "not a tensor"),
         ("_roundpipe.grads", torch.zeros(8, dtype=torch.uint8)),
+        ("_roundpipe.pending_writeback", torch.tensor(1.0)),
+        ("_roundpipe.pending_writeback", torch.ones(2, dtype=torch.bool)),
     ],
-    ids=["copy-1x16", "copy-16", "copy-int", "weight-16", "bias-str", "grads-size"],
+    ids=[
+        "copy-1x16",
+        "copy-16",
+        "copy-int",
+        "weight-16",
+        "bias-str",
+        "grads-size",
+        "pending-float",
+        "pending-2",
+    ],
 )
 @pytest.mark.parametrize("strict", [True, False])
 def test_bad_entry_fails_the_load_and_changes_nothing(

@@ -37,6 +37,7 @@ import threading
 import uuid
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,9 @@ def save_checkpoint(
 ) -> None:
     """Write a checkpoint of ``model`` (and ``optimizer``, ``scaler``, ``extra``) to ``path``.
 
-    ``model.state_dict()`` is taken first: for a ``RoundPipe`` or ``AutoRoundPipe`` it drains
-    pending transfers and the asynchronous optimizer, so the optimizer's and scaler's states
+    ``model.state_dict()`` is taken first: for a ``RoundPipe`` it waits for pending transfers
+    and the asynchronous step in flight (without writing that step back, so saving does not
+    change the training; an ``AutoRoundPipe`` drains), so the optimizer's and scaler's states
     read afterwards belong to the same step. The write is atomic (a temporary file in the same
     folder, fsync, rename over ``path``, fsync of the folder): a crash leaves the previous
     checkpoint intact. Every chunk of the file is checksummed for :func:`load_checkpoint`.
@@ -106,7 +108,7 @@ def save_checkpoint(
         save_sharded(target, model, optimizer, scaler, extra)
         return
 
-    state: dict[str, Any] = {"model": model.state_dict()}  # drains a RoundPipe first
+    state: dict[str, Any] = {"model": model.state_dict()}  # waits for a RoundPipe's step first
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     if scaler is not None:
@@ -125,7 +127,9 @@ def save_checkpoint(
                 written = threading.Event()
                 following = follower.submit(_follow, file.fileno(), written, pool)
                 try:
-                    _save_without_record_crcs(state, temporary)
+                    # To a path: torch's native writer is far faster than a Python file object.
+                    with _record_crcs_off():
+                        torch.save(state, temporary)
                 finally:
                     written.set()
                 crcs = following.result()
@@ -232,17 +236,24 @@ def load_checkpoint(
     return state.get("extra")
 
 
-def _save_without_record_crcs(state: dict[str, Any], file: Path) -> None:
-    """``torch.save`` to a path: its native writer is far faster than a Python file object.
-    Our chunk checksums cover every byte, so torch's own CRC-32 of each zip record (a second
-    pass as slow as ours, and never checked by ``torch.load``) is switched off meanwhile; a
-    ``torch.save`` in another thread at that moment also writes none."""
-    compute_crc32 = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        torch.save(state, file)
-    finally:
-        torch.serialization.set_crc32_options(compute_crc32)
+def _record_crcs_off() -> AbstractContextManager[None]:
+    """``torch.save``'s CRC-32 of each zip record switched off while the block runs, for this
+    thread only.
+
+    Our chunk checksums cover every byte, so torch's own (a second pass, never checked by
+    ``torch.load``) is wasted work. ``torch.serialization.set_crc32_options`` writes torch's
+    serialization config, whose ``patch`` makes a temporary override: torch keeps such overrides
+    per thread (context variables), so a ``torch.save`` of another thread meanwhile still writes
+    its CRCs, and overlapping saves cannot leave the setting changed. (A torch whose config
+    overrides were process-wide would let another thread's ``torch.save`` in that window write
+    no record CRCs, which ``torch.load`` does not need.)"""
+    from torch.utils.serialization import config
+
+    # `patch` is installed on the config module at import (install_config_module).
+    patched: AbstractContextManager[None] = config.patch(  # type: ignore[attr-defined]
+        {"save.compute_crc32": False}
+    )
+    return patched
 
 
 def _follow(

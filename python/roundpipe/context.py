@@ -1,4 +1,5 @@
-"""What a layer can ask of the runtime while it runs: recompute data and the optimizer context.
+"""What a layer can ask of the runtime while it runs: recompute data and the optimizer context;
+and how an error raised in a layer or a step is made to name where it happened (``annotate``).
 
 ``save_for_recompute`` lets a layer stash values computed in its forward pass (for example
 positions or masks built once) so the recompute in the backward pass reuses them instead of
@@ -7,6 +8,7 @@ rebuilding them (and, on GPUs, without a host synchronisation).
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,6 +141,24 @@ def doing_optimizer() -> bool:
     """Whether an :class:`OptimizerCtx` is active on this thread (roundpipe 0.1.1's name for
     :func:`optimizer_context_active`)."""
     return optimizer_context_active()
+
+
+def annotate(error: BaseException, where: str) -> BaseException:
+    """``error`` with ``where`` (model, layer, phase) prefixed to its message, same type when the
+    type allows it (so ``except ValueError`` in user code still works), else a RuntimeError."""
+    if isinstance(error, (KeyboardInterrupt, SystemExit)):
+        return error
+    message = f"{where}: {error}"
+    try:
+        annotated = copy.copy(error)
+        annotated.args = (message,)
+        if message not in str(annotated):
+            raise TypeError("message not taken from args")
+    except Exception:
+        annotated = RuntimeError(message)
+    annotated.__cause__ = error
+    annotated.__traceback__ = error.__traceback__
+    return annotated
 
 
 __all__ = [

@@ -29,6 +29,7 @@ from roundpipe.step import (
     raise_detached_errors,
     settled_iteration,
     submit_detached,
+    wait_optimizer_thread,
 )
 
 _T = TypeVar("_T")
@@ -124,11 +125,16 @@ class GradScaler:
         if not self._enabled:
             return outputs
         with self._lock:
-            settled = settled_iteration()
-            while self._updates and self._updates[0][0] <= settled:
-                self._settled_scale = self._updates.pop(0)[1]
-            scale = self._iteration_scales.setdefault(current_iteration(), self._settled_scale)
+            scale = self._iteration_scales.setdefault(current_iteration(), self._usable_scale())
         return tree_map(lambda t: t * scale if isinstance(t, torch.Tensor) else t, outputs)
+
+    def _usable_scale(self) -> float:
+        """The scale a new iteration takes now: after the updates of the settled steps (the
+        lock held)."""
+        settled = settled_iteration()
+        while self._updates and self._updates[0][0] <= settled:
+            self._settled_scale = self._updates.pop(0)[1]
+        return self._settled_scale
 
     # -- optimizer thread ----------------------------------------------------------------------
 
@@ -257,31 +263,52 @@ class GradScaler:
         self._growth_interval = self._check_interval(new_interval)
 
     def state_dict(self) -> dict[str, Any]:
-        """Scale and growth state (waits for queued updates first)."""
-        drain_optimizer_thread()
+        """Scale and growth state after the queued steps and updates (waited for, raising the
+        error of an update that failed), plus ``_iteration_scale``: the scale the iteration in
+        progress uses (the next one, between iterations). That one still lags behind ``scale``
+        while a step is in flight; saving changes nothing of the training, and loading makes
+        the resumed run take the same scales (see ``RoundPipe.state_dict``)."""
+        wait_optimizer_thread()
         if not self._enabled:
             return {}
+        with self._lock:
+            iteration_scale = self._iteration_scales.get(current_iteration())
+            if iteration_scale is None:
+                iteration_scale = self._usable_scale()
         return {
             "scale": self._scale,
             "growth_factor": self._growth_factor,
             "backoff_factor": self._backoff_factor,
             "growth_interval": self._growth_interval,
             "_growth_tracker": self._growth_tracker,
+            "_iteration_scale": iteration_scale,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a ``state_dict()`` (of this class or of ``torch.amp.GradScaler``), checked
+        before anything changes. As in the saving run, the iteration in progress (or the next
+        one) uses ``_iteration_scale`` and later ones ``scale``: what the saving run's updates
+        had left when the step in flight is written back."""
         if not self._enabled:
             return
         if not state_dict:
             raise RuntimeError("the checkpoint holds no scaler state (saved with enabled=False)")
+        scale = _positive("scale", state_dict["scale"])
+        iteration_scale = _positive("_iteration_scale", state_dict.get("_iteration_scale", scale))
+        growth = _positive("growth_factor", state_dict["growth_factor"], above_one=True)
+        backoff = _positive("backoff_factor", state_dict["backoff_factor"])
+        if backoff >= 1.0:
+            raise ValueError(f"backoff_factor must be < 1, got {backoff}")
+        interval = self._check_interval(state_dict["growth_interval"])
+        growth_tracker = int(state_dict["_growth_tracker"])
         drain_optimizer_thread()
-        self._scale = _positive("scale", state_dict["scale"])
         with self._lock:
-            self._settled_scale, self._updates = self._scale, []
-        self.set_growth_factor(state_dict["growth_factor"])
-        self.set_backoff_factor(state_dict["backoff_factor"])
-        self.set_growth_interval(state_dict["growth_interval"])
-        self._growth_tracker = int(state_dict["_growth_tracker"])
+            self._scale, self._growth_tracker = scale, growth_tracker
+            self._growth_factor, self._backoff_factor = growth, backoff
+            self._growth_interval = interval
+            self._settled_scale, self._updates = scale, []
+            self._iteration_scales = {current_iteration(): iteration_scale}
+            self._unscaled.clear()
 
 
 __all__ = ["GradScaler"]

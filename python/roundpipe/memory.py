@@ -180,11 +180,20 @@ class ModelMemory:
         return None if latest is None else latest[1]
 
     def wait_writes(self) -> None:
-        """Wait for every queued write (the host parameters are then current)."""
-        last, self._last_write = self._last_write, None
+        """Wait for every queued write (the host parameters are then current). A wait
+        interrupted by Ctrl-C keeps the writes queued, to be waited for next time; a failed write
+        raises once."""
+        try:
+            if self._last_write is not None:
+                self._last_write.synchronize()
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            self._last_write = None
+            self._writes.clear()
+            raise
+        self._last_write = None
         self._writes.clear()
-        if last is not None:
-            last.synchronize()
 
     def sync_aliases(self) -> None:
         """Queue a copy of each shared parameter into its aliases, after pending writes (without

@@ -17,7 +17,6 @@ accumulation per dtype run, asynchronously.
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 import time
@@ -32,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from roundpipe import context
 from roundpipe._native import _C
+from roundpipe.context import annotate
 from roundpipe.device import device_count, devices
 from roundpipe.memory import ModelMemory, typed_view
 from roundpipe.scheduler import ModelExecutePlan, RunType
@@ -54,24 +54,6 @@ def _next_device() -> int:
 # --------------------------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------------------------
-
-
-def annotate(error: BaseException, where: str) -> BaseException:
-    """``error`` with ``where`` (model, layer, phase) prefixed to its message, same type when the
-    type allows it (so ``except ValueError`` in user code still works), else a RuntimeError."""
-    if isinstance(error, (KeyboardInterrupt, SystemExit)):
-        return error
-    message = f"{where}: {error}"
-    try:
-        annotated = copy.copy(error)
-        annotated.args = (message,)
-        if message not in str(annotated):
-            raise TypeError("message not taken from args")
-    except Exception:
-        annotated = RuntimeError(message)
-    annotated.__cause__ = error
-    annotated.__traceback__ = error.__traceback__
-    return annotated
 
 
 # --------------------------------------------------------------------------------------------
@@ -965,7 +947,6 @@ __all__ = [
     "LossSpec",
     "ResidentStage",
     "Stage",
-    "annotate",
     "to_device",
     "to_host",
 ]

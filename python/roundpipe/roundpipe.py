@@ -384,34 +384,59 @@ class RoundPipe(ForwardingModule):
 
     @serialized
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's state after draining pending work (the optimizer thread included), plus
-        RoundPipe's own: the optimizer copies (``_roundpipe.optim.<name>``) and gradients
-        accumulated but not yet stepped (``_roundpipe.grads``).
+        """The model's state, plus RoundPipe's own: the optimizer copies
+        (``_roundpipe.optim.<name>``), gradients accumulated but not yet stepped
+        (``_roundpipe.grads``) and, while an asynchronous step is in flight,
+        ``_roundpipe.pending_writeback`` (a bool tensor, True).
 
-        Checkpoint recipe (consistent with the asynchronous optimizer)::
+        Reading the state never changes the training, as in PyTorch: the step in flight is
+        waited for but not written back, so the parameters are the weights the next iteration
+        uses (one step stale) and the optimizer copies (and the optimizer's own state, read
+        afterwards) are after that step; ``pending_writeback`` records that the copies are one
+        step ahead. Loading such a state restores exactly that: the next ``step()`` applies the
+        pending write-back where the saving run applied it, so a resumed run continues the same
+        trajectory bit for bit. A failed step in flight raises here (nothing is saved) and again
+        at the next ``step()`` or ``synchronize()``.
+
+        Checkpoint recipe (``roundpipe.save_checkpoint`` / ``load_checkpoint`` do this, atomically
+        and checksummed)::
 
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
             torch.save(state, path)
             ...
+            state = torch.load(path, weights_only=True)
             model.load_state_dict(state["model"])  # before creating or loading the optimizer
             optimizer.load_state_dict(state["optimizer"])
         """
-        self.drain()
+        runtime = self._runtime
+        runtime.gradients.wait_pending()
+        try:
+            runtime.steps.wait_step()
+        except Exception as error:
+            raise RuntimeError(
+                f"RoundPipe model {self.name!r}: state_dict(): the optimizer step in flight "
+                "failed, so there is no consistent state to save; its error is raised again by "
+                "the next step() or synchronize()"
+            ) from error
+        runtime.memory.wait_writes()  # the parameters: earlier write-backs landed
         return super().state_dict(*args, **kwargs)
 
     @serialized
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Load a ``state_dict()`` of this (or a plain) model; pending work is drained first.
+        """Load a ``state_dict()`` of this (or a plain) model, checked entirely before anything
+        changes; then pending work is drained and the state replaces it, a pending write-back
+        included (see :meth:`state_dict`).
 
         Without ``_roundpipe.optim.*`` entries (a plain model's checkpoint), existing optimizer
-        copies are refreshed from the loaded parameters."""
+        copies are refreshed from the loaded parameters. Read checkpoint files with
+        ``torch.load(path, weights_only=True)``: a checkpoint must not be able to run code."""
         if assign:
             raise ValueError(
                 "assign=True would replace the parameters that RoundPipe keeps in its host arena; "
                 "load with assign=False"
             )
-        self.drain()
         self._check_state_dict(state_dict, strict)  # nothing changes unless all of it loads
+        self.drain()
         result = super().load_state_dict(state_dict, strict=strict)
         self.refresh_copies()
         return result
@@ -419,7 +444,7 @@ class RoundPipe(ForwardingModule):
     def refresh_copies(self) -> None:
         """Set the optimizer copies after the parameters were loaded: from the checkpoint's
         ``_roundpipe.optim.*`` entries, or from the loaded parameters (existing copies only,
-        unless the checkpoint has some)."""
+        unless the checkpoint has some); then restore the checkpoint's pending write-back."""
         runtime = self._runtime
         staged, runtime.loaded_copies = runtime.loaded_copies, {}
         grads = staged.pop("grads", None)  # the checkpoint's gradients not yet stepped
@@ -427,6 +452,7 @@ class RoundPipe(ForwardingModule):
             with torch.no_grad():
                 runtime.memory.grads.copy_(grads)
             runtime.gradients.dirty = True
+        pending = staged.pop("pending_writeback", None)
         saved_copies = {key.removeprefix("optim."): value for key, value in staged.items()}
         steps = runtime.steps
         if saved_copies or steps.has_copies():
@@ -436,27 +462,35 @@ class RoundPipe(ForwardingModule):
                     if id(param) in copies:
                         value = saved_copies.get(f"model.{name}", param)
                         copies[id(param)].copy_(steps.piece_of(param, value))
+        if pending is not None and bool(pending):
+            steps.restore_pending_step()
 
     def _own_state(self) -> dict[str, Any]:
-        """The optimizer copies (``optim.<name>``) and gradients accumulated but not yet stepped
-        (``grads``)."""
+        """The optimizer copies (``optim.<name>``), gradients accumulated but not yet stepped
+        (``grads``) and whether the copies are one step ahead of the parameters
+        (``pending_writeback``, present only then)."""
         runtime = self._runtime
         entries: dict[str, Any] = {}
-        # Sharded optimizer copies are saved by the sharded checkpoint, not here.
-        if runtime.steps.has_copies() and runtime.steps.data_parallel is None:
-            for name, copy in self.optim_named_parameters():
-                entries[f"optim.{name}"] = copy.detach().clone()
+        if runtime.steps.has_copies():
+            # Sharded optimizer copies are saved by the sharded checkpoint, not here.
+            if runtime.steps.data_parallel is None:
+                for name, copy in self.optim_named_parameters():
+                    entries[f"optim.{name}"] = copy.detach().clone()
+            if runtime.steps.write_back_pending():
+                entries["pending_writeback"] = torch.tensor(True)
         if runtime.gradients.dirty:
             entries["grads"] = runtime.memory.grads.clone()
         return entries
 
     def _load_own_state(self, entries: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
-        # Staged as they are ("grads", "optim.<name>"), applied by refresh_copies.
+        # Staged as they are ("grads", "optim.<name>", "pending_writeback"), applied by
+        # refresh_copies.
         runtime = self._runtime
         known: dict[str, torch.Tensor] = {
             f"optim.model.{name}": p for name, p in self._trainable_named_parameters()
         }
         known["grads"] = runtime.memory.grads
+        known["pending_writeback"] = torch.tensor(True)
         runtime.loaded_copies = {}
         for key in [key for key in entries if key in known]:
             value = entries.pop(key)

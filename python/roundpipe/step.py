@@ -41,12 +41,11 @@ from typing import Any
 import torch
 
 from roundpipe._native import _C
-from roundpipe.context import OptimizerCtx
+from roundpipe.context import OptimizerCtx, annotate
 from roundpipe.distributed import DataParallel
 from roundpipe.memory import ModelMemory
 from roundpipe.optim import fused_writeback
 from roundpipe.optimizer_copy import OptimizerCopy
-from roundpipe.pipeline import annotate
 from roundpipe.tracing import active_tracer
 
 # Iterations are counted by the steps submitted in this process. The main thread is in iteration
@@ -125,6 +124,16 @@ def drain_optimizer_thread() -> None:
         submitted = _submitted
         submit(lambda: None).synchronize()
         _settle(submitted - 1)
+        raise_detached_errors()
+
+
+def wait_optimizer_thread() -> None:
+    """Wait until every job submitted so far has run, then raise the errors of detached jobs;
+    unlike :func:`drain_optimizer_thread` nothing is settled, so what the steps in flight did
+    stays unseen by the iterations, as if nobody had waited (a checkpoint must not change the
+    training)."""
+    if not in_step_job():
+        submit(lambda: None).synchronize()
         raise_detached_errors()
 
 
@@ -444,6 +453,35 @@ class StepPipeline:
                         "writeback", model=self.name, device=None, lane="writer", done=self._written
                     )
         raise_detached_errors(wait=True)
+
+    def wait_step(self) -> None:
+        """Wait for the step in flight without queuing its write-back or settling it: the
+        optimizer copies (and the optimizer's state) are then after that step, the parameters
+        still before it, and its write-back stays pending for the next ``step()``. A failed
+        step's error is raised here and again by the next ``step()`` or ``synchronize()``."""
+        if self._job is not None:
+            self._job.synchronize()
+
+    def write_back_pending(self) -> bool:
+        """Whether the last step's new weights are still to be written into the parameters
+        (queued by the next ``step()``, ``synchronize()`` or ``drain()``)."""
+        return self._job is not None
+
+    def restore_pending_step(self) -> None:
+        """After loading a checkpoint saved with a step in flight: the optimizer copies hold
+        that step's result, the parameters the weights before it. As in the saving run, the next
+        ``step()`` (or ``synchronize()``) writes the copies back. They are cast on the way, which
+        gives the bits the saving run's fused pass staged: both round to nearest even. With
+        data parallelism every rank loads together, and each stages and all-gathers its pieces
+        as the saved step did (on the optimizer thread, in the order of the collectives)."""
+        dp = self.data_parallel
+        if dp is None:
+            self._job = submit(lambda: None)  # a finished step, standing for the saved one
+        else:
+            copies = self.copies()
+            self._job = submit(lambda: self._gather_weights(dp, copies, set()))
+        self._job_iteration = -1  # settles nothing: the scaler state loaded needs no settling
+        self._fused, self._fused_in_place = set(), False
 
     def _fused_targets(
         self, copies: dict[int, OptimizerCopy], slots: list[Any], in_place: bool
