@@ -216,3 +216,33 @@ def test_clip_grad_norm_without_data_parallel_is_torchs():
     torch.testing.assert_close(got[0], expected)
     for copy, param in zip(rp.optim_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(copy.grad, param.grad)
+
+
+@pytest.mark.parametrize("is_async", [True, False], ids=["async", "sync"])
+def test_sharded_checkpoint_resumes_at_other_world_sizes(tmp_path: Path, is_async: bool):
+    # 2 ranks save a checkpoint folder after iteration 1 (an asynchronous step in flight: the
+    # copies are a step ahead of the weights) and train on: saving must not change training.
+    # 3 ranks, then one process without torch.distributed, resume from it and must end where
+    # an uninterrupted run ends (fp64: summation-order rounding only).
+    ckpt = str(tmp_path / "ckpt")
+    _, ref, _ = run(_folder(tmp_path, "ref"), 0, is_async=is_async)
+    saved, _, _ = run(
+        _folder(tmp_path, "save"), 2, reference=False, is_async=is_async, save_at=1, ckpt=ckpt
+    )
+    assert_matches(saved, ref, rtol=1e-10, atol=1e-12)
+    resumed, _, _ = run(
+        _folder(tmp_path, "resume3"), 3, reference=False, is_async=is_async, resume=True, ckpt=ckpt
+    )
+    alone: dict[str, Any] = {"norms": [], "scales": []}
+    cfg = {"dtype": "float64", "is_async": is_async, "scenario": "plain", "resume": True}
+    worker.train({**cfg, "ckpt": ckpt}, 0, 1, None, alone)
+    assert ref is not None
+    ref = {**ref, "norms": ref["norms"][2:]}  # the resumed runs clip iterations 2 and 3 only
+    assert_matches(resumed, ref, rtol=1e-10, atol=1e-12)
+    assert_matches([alone], ref, rtol=1e-10, atol=1e-12)
+
+
+def _folder(tmp_path: Path, name: str) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    return folder

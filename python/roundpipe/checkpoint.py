@@ -86,7 +86,10 @@ def save_checkpoint(
         optimizer: a ``torch.optim.Optimizer`` (``roundpipe.optim.Adam`` included), or None.
         scaler: a ``roundpipe.GradScaler`` or ``torch.amp.GradScaler``, or None.
         extra: any object ``torch.load(..., weights_only=True)`` accepts (numbers, strings,
-            tensors, dicts, lists, tuples: epoch, step, RNG states).
+            tensors, dicts, lists, tuples: epoch, step, RNG states), or a callable returning
+            one, called after the model's state was taken: for state that ``step_fn`` changes
+            while an asynchronous step is in flight (an LR scheduler stepped in ``step_fn``),
+            which read before the call would miss that step.
 
     Raises:
         TypeError / ValueError: an invalid argument, before anything is drained or written.
@@ -103,9 +106,10 @@ def save_checkpoint(
         )
     if not sharded and target.is_dir():
         raise ValueError(f"path {str(target)!r} is a folder; pass a file name")
-    _check_weights_only(extra)
+    if not callable(extra):
+        _check_weights_only(extra)
     if sharded:
-        save_sharded(target, model, optimizer, scaler, extra)
+        save_sharded(target, model, optimizer, scaler, lambda: _resolved(extra))
         return
 
     state: dict[str, Any] = {"model": model.state_dict()}  # waits for a RoundPipe's step first
@@ -113,7 +117,7 @@ def save_checkpoint(
         state["optimizer"] = optimizer.state_dict()
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
-    state["extra"] = extra
+    state["extra"] = _resolved(extra)
 
     _remove_stale_temporaries(target)
     temporary = target.with_name(
@@ -372,6 +376,15 @@ def _check_parts(model: Any, optimizer: Any, scaler: Any) -> None:
             "scaler must be a roundpipe.GradScaler or torch.amp.GradScaler (with state_dict and "
             f"load_state_dict) or None, got {type(scaler).__name__}"
         )
+
+
+def _resolved(extra: Any) -> Any:
+    """``extra``, or what it returns if it is a callable (checked like an object given)."""
+    if not callable(extra):
+        return extra
+    value = extra()
+    _check_weights_only(value)
+    return value
 
 
 def _check_weights_only(extra: Any) -> None:

@@ -5,9 +5,9 @@ number of ranks reads each rank's new shard from whatever ranks wrote it.
 What a folder holds, by entry name:
 
 * ``model/<key>``: the model's ``state_dict()`` (weights, buffers, RoundPipe's own entries), whole
-  tensors that every rank holds alike, written once. (Gradients accumulated but not yet stepped
-  differ per rank: a save refuses them.)
-* ``optim/<name>``: the optimizer copies, as pieces of the flattened parameter.
+  tensors that every rank holds alike, written once, except the optimizer copies
+  (``model/_roundpipe.optim.<name>``): each rank's pieces of the flattened parameter. (Gradients
+  accumulated but not yet stepped differ per rank: a save refuses them.)
 * ``optimizer/state/<name>/<key>``: the optimizer's per-element state as pieces, and its other
   per-parameter state (``step``) whole; ``optimizer/param_groups``: the hyperparameters.
 * ``scaler`` and ``extra``: objects, read back with ``weights_only=True``.
@@ -15,6 +15,7 @@ What a folder holds, by entry name:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,9 @@ from roundpipe.sharded_files import (
     save_folder,
 )
 
+# The prefix of the optimizer copies' entries in a RoundPipe's state_dict().
+_COPY = "_roundpipe.optim."
+
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` is a data-parallel RoundPipe of more than one rank."""
@@ -38,23 +42,29 @@ def is_sharded(model: nn.Module) -> bool:
     return shard is not None and shard.world_size > 1
 
 
-def save_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, extra: Any) -> None:
+def save_sharded(
+    folder: Path, model: nn.Module, optimizer: Any, scaler: Any, extra: Callable[[], Any]
+) -> None:
     """Every rank of ``model``'s data-parallel group calls this with its own model replica and
-    optimizer; see ``roundpipe.save_checkpoint``."""
+    optimizer; ``extra()`` is taken after the model's state. See ``roundpipe.save_checkpoint``."""
     shard = _shard_of(model)
     assert shard is not None
+    by_copy = {id(piece.copy): piece for piece in shard.pieces}
+    params = _optimizer_params(optimizer, by_copy) if optimizer is not None else []
     entries: dict[str, Any] = {}
     pieces: dict[str, Piece] = {}
     model_state = model.state_dict()
     _refuse_unstepped_grads(model_state, shard)
+    by_name = {piece.name: piece for piece in shard.pieces}
     for key, value in model_state.items():
-        entries[f"model/{key}"] = value
-    by_copy = {id(piece.copy): piece for piece in shard.pieces}
-    for piece in shard.pieces:
-        _add_piece(entries, pieces, f"optim/{piece.name}", piece, piece.copy.detach())
+        piece = by_name.get(key.removeprefix(_COPY))
+        if key.startswith(_COPY) and piece is not None:
+            _add_piece(entries, pieces, f"model/{key}", piece, value)
+        else:
+            entries[f"model/{key}"] = value
     if optimizer is not None:
         state = optimizer.state_dict()
-        for index, param in enumerate(_optimizer_params(optimizer, by_copy)):
+        for index, param in enumerate(params):
             piece = by_copy[id(param)]
             for key, value in state["state"].get(index, {}).items():
                 name = f"optimizer/state/{piece.name}/{key}"
@@ -72,7 +82,7 @@ def save_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, ex
         ]
     if scaler is not None:
         entries["scaler"] = scaler.state_dict()
-    entries["extra"] = extra
+    entries["extra"] = extra()
     save_folder(folder, entries, pieces, shard.group)
 
 
@@ -98,11 +108,17 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, st
 
     entries: dict[str, Any] = {}
     pieces: dict[str, Piece] = {}
+    by_name = {piece.name: piece for piece in shard.pieces}
     for key, (size, dtype) in saved.items():
-        if key.startswith("model/"):
+        if not key.startswith("model/"):
+            continue
+        copy_of = key.removeprefix(f"model/{_COPY}")
+        if key.startswith(f"model/{_COPY}"):
+            if copy_of in by_name:  # other ranks' pieces are not this rank's to load
+                piece = by_name[copy_of]
+                _add_piece(entries, pieces, key, piece, torch.empty(_numel(piece), dtype=dtype))
+        else:
             entries[key] = torch.empty(size, dtype=dtype) if size is not None else None
-    for piece in shard.pieces:
-        _add_piece(entries, pieces, f"optim/{piece.name}", piece, _empty_piece(piece, saved))
     by_copy = {id(piece.copy): piece for piece in shard.pieces}
     params = _optimizer_params(optimizer, by_copy) if optimizer is not None else []
     if optimizer is not None:
@@ -126,10 +142,10 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, st
     model_state = {
         key[len("model/") :]: value for key, value in entries.items() if key.startswith("model/")
     }
+    for name, piece in by_name.items():
+        if f"{_COPY}{name}" in model_state:
+            model_state[f"{_COPY}{name}"] = model_state[f"{_COPY}{name}"].view(piece.copy.shape)
     model.load_state_dict(model_state, strict=strict)
-    with torch.no_grad():
-        for piece in shard.pieces:
-            piece.copy.copy_(entries[f"optim/{piece.name}"].view(piece.copy.shape))
     if optimizer is not None:
         state: dict[int, dict[str, Any]] = {}
         for index, param in enumerate(params):
@@ -185,12 +201,6 @@ def _add_piece(
     if _numel(piece):
         entries[name] = value.reshape(-1)
         pieces[name] = Piece(piece.shape.numel(), piece.start)
-
-
-def _empty_piece(piece: ShardPiece, saved: dict[str, Any]) -> torch.Tensor:
-    found = saved.get(f"optim/{piece.name}")
-    dtype = found[1] if found is not None else piece.copy.dtype
-    return torch.empty(_numel(piece), dtype=dtype)
 
 
 def _shaped(value: Any, piece: ShardPiece) -> Any:

@@ -460,8 +460,9 @@ class RoundPipe(ForwardingModule):
             with torch.no_grad():
                 for name, param in self._trainable_named_parameters():
                     if id(param) in copies:
-                        value = saved_copies.get(f"model.{name}", param)
-                        copies[id(param)].copy_(steps.piece_of(param, value))
+                        saved = saved_copies.get(f"model.{name}")  # shaped as the copy
+                        value = saved if saved is not None else steps.piece_of(param, param)
+                        copies[id(param)].copy_(value)
         if pending is not None and bool(pending):
             steps.restore_pending_step()
 
@@ -472,10 +473,9 @@ class RoundPipe(ForwardingModule):
         runtime = self._runtime
         entries: dict[str, Any] = {}
         if runtime.steps.has_copies():
-            # Sharded optimizer copies are saved by the sharded checkpoint, not here.
-            if runtime.steps.data_parallel is None:
-                for name, copy in self.optim_named_parameters():
-                    entries[f"optim.{name}"] = copy.detach().clone()
+            # With data parallelism: this rank's pieces (see data_parallel_shard()).
+            for name, copy in self.optim_named_parameters():
+                entries[f"optim.{name}"] = copy.detach().clone()
             if runtime.steps.write_back_pending():
                 entries["pending_writeback"] = torch.tensor(True)
         if runtime.gradients.dirty:
@@ -486,9 +486,14 @@ class RoundPipe(ForwardingModule):
         # Staged as they are ("grads", "optim.<name>", "pending_writeback"), applied by
         # refresh_copies.
         runtime = self._runtime
-        known: dict[str, torch.Tensor] = {
-            f"optim.model.{name}": p for name, p in self._trainable_named_parameters()
-        }
+        # An optimizer copy's entry is shaped as the copy: the parameter, or with data
+        # parallelism this rank's piece of it (a meta tensor stands for its shape and dtype).
+        steps = runtime.steps
+        known: dict[str, torch.Tensor] = {}
+        for name, param in self._trainable_named_parameters():
+            shape = steps.copy_shape(param)
+            if shape is not None:
+                known[f"optim.model.{name}"] = param.new_empty(shape, device="meta")
         known["grads"] = runtime.memory.grads
         known["pending_writeback"] = torch.tensor(True)
         runtime.loaded_copies = {}
