@@ -18,6 +18,7 @@ from typing import Any
 
 import roundpipe
 import roundpipe.distributed
+import roundpipe.models
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -162,6 +163,11 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
         for piece in shard.pieces
     ]
     result["rank_world"] = (shard.rank, shard.world_size)
+    if world > 1:
+        try:  # a data-parallel part under an AutoRoundPipe: its host glue would not be averaged
+            roundpipe.models.AutoRoundPipe(nn.Sequential(model))
+        except ValueError as error:
+            result["auto_error"] = str(error)
 
 
 if __name__ == "__main__":

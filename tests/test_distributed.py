@@ -136,6 +136,8 @@ def test_fp64_ranks_equal_one_process(
     results, ref, _ = run(tmp_path, world, is_async=is_async, chunk=chunk, delay=delay)
     assert_matches(results, ref, rtol=1e-10, atol=1e-12)
     assert all(ref["norms"]), "clipping must have seen nonzero gradients"
+    for result in results:
+        assert "data_parallel_group" in result["auto_error"]  # type: ignore[index]
 
 
 def test_bf16_weights_fp32_copies_equal_one_process(tmp_path: Path):

@@ -18,6 +18,11 @@ parameter arena, an asynchronous one into a staging arena (the iteration in flig
 parameters), from which the write-back copies them without casting. GradScaler's inf/NaN check is
 a read-only pass before it, since a step with a non-finite gradient must not change anything.
 
+Data parallel (``roundpipe.distributed``): the optimizer copies are the own shard's pieces; the
+job first averages the handed-over arena across the ranks, and after ``step_fn`` stages the
+pieces' new weights and all-gathers them, so the write-back copies every parameter from that
+staging arena as on one process.
+
 An exception in ``step_fn`` is re-raised at the next ``step``, ``synchronize`` or forward call
 (same type, the original as ``__cause__``, the message naming the model and phase), and the
 failed step's weights are not written back. (A synchronous step's fused pass writes them in
