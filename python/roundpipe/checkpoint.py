@@ -208,6 +208,12 @@ def load_checkpoint(
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
     if target.is_dir():
         return load_sharded(target, model, optimizer, scaler, strict)
+    if is_sharded(model):
+        raise ValueError(
+            f"path {str(target)!r} is a checkpoint file of one process; a data-parallel model "
+            "loads checkpoint folders (saved by data-parallel ranks). Load the file into a "
+            "RoundPipe without data_parallel_group and save it from ranks to reshard it"
+        )
     if not target.is_file():
         raise FileNotFoundError(f"no checkpoint file at {str(target)!r}")
 
