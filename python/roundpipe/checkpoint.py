@@ -211,8 +211,9 @@ def load_checkpoint(
     if is_sharded(model):
         raise ValueError(
             f"path {str(target)!r} is a checkpoint file of one process; a data-parallel model "
-            "loads checkpoint folders (saved by data-parallel ranks). Load the file into a "
-            "RoundPipe without data_parallel_group and save it from ranks to reshard it"
+            "loads checkpoint folders saved by data-parallel ranks (at any number of them). To "
+            "start one from this file, load its model weights with model.load_state_dict "
+            "(the optimizer then starts afresh)"
         )
     if not target.is_file():
         raise FileNotFoundError(f"no checkpoint file at {str(target)!r}")
