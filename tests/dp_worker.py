@@ -115,6 +115,13 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     scaler = roundpipe.GradScaler(init_scale=2.0**10) if scenario == "scaler" else None
     first = 0
+    if cfg.get("from_file"):  # a one-process checkpoint file: weights and copies only
+        try:
+            roundpipe.load_checkpoint(cfg["from_file"], model, optimizer)
+        except ValueError as error:
+            result["file_error"] = str(error)
+        model.load_state_dict(torch.load(cfg["from_file"], weights_only=True)["model"])
+        first = ITERATIONS  # nothing to train: the test compares the loaded copies
     if cfg.get("resume"):  # from the checkpoint folder another run saved, at any world size
         extra = roundpipe.load_checkpoint(cfg["ckpt"], model, optimizer)
         scheduler.load_state_dict(extra["scheduler"])

@@ -244,6 +244,25 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes(tmp_path: Path, is_asyn
     assert_matches([alone], ref, rtol=1e-10, atol=1e-12)
 
 
+def test_one_process_checkpoint_file_gives_each_rank_its_pieces(tmp_path: Path):
+    # A model state of one process (whole optimizer copies) loads into 3 ranks, each keeping
+    # its piece; load_checkpoint of that file refuses clearly (its optimizer state is whole).
+    ckpt = tmp_path / "one.pt"
+    alone: dict[str, Any] = {"norms": [], "scales": []}
+    cfg = {"dtype": "float64", "is_async": True, "scenario": "plain", "save_at": 1}
+    worker.train({**cfg, "ckpt": str(ckpt)}, 0, 1, None, alone)
+    whole = torch.load(ckpt, weights_only=True)["model"]
+    results, _, _ = run(_folder(tmp_path, "ranks"), 3, reference=False, from_file=str(ckpt))
+    copies = _full_copies(results)  # type: ignore[arg-type]
+    for name, value in copies.items():
+        torch.testing.assert_close(value, whole[f"_roundpipe.optim.{name}"].reshape(-1))
+    for result in results:
+        assert (
+            result is not None
+            and "data-parallel model loads checkpoint folders" in (result["file_error"])
+        )
+
+
 def _folder(tmp_path: Path, name: str) -> Path:
     folder = tmp_path / name
     folder.mkdir()

@@ -212,8 +212,8 @@ def load_checkpoint(
         raise ValueError(
             f"path {str(target)!r} is a checkpoint file of one process; a data-parallel model "
             "loads checkpoint folders saved by data-parallel ranks (at any number of them). To "
-            "start one from this file, load its model weights with model.load_state_dict "
-            "(the optimizer then starts afresh)"
+            "start from this file, load torch.load(path, weights_only=True)['model'] with "
+            "model.load_state_dict (weights and optimizer copies; the optimizer starts afresh)"
         )
     if not target.is_file():
         raise FileNotFoundError(f"no checkpoint file at {str(target)!r}")

@@ -488,19 +488,29 @@ class RoundPipe(ForwardingModule):
         runtime = self._runtime
         # An optimizer copy's entry is shaped as the copy: the parameter, or with data
         # parallelism this rank's piece of it (a meta tensor stands for its shape and dtype).
+        # A whole copy (a checkpoint of one process) gives a data-parallel rank its piece.
         steps = runtime.steps
-        known: dict[str, torch.Tensor] = {}
-        for name, param in self._trainable_named_parameters():
-            shape = steps.copy_shape(param)
-            if shape is not None:
-                known[f"optim.model.{name}"] = param.new_empty(shape, device="meta")
+        known: dict[str, torch.Tensor | None] = {}
+        whole: dict[str, nn.Parameter] = {}
+        for name, trainable in self._trainable_named_parameters():
+            shape = steps.copy_shape(trainable)
+            key = f"optim.model.{name}"
+            known[key] = None if shape is None else trainable.new_empty(shape, device="meta")
+            whole[key] = trainable
         known["grads"] = runtime.memory.grads
         known["pending_writeback"] = torch.tensor(True)
         runtime.loaded_copies = {}
         for key in [key for key in entries if key in known]:
-            value = entries.pop(key)
-            self._check_entry(f"{prefix}{key}", value, known[key], error_msgs)
-            runtime.loaded_copies[key] = value
+            value, param, like = entries.pop(key), whole.get(key), known[key]
+            if param is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
+                self._check_entry(f"{prefix}{key}", value, param, error_msgs)
+                if like is not None:
+                    runtime.loaded_copies[key] = steps.piece_of(param, value)
+            elif like is None:
+                error_msgs.append(f'"{prefix}{key}": this rank holds no piece of that parameter')
+            else:
+                self._check_entry(f"{prefix}{key}", value, like, error_msgs)
+                runtime.loaded_copies[key] = value
 
     def _trainable_named_parameters(
         self, remove_duplicate: bool = True
