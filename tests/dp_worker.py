@@ -114,6 +114,18 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
         optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     scaler = roundpipe.GradScaler(init_scale=2.0**10) if scenario == "scaler" else None
+    first = 0
+    if cfg.get("from_file"):  # a one-process checkpoint file: weights and copies only
+        try:
+            roundpipe.load_checkpoint(cfg["from_file"], model, optimizer)
+        except ValueError as error:
+            result["file_error"] = str(error)
+        model.load_state_dict(torch.load(cfg["from_file"], weights_only=True)["model"])
+        first = ITERATIONS  # nothing to train: the test compares the loaded copies
+    if cfg.get("resume"):  # from the checkpoint folder another run saved, at any world size
+        extra = roundpipe.load_checkpoint(cfg["ckpt"], model, optimizer)
+        scheduler.load_state_dict(extra["scheduler"])
+        first = extra["iteration"]
     local = GLOBAL_BATCH // world
     ours = slice(rank * local, (rank + 1) * local)
 
@@ -136,7 +148,7 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
         optimizer.zero_grad()
         scheduler.step()
 
-    for iteration in range(ITERATIONS):
+    for iteration in range(first, ITERATIONS):
         if scenario == "exit" and rank == 1 and iteration == 1:
             os._exit(3)
         x, y = data(model_dtype, iteration)
@@ -144,6 +156,12 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
             result["scales"].append(scaler.get_scale())
         model.forward_backward(input_args=(x[ours],), label=y[ours], loss_fn=loss_fn)
         model.step(step_fn, cfg["is_async"], iteration)
+        if iteration == cfg.get("save_at"):  # with an asynchronous step in flight
+            # The scheduler is stepped in step_fn: read once the step in flight has run.
+            def extra(after: int = iteration + 1) -> dict[str, Any]:
+                return {"scheduler": scheduler.state_dict(), "iteration": after}
+
+            roundpipe.save_checkpoint(cfg["ckpt"], model, optimizer, extra=extra)
     model.synchronize()
     result["params"] = {k: v.detach().clone() for k, v in model.model.named_parameters()}
     shard = model.data_parallel_shard()

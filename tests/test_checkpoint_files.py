@@ -396,3 +396,28 @@ def test_saves_leave_torchs_crc_setting_to_other_threads(
     assert seen == [(False, True)]
     assert torch.serialization.get_crc32_options() is True
     load_checkpoint(tmp_path / "ckpt", nn.Linear(2, 2))
+
+
+def test_extra_as_a_callable_is_read_after_the_step_in_flight(tmp_path: Path) -> None:
+    # An LR scheduler stepped in step_fn changes while the asynchronous step runs: an object
+    # built before the call misses that step, a callable is read after it.
+    model = RoundPipe(nn.Sequential(nn.Linear(4, 4)), name="extra", model_run_config=CONFIG)
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    def step_fn() -> None:
+        time.sleep(0.3)
+        optimizer.step()
+        scheduler.step()
+
+    model.forward_backward(input_args=(torch.randn(4, 4),), loss_fn=lambda out, _: out.sum())
+    model.step(step_fn)
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model, optimizer, extra=lambda: {"scheduler": scheduler.state_dict()})
+    saved = torch.load(path, weights_only=True)
+    assert saved["extra"]["scheduler"]["last_epoch"] == 1
+    assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.05)
+
+    with pytest.raises(ValueError, match="weights_only"):
+        save_checkpoint(path, model, optimizer, extra=lambda: {"bad": object()})
+    assert torch.load(path, weights_only=True)["extra"]["scheduler"]["last_epoch"] == 1

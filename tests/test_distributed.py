@@ -218,3 +218,52 @@ def test_clip_grad_norm_without_data_parallel_is_torchs():
     torch.testing.assert_close(got[0], expected)
     for copy, param in zip(rp.optim_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(copy.grad, param.grad)
+
+
+@pytest.mark.parametrize("is_async", [True, False], ids=["async", "sync"])
+def test_sharded_checkpoint_resumes_at_other_world_sizes(tmp_path: Path, is_async: bool):
+    # 2 ranks save a checkpoint folder after iteration 1 (an asynchronous step in flight: the
+    # copies are a step ahead of the weights) and train on: saving must not change training.
+    # 3 ranks, then one process without torch.distributed, resume from it and must end where
+    # an uninterrupted run ends (fp64: summation-order rounding only).
+    ckpt = str(tmp_path / "ckpt")
+    _, ref, _ = run(_folder(tmp_path, "ref"), 0, is_async=is_async)
+    saved, _, _ = run(
+        _folder(tmp_path, "save"), 2, reference=False, is_async=is_async, save_at=1, ckpt=ckpt
+    )
+    assert_matches(saved, ref, rtol=1e-10, atol=1e-12)
+    resumed, _, _ = run(
+        _folder(tmp_path, "resume3"), 3, reference=False, is_async=is_async, resume=True, ckpt=ckpt
+    )
+    alone: dict[str, Any] = {"norms": [], "scales": []}
+    cfg = {"dtype": "float64", "is_async": is_async, "scenario": "plain", "resume": True}
+    worker.train({**cfg, "ckpt": ckpt}, 0, 1, None, alone)
+    assert ref is not None
+    ref = {**ref, "norms": ref["norms"][2:]}  # the resumed runs clip iterations 2 and 3 only
+    assert_matches(resumed, ref, rtol=1e-10, atol=1e-12)
+    assert_matches([alone], ref, rtol=1e-10, atol=1e-12)
+
+
+def test_one_process_checkpoint_file_gives_each_rank_its_pieces(tmp_path: Path):
+    # A model state of one process (whole optimizer copies) loads into 3 ranks, each keeping
+    # its piece; load_checkpoint of that file refuses clearly (its optimizer state is whole).
+    ckpt = tmp_path / "one.pt"
+    alone: dict[str, Any] = {"norms": [], "scales": []}
+    cfg = {"dtype": "float64", "is_async": True, "scenario": "plain", "save_at": 1}
+    worker.train({**cfg, "ckpt": str(ckpt)}, 0, 1, None, alone)
+    whole = torch.load(ckpt, weights_only=True)["model"]
+    results, _, _ = run(_folder(tmp_path, "ranks"), 3, reference=False, from_file=str(ckpt))
+    copies = _full_copies(results)  # type: ignore[arg-type]
+    for name, value in copies.items():
+        torch.testing.assert_close(value, whole[f"_roundpipe.optim.{name}"].reshape(-1))
+    for result in results:
+        assert (
+            result is not None
+            and "data-parallel model loads checkpoint folders" in (result["file_error"])
+        )
+
+
+def _folder(tmp_path: Path, name: str) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    return folder

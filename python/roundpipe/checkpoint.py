@@ -45,6 +45,8 @@ import torch
 from torch import nn
 
 from roundpipe._native import BUILD_INFO
+from roundpipe.checkpoint_sharded import is_sharded, load_sharded, save_sharded
+from roundpipe.sharded_files import CheckpointError
 
 FORMAT = "roundpipe.checkpoint"
 FORMAT_VERSION = 1
@@ -53,10 +55,6 @@ MAGIC = b"RPCKPT01"
 _READ_BYTES = 8 << 20
 _TRAILER = struct.Struct("<QII8s")
 _ENTRIES = ("model", "optimizer", "scaler", "extra")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint file is corrupt, truncated, or not a RoundPipe checkpoint."""
 
 
 def save_checkpoint(
@@ -75,13 +73,23 @@ def save_checkpoint(
     folder, fsync, rename over ``path``, fsync of the folder): a crash leaves the previous
     checkpoint intact. Every chunk of the file is checksummed for :func:`load_checkpoint`.
 
+    A data-parallel model (``data_parallel_group`` of several ranks) saves a checkpoint
+    *folder* instead, and every rank of its group must call this with its own replica and
+    optimizer: each writes its shard of the optimizer, keyed by parameter names, through
+    ``torch.distributed.checkpoint``, and a manifest naming the files and their checksums is
+    replaced atomically once all are on disk (``roundpipe.checkpoint_sharded``).
+
     Args:
-        path: the checkpoint file; its folder must exist.
+        path: the checkpoint file (its folder must exist), or for a data-parallel model the
+            checkpoint folder (created if missing; its parent must exist).
         model: any ``nn.Module``, ``RoundPipe`` and ``AutoRoundPipe`` included.
         optimizer: a ``torch.optim.Optimizer`` (``roundpipe.optim.Adam`` included), or None.
         scaler: a ``roundpipe.GradScaler`` or ``torch.amp.GradScaler``, or None.
         extra: any object ``torch.load(..., weights_only=True)`` accepts (numbers, strings,
-            tensors, dicts, lists, tuples: epoch, step, RNG states).
+            tensors, dicts, lists, tuples: epoch, step, RNG states), or a callable returning
+            one, called after the model's state was taken: for state that ``step_fn`` changes
+            while an asynchronous step is in flight (an LR scheduler stepped in ``step_fn``),
+            which read before the call would miss that step.
 
     Raises:
         TypeError / ValueError: an invalid argument, before anything is drained or written.
@@ -91,16 +99,25 @@ def save_checkpoint(
     _check_parts(model, optimizer, scaler)
     if not target.parent.is_dir():
         raise FileNotFoundError(f"path: the folder {str(target.parent)!r} does not exist")
-    if target.is_dir():
+    sharded = is_sharded(model)
+    if sharded and target.is_file():
+        raise ValueError(
+            f"path {str(target)!r} is a file; a data-parallel model saves a checkpoint folder"
+        )
+    if not sharded and target.is_dir():
         raise ValueError(f"path {str(target)!r} is a folder; pass a file name")
-    _check_weights_only(extra)
+    if not callable(extra):
+        _check_weights_only(extra)
+    if sharded:
+        save_sharded(target, model, optimizer, scaler, lambda: _resolved(extra))
+        return
 
     state: dict[str, Any] = {"model": model.state_dict()}  # waits for a RoundPipe's step first
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
-    state["extra"] = extra
+    state["extra"] = _resolved(extra)
 
     _remove_stale_temporaries(target)
     temporary = target.with_name(
@@ -168,8 +185,12 @@ def load_checkpoint(
     that was asked for. Optimizer or scaler state in the file is ignored when the argument is
     None.
 
+    A checkpoint folder (saved by a data-parallel model) loads at any number of ranks (every
+    rank of the model's group calls this), or into a RoundPipe without data parallelism: each
+    rank reads its own shard of the optimizer from whatever ranks wrote it.
+
     Args:
-        path: the checkpoint file.
+        path: the checkpoint file, or folder.
         model: the model to load into (the same architecture and wrapping as when saved).
         optimizer: an optimizer built on ``model.optim_parameters()`` (or None).
         scaler: a ``roundpipe.GradScaler`` or ``torch.amp.GradScaler`` (or None).
@@ -185,6 +206,15 @@ def load_checkpoint(
     _check_parts(model, optimizer, scaler)
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    if target.is_dir():
+        return load_sharded(target, model, optimizer, scaler, strict)
+    if is_sharded(model):
+        raise ValueError(
+            f"path {str(target)!r} is a checkpoint file of one process; a data-parallel model "
+            "loads checkpoint folders saved by data-parallel ranks (at any number of them). To "
+            "start from this file, load torch.load(path, weights_only=True)['model'] with "
+            "model.load_state_dict (weights and optimizer copies; the optimizer starts afresh)"
+        )
     if not target.is_file():
         raise FileNotFoundError(f"no checkpoint file at {str(target)!r}")
 
@@ -353,6 +383,15 @@ def _check_parts(model: Any, optimizer: Any, scaler: Any) -> None:
             "scaler must be a roundpipe.GradScaler or torch.amp.GradScaler (with state_dict and "
             f"load_state_dict) or None, got {type(scaler).__name__}"
         )
+
+
+def _resolved(extra: Any) -> Any:
+    """``extra``, or what it returns if it is a callable (checked like an object given)."""
+    if not callable(extra):
+        return extra
+    value = extra()
+    _check_weights_only(value)
+    return value
 
 
 def _check_weights_only(extra: Any) -> None:

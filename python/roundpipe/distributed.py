@@ -92,6 +92,9 @@ class DataParallelShard:
     rank: int
     world_size: int
     pieces: list[ShardPiece]
+    # RoundPipe's own process group over the ranks (gloo, host tensors); None without data
+    # parallelism. Collectives about this model's state (sharded checkpoints) run on it.
+    group: Any = None
 
 
 @dataclass(frozen=True)

@@ -229,7 +229,7 @@ class RoundPipe(ForwardingModule):
         dp = steps.data_parallel
         if dp is None:
             return DataParallelShard(0, 1, pieces)
-        return DataParallelShard(dp.rank, dp.world_size, pieces)
+        return DataParallelShard(dp.rank, dp.world_size, pieces, dp.group)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the optimizer copies to a total norm of ``max_norm``, as
@@ -460,8 +460,9 @@ class RoundPipe(ForwardingModule):
             with torch.no_grad():
                 for name, param in self._trainable_named_parameters():
                     if id(param) in copies:
-                        value = saved_copies.get(f"model.{name}", param)
-                        copies[id(param)].copy_(steps.piece_of(param, value))
+                        saved = saved_copies.get(f"model.{name}")  # shaped as the copy
+                        value = saved if saved is not None else steps.piece_of(param, param)
+                        copies[id(param)].copy_(value)
         if pending is not None and bool(pending):
             steps.restore_pending_step()
 
@@ -472,10 +473,9 @@ class RoundPipe(ForwardingModule):
         runtime = self._runtime
         entries: dict[str, Any] = {}
         if runtime.steps.has_copies():
-            # Sharded optimizer copies are saved by the sharded checkpoint, not here.
-            if runtime.steps.data_parallel is None:
-                for name, copy in self.optim_named_parameters():
-                    entries[f"optim.{name}"] = copy.detach().clone()
+            # With data parallelism: this rank's pieces (see data_parallel_shard()).
+            for name, copy in self.optim_named_parameters():
+                entries[f"optim.{name}"] = copy.detach().clone()
             if runtime.steps.write_back_pending():
                 entries["pending_writeback"] = torch.tensor(True)
         if runtime.gradients.dirty:
@@ -486,16 +486,31 @@ class RoundPipe(ForwardingModule):
         # Staged as they are ("grads", "optim.<name>", "pending_writeback"), applied by
         # refresh_copies.
         runtime = self._runtime
-        known: dict[str, torch.Tensor] = {
-            f"optim.model.{name}": p for name, p in self._trainable_named_parameters()
-        }
+        # An optimizer copy's entry is shaped as the copy: the parameter, or with data
+        # parallelism this rank's piece of it (a meta tensor stands for its shape and dtype).
+        # A whole copy (a checkpoint of one process) gives a data-parallel rank its piece.
+        steps = runtime.steps
+        known: dict[str, torch.Tensor | None] = {}
+        whole: dict[str, nn.Parameter] = {}
+        for name, trainable in self._trainable_named_parameters():
+            shape = steps.copy_shape(trainable)
+            key = f"optim.model.{name}"
+            known[key] = None if shape is None else trainable.new_empty(shape, device="meta")
+            whole[key] = trainable
         known["grads"] = runtime.memory.grads
         known["pending_writeback"] = torch.tensor(True)
         runtime.loaded_copies = {}
         for key in [key for key in entries if key in known]:
-            value = entries.pop(key)
-            self._check_entry(f"{prefix}{key}", value, known[key], error_msgs)
-            runtime.loaded_copies[key] = value
+            value, param, like = entries.pop(key), whole.get(key), known[key]
+            if param is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
+                self._check_entry(f"{prefix}{key}", value, param, error_msgs)
+                if like is not None:
+                    runtime.loaded_copies[key] = steps.piece_of(param, value)
+            elif like is None:
+                error_msgs.append(f'"{prefix}{key}": this rank holds no piece of that parameter')
+            else:
+                self._check_entry(f"{prefix}{key}", value, like, error_msgs)
+                runtime.loaded_copies[key] = value
 
     def _trainable_named_parameters(
         self, remove_duplicate: bool = True

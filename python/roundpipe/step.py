@@ -311,6 +311,14 @@ class StepPipeline:
         start, stop = self.elements_of(param)
         return value if self.data_parallel is None else value.reshape(-1)[start:stop]
 
+    def copy_shape(self, param: torch.Tensor) -> torch.Size | None:
+        """The shape of ``param``'s optimizer copy on this rank (None: it has none here)."""
+        dp = self.data_parallel
+        if dp is None:
+            return param.shape
+        piece = dp.piece_by_param.get(id(param))
+        return None if piece is None else torch.Size([piece.stop - piece.start])
+
     def elements_of(self, param: torch.Tensor) -> tuple[int, int]:
         """``[start, stop)`` of the flattened ``param`` that its optimizer copy holds."""
         dp = self.data_parallel

@@ -1,0 +1,244 @@
+"""Checkpoints of data-parallel models: each rank writes its own shard of the optimizer, keyed by
+parameter names, into one checkpoint folder (``roundpipe.sharded_files``), and a load at another
+number of ranks reads each rank's new shard from whatever ranks wrote it.
+
+What a folder holds, by entry name:
+
+* ``model/<key>``: the model's ``state_dict()`` (weights, buffers, RoundPipe's own entries), whole
+  tensors that every rank holds alike, written once, except the optimizer copies
+  (``model/_roundpipe.optim.<name>``): each rank's pieces of the flattened parameter. (Gradients
+  accumulated but not yet stepped differ per rank: a save refuses them.)
+* ``optimizer/state/<name>/<key>``: the optimizer's per-element state as pieces, and its other
+  per-parameter state (``step``) whole; ``optimizer/param_groups``: the hyperparameters.
+* ``scaler`` and ``extra``: objects, read back with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from roundpipe.distributed import DataParallelShard, ShardPiece
+from roundpipe.sharded_files import (
+    CheckpointError,
+    Piece,
+    load_folder,
+    read_saved_entries,
+    save_folder,
+)
+
+# The prefix of the optimizer copies' entries in a RoundPipe's state_dict().
+_COPY = "_roundpipe.optim."
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is a data-parallel RoundPipe of more than one rank."""
+    shard = _shard_of(model)
+    return shard is not None and shard.world_size > 1
+
+
+def save_sharded(
+    folder: Path, model: nn.Module, optimizer: Any, scaler: Any, extra: Callable[[], Any]
+) -> None:
+    """Every rank of ``model``'s data-parallel group calls this with its own model replica and
+    optimizer; ``extra()`` is taken after the model's state. See ``roundpipe.save_checkpoint``."""
+    shard = _shard_of(model)
+    assert shard is not None
+    by_copy = {id(piece.copy): piece for piece in shard.pieces}
+    params = _optimizer_params(optimizer, by_copy) if optimizer is not None else []
+    entries: dict[str, Any] = {}
+    pieces: dict[str, Piece] = {}
+    model_state = model.state_dict()
+    _refuse_unstepped_grads(model_state, shard)
+    by_name = {piece.name: piece for piece in shard.pieces}
+    for key, value in model_state.items():
+        piece = by_name.get(key.removeprefix(_COPY))
+        if key.startswith(_COPY) and piece is not None:
+            _add_piece(entries, pieces, f"model/{key}", piece, value)
+        else:
+            entries[f"model/{key}"] = value
+    if optimizer is not None:
+        state = optimizer.state_dict()
+        for index, param in enumerate(params):
+            piece = by_copy[id(param)]
+            for key, value in state["state"].get(index, {}).items():
+                name = f"optimizer/state/{piece.name}/{key}"
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.numel() == _numel(piece)
+                    and value.dim()
+                ):
+                    _add_piece(entries, pieces, name, piece, value)
+                else:
+                    entries[name] = value
+        entries["optimizer/param_groups"] = [
+            {key: value for key, value in group.items() if key != "params"}
+            for group in state["param_groups"]
+        ]
+    if scaler is not None:
+        entries["scaler"] = scaler.state_dict()
+    entries["extra"] = extra()
+    save_folder(folder, entries, pieces, shard.group)
+
+
+def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, strict: bool) -> Any:
+    """Restore a folder written by :func:`save_sharded` (at any number of ranks) into this
+    rank's ``model`` (a data-parallel RoundPipe, or a RoundPipe alone) and ``optimizer``;
+    returns ``extra``. Nothing is changed when a file is bad or an entry is missing."""
+    shard = _shard_of(model)
+    if shard is None:
+        raise TypeError(
+            "a sharded checkpoint folder loads into a RoundPipe or AutoRoundPipe, got "
+            f"{type(model).__name__}"
+        )
+    saved = read_saved_entries(folder)
+    wanted = {"optimizer": optimizer, "scaler": scaler}
+    missing = [
+        part
+        for part, given in wanted.items()
+        if given is not None and not any(key.startswith(part) for key in saved)
+    ]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(folder)!r} holds no {' or '.join(missing)} state")
+
+    entries: dict[str, Any] = {}
+    pieces: dict[str, Piece] = {}
+    by_name = {piece.name: piece for piece in shard.pieces}
+    for key, (size, dtype) in saved.items():
+        if not key.startswith("model/"):
+            continue
+        copy_of = key.removeprefix(f"model/{_COPY}")
+        if key.startswith(f"model/{_COPY}"):
+            if copy_of in by_name:  # other ranks' pieces are not this rank's to load
+                piece = by_name[copy_of]
+                _add_piece(entries, pieces, key, piece, torch.empty(_numel(piece), dtype=dtype))
+        else:
+            entries[key] = torch.empty(size, dtype=dtype) if size is not None else None
+    by_copy = {id(piece.copy): piece for piece in shard.pieces}
+    params = _optimizer_params(optimizer, by_copy) if optimizer is not None else []
+    if optimizer is not None:
+        for param in params:
+            piece = by_copy[id(param)]
+            prefix = f"optimizer/state/{piece.name}/"
+            for key, (size, dtype) in saved.items():
+                if not key.startswith(prefix):
+                    continue
+                if size is not None and size == torch.Size([piece.shape.numel()]) and len(size):
+                    empty = torch.empty(_numel(piece), dtype=dtype)
+                    _add_piece(entries, pieces, key, piece, empty)
+                else:
+                    entries[key] = torch.empty(size, dtype=dtype) if size is not None else None
+        entries["optimizer/param_groups"] = None
+    if scaler is not None:
+        entries["scaler"] = None
+    entries["extra"] = None
+    load_folder(folder, entries, pieces, shard.group if shard.world_size > 1 else None)
+
+    model_state = {
+        key[len("model/") :]: value for key, value in entries.items() if key.startswith("model/")
+    }
+    for name, piece in by_name.items():
+        if f"{_COPY}{name}" in model_state:
+            model_state[f"{_COPY}{name}"] = model_state[f"{_COPY}{name}"].view(piece.copy.shape)
+    model.load_state_dict(model_state, strict=strict)
+    if optimizer is not None:
+        state: dict[int, dict[str, Any]] = {}
+        for index, param in enumerate(params):
+            piece = by_copy[id(param)]
+            prefix = f"optimizer/state/{piece.name}/"
+            own = {
+                key[len(prefix) :]: _shaped(value, piece)
+                for key, value in entries.items()
+                if key.startswith(prefix)
+            }
+            if own:
+                state[index] = own
+        groups = entries["optimizer/param_groups"]
+        if len(groups) != len(optimizer.param_groups):
+            raise CheckpointError(
+                f"checkpoint {str(folder)!r} has {len(groups)} optimizer parameter groups; "
+                f"the optimizer has {len(optimizer.param_groups)}"
+            )
+        optimizer.load_state_dict(
+            {
+                "state": state,
+                "param_groups": [
+                    {**saved_group, "params": list(range(first, first + len(group["params"])))}
+                    for saved_group, group, first in zip(
+                        groups, optimizer.param_groups, _firsts(optimizer), strict=True
+                    )
+                ],
+            }
+        )
+    if scaler is not None:
+        scaler.load_state_dict(entries["scaler"])
+    return entries["extra"]
+
+
+def _numel(piece: ShardPiece) -> int:
+    return piece.stop - piece.start
+
+
+def _shard_of(model: nn.Module) -> DataParallelShard | None:
+    describe = getattr(model, "data_parallel_shard", None)
+    return describe() if callable(describe) else None
+
+
+def _add_piece(
+    entries: dict[str, Any],
+    pieces: dict[str, Piece],
+    name: str,
+    piece: ShardPiece,
+    value: torch.Tensor,
+) -> None:
+    """Record ``value`` (a piece's worth of elements) as the piece ``name``; a rank that holds
+    no element of the parameter records nothing."""
+    if _numel(piece):
+        entries[name] = value.reshape(-1)
+        pieces[name] = Piece(piece.shape.numel(), piece.start)
+
+
+def _shaped(value: Any, piece: ShardPiece) -> Any:
+    """An optimizer state tensor read as a piece, in its optimizer copy's shape."""
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == _numel(piece):
+        return value.view(piece.copy.shape)
+    return value
+
+
+def _optimizer_params(optimizer: Any, by_copy: dict[int, ShardPiece]) -> list[torch.Tensor]:
+    """The optimizer's parameters in ``state_dict()`` index order; each must be one of this
+    rank's optimizer copies."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    for param in params:
+        if id(param) not in by_copy:
+            raise ValueError(
+                "optimizer: a sharded checkpoint saves optimizers built on "
+                "model.optim_parameters() only; this one holds another parameter of shape "
+                f"{tuple(param.shape)}"
+            )
+    return params
+
+
+def _firsts(optimizer: Any) -> list[int]:
+    firsts, count = [], 0
+    for group in optimizer.param_groups:
+        firsts.append(count)
+        count += len(group["params"])
+    return firsts
+
+
+def _refuse_unstepped_grads(model_state: dict[str, Any], shard: DataParallelShard) -> None:
+    """``ValueError`` on every rank when any rank has gradients accumulated but not stepped:
+    they differ per rank, and a load at another number of ranks could not divide them."""
+    flag = torch.tensor(["_roundpipe.grads" in model_state], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard.group)
+    if flag.item():
+        raise ValueError(
+            "model: a data-parallel model cannot be saved with gradients accumulated but not "
+            "stepped (they differ per rank); save right after step()"
+        )
