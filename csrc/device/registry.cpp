@@ -58,20 +58,28 @@ int parse_cuda_logical_count(std::string_view text, std::string_view source) {
 
 Registry& Registry::instance() {
   // Leaked on purpose: executors may still query it while static destructors run at exit.
-  static Registry* registry = [] {
-    auto* r = new Registry();
-    if (const char* kind = std::getenv("ROUNDPIPE_DEVICE_KIND"); kind && *kind) {
-      r->requested_kind_ = checked_kind(kind, "ROUNDPIPE_DEVICE_KIND");
-    }
-    if (const char* n = std::getenv("ROUNDPIPE_CPU_DEVICES"); n && *n) {
-      r->cpu_devices_ = parse_cpu_device_count(n, "ROUNDPIPE_CPU_DEVICES");
-    }
-    if (const char* n = std::getenv("ROUNDPIPE_CUDA_LOGICAL_DEVICES"); n && *n) {
-      r->cuda_logical_ = parse_cuda_logical_count(n, "ROUNDPIPE_CUDA_LOGICAL_DEVICES");
-    }
-    return r;
-  }();
+  static Registry* registry = new Registry();
   return *registry;
+}
+
+void Registry::read_environment_locked() {
+  if (environment_read_) return;
+  // Parsed completely before anything is set: a bad value raises again at the next query.
+  std::string kind = requested_kind_;
+  int cpu_devices = cpu_devices_, cuda_logical = cuda_logical_;
+  if (const char* value = std::getenv("ROUNDPIPE_DEVICE_KIND"); value && *value) {
+    kind = checked_kind(value, "ROUNDPIPE_DEVICE_KIND");
+  }
+  if (const char* n = std::getenv("ROUNDPIPE_CPU_DEVICES"); n && *n) {
+    cpu_devices = parse_cpu_device_count(n, "ROUNDPIPE_CPU_DEVICES");
+  }
+  if (const char* n = std::getenv("ROUNDPIPE_CUDA_LOGICAL_DEVICES"); n && *n) {
+    cuda_logical = parse_cuda_logical_count(n, "ROUNDPIPE_CUDA_LOGICAL_DEVICES");
+  }
+  requested_kind_ = std::move(kind);
+  cpu_devices_ = cpu_devices;
+  cuda_logical_ = cuda_logical;
+  environment_read_ = true;
 }
 
 void Registry::set_cuda_provider(const CudaProvider* provider) {
@@ -83,6 +91,7 @@ void Registry::set_cuda_provider(const CudaProvider* provider) {
 void Registry::configure(std::optional<std::string_view> kind, std::optional<int> cpu_devices,
                          std::optional<int> cuda_logical) {
   std::lock_guard<std::mutex> lock(mutex_);
+  read_environment_locked();
   std::string new_kind = kind ? checked_kind(*kind, "kind") : requested_kind_;
   int new_count = cpu_devices ? checked_count(*cpu_devices, "num_cpu_devices") : cpu_devices_;
   int new_logical = cuda_logical_;
@@ -102,6 +111,7 @@ void Registry::configure(std::optional<std::string_view> kind, std::optional<int
 
 void Registry::resolve_locked() {
   if (resolved_) return;
+  read_environment_locked();
   int cuda_count = cuda_ ? cuda_->device_count() : 0;
   if (requested_kind_ == "cuda" && cuda_count == 0) {
     throw std::runtime_error(
@@ -156,6 +166,7 @@ int Registry::physical_index(int index) {
 
 int Registry::cuda_logical_devices() {
   std::lock_guard<std::mutex> lock(mutex_);
+  read_environment_locked();
   return cuda_logical_;
 }
 

@@ -67,12 +67,16 @@ class Registry {
  private:
   Registry() = default;
   void resolve_locked();
+  // The ROUNDPIPE_* variables, once (at the first query or configure, never at import); throws
+  // std::invalid_argument naming a bad one.
+  void read_environment_locked();
   // Throws std::out_of_range unless index is in [0, count_) (resolved).
   void check_index_locked(int index) const;
 
   std::mutex mutex_;
   const CudaProvider* cuda_ = nullptr;
   bool resolved_ = false;
+  bool environment_read_ = false;
   std::string requested_kind_ = "auto";
   int cpu_devices_ = 1;
   int cuda_logical_ = 0;
