@@ -2,9 +2,10 @@
 
 * ``@pytest.mark.requires_cuda``: the test needs a CUDA device; it is skipped cleanly without one.
 * ``num_devices`` fixture: runs a test on 1 and on 3 virtual CPU devices and, when this build has
-  CUDA and a GPU is visible, once more on the CUDA devices (id ``cuda``; the value is then the
-  number of GPUs). The registry is restored afterwards. Tests that take it exercise the same
-  scheduler and executors on every device kind.
+  CUDA and a GPU is visible, twice more: on the CUDA devices (id ``cuda``; the value is then the
+  number of GPUs) and on 3 logical CUDA devices mapped onto them (id ``cuda3``, so the
+  multi-device round-robin path runs on a one-GPU machine too). The registry is restored
+  afterwards. Tests that take it exercise the same scheduler and executors on every device kind.
 * ``@pytest.mark.cpu_devices``: the test checks something true of virtual CPU devices only (their
   count, host memory as device memory); ``num_devices`` then skips its ``cuda`` case.
 """
@@ -21,7 +22,7 @@ from roundpipe._native import BUILD_INFO
 CUDA_USABLE = bool(BUILD_INFO["cuda"]) and torch.cuda.is_available()
 DEVICE_CASES = [pytest.param(1, id="1dev"), pytest.param(3, id="3dev")]
 if CUDA_USABLE:
-    DEVICE_CASES.append(pytest.param("cuda", id="cuda"))
+    DEVICE_CASES += [pytest.param("cuda", id="cuda"), pytest.param("cuda3", id="cuda3")]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -45,18 +46,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(params=DEVICE_CASES)
 def num_devices(request: pytest.FixtureRequest) -> Iterator[int]:
-    """The devices for the test: 1 virtual CPU device, 3, then the GPUs when usable."""
-    if request.param == "cuda" and request.node.get_closest_marker("cpu_devices"):
+    """The devices for the test: 1 virtual CPU device, 3, then the GPUs and 3 logical CUDA devices
+    when usable."""
+    if str(request.param).startswith("cuda") and request.node.get_closest_marker("cpu_devices"):
         pytest.skip("checks virtual CPU devices only")
     previous_kind, previous_count = roundpipe.device_kind(), roundpipe.device_count()
+    previous_logical = roundpipe.device.num_cuda_devices()
     if request.param == "cuda":
-        roundpipe.configure_devices(kind="cuda")
+        roundpipe.configure_devices(kind="cuda", num_cuda_devices=0)
+    elif request.param == "cuda3":
+        roundpipe.configure_devices(kind="cuda", num_cuda_devices=3)
     else:
         roundpipe.configure_devices(kind="cpu", num_cpu_devices=request.param)
     try:
         yield roundpipe.device_count()
     finally:
         if previous_kind == "cpu":
-            roundpipe.configure_devices(kind="cpu", num_cpu_devices=previous_count)
+            roundpipe.configure_devices(
+                kind="cpu", num_cpu_devices=previous_count, num_cuda_devices=previous_logical
+            )
         else:
-            roundpipe.configure_devices(kind="cuda")
+            roundpipe.configure_devices(kind="cuda", num_cuda_devices=previous_logical)

@@ -19,6 +19,7 @@ import pytest
 import roundpipe
 import torch
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe._native import _C
 from torch import nn
 
 pytestmark = pytest.mark.requires_cuda
@@ -558,3 +559,57 @@ def test_gradient_arenas_are_pageable_and_downloads_use_exact_pinned_staging() -
     assert not _C.is_page_locked(memory.grads)
     staging = memory.download_staging()
     assert _C.is_page_locked(staging) and staging.numel() == memory.grads.numel()
+
+
+@pytest.mark.parametrize("logical_devices", [0, 3], ids=["per-gpu", "3-logical"])
+def test_pageable_uploads_larger_than_the_bounce_ring_match_pytorch(logical_devices: int) -> None:
+    """pin_model="off" stages of 3 x 12 MiB, more than the engine's 4 x 8 MiB of bounce buffers,
+    so each upload wraps the ring and reuses buffers whose previous DMA must have drained first;
+    the GPU sleeps in every layer (the host runs ahead) and synchronous SGD steps change the
+    parameters between calls. Compared with plain PyTorch."""
+    torch.manual_seed(18)
+    reference = nn.Sequential(*[Sleepy(1792, 5_000_000) for _ in range(6)]).cuda()
+    roundpipe.configure_devices(kind="cuda", num_cuda_devices=logical_devices)
+    try:
+        model = RoundPipe(copy.deepcopy(reference).cpu(), pin_model="off")
+        assert not any(p.is_pinned() for p in model.model.parameters())
+        ours = torch.optim.SGD(model.optim_parameters(), lr=1e-3)
+        theirs = torch.optim.SGD(reference.parameters(), lr=1e-3)
+        plan = ModelExecutePlan()
+        plan.fwd_plan = [range(0, 3)]
+        plan.bwd_plan = [range(3, 6), range(0, 3)]
+        config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+        torch.manual_seed(19)
+        for _ in range(3):
+            x, y = torch.randn(4, 1792), torch.randn(4, 1792)
+            loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+            model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
+            expected = plain_on_gpu(reference, x, y, 2)
+            theirs.step()
+            theirs.zero_grad()
+            assert relative_error(loss, expected) < 1e-4
+            assert_params_close(model.model, reference, 1e-5)
+    finally:
+        roundpipe.configure_devices(kind="cuda", num_cuda_devices=0)
+
+
+def test_pageable_upload_does_not_block_the_calling_thread() -> None:
+    """Finding 6: a pageable upload (pin_model="off") is issued by the copy engine's worker. Queued
+    behind a second of GPU work on the compute stream, with 40 MiB in pieces that wrap the bounce
+    ring (so the worker itself must wait for the GPU), the call returns at once and the copy
+    lands intact afterwards."""
+    generator = torch.Generator().manual_seed(21)
+    sizes = [17 << 20, 3, 23 << 20]  # odd sizes: pieces straddle bounce buffers
+    sources = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator) for n in sizes]
+    targets = [torch.zeros(n, dtype=torch.uint8, device="cuda:0") for n in sizes]
+    cycles_per_second = 1e7 / cuda_seconds(lambda: torch.cuda._sleep(10_000_000))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.cuda._sleep(int(cycles_per_second * 1.0))
+    done = _C.upload_pageable(0, targets, sources)
+    issued = time.perf_counter() - start
+    assert issued < 0.3, issued
+    assert not done.query()  # behind the GPU's sleep
+    done.synchronize()
+    for target, source in zip(targets, sources, strict=True):
+        assert torch.equal(target.cpu(), source)

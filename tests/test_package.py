@@ -106,6 +106,27 @@ def test_bad_environment_variable_names_itself() -> None:
     assert "ROUNDPIPE_CPU_DEVICES must be an integer" in result.stderr
 
 
+@pytest.mark.parametrize("value", ["0", "65", "three"])
+def test_bad_logical_cuda_device_count_names_itself(value: str) -> None:
+    # Read at first use whatever the device kind, so a typo fails on a CPU machine too.
+    result = run_python(
+        "import roundpipe; roundpipe.device_count()", ROUNDPIPE_CUDA_LOGICAL_DEVICES=value
+    )
+    assert result.returncode != 0
+    assert "ValueError: ROUNDPIPE_CUDA_LOGICAL_DEVICES must be an integer in [1, 64]" in (
+        result.stderr
+    )
+
+
+def test_logical_cuda_device_count_is_read_from_the_environment() -> None:
+    result = run_python(
+        "import roundpipe; print(roundpipe.device.num_cuda_devices())",
+        ROUNDPIPE_CUDA_LOGICAL_DEVICES="3",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["3"]
+
+
 @pytest.mark.cpu_devices
 def test_num_devices_fixture_configures_virtual_cpu_devices(num_devices: int) -> None:
     assert roundpipe.device_kind() == "cpu"
@@ -122,6 +143,9 @@ def test_num_devices_fixture_configures_virtual_cpu_devices(num_devices: int) ->
         ({"num_cpu_devices": 65}, ValueError, "num_cpu_devices"),
         ({"num_cpu_devices": 2.0}, TypeError, "num_cpu_devices must be an int"),
         ({"num_cpu_devices": True}, TypeError, "num_cpu_devices must be an int"),
+        ({"num_cuda_devices": -1}, ValueError, "num_cuda_devices must be an integer in [1, 64]"),
+        ({"num_cuda_devices": 65}, ValueError, "num_cuda_devices"),
+        ({"num_cuda_devices": "3"}, TypeError, "num_cuda_devices must be an int"),
     ],
 )
 def test_configure_devices_rejects_bad_arguments(
@@ -145,3 +169,17 @@ def test_cuda_devices_are_the_default_pool_on_a_gpu_machine() -> None:
     assert roundpipe.device_count() == torch.cuda.device_count()
     total = torch.cuda.get_device_properties(0).total_memory
     assert roundpipe.device.device_total_memory(0) == total
+
+
+@pytest.mark.requires_cuda
+def test_logical_cuda_devices_map_onto_the_gpus() -> None:
+    gpus = torch.cuda.device_count()
+    previous = roundpipe.device.num_cuda_devices()
+    try:
+        roundpipe.configure_devices(kind="cuda", num_cuda_devices=gpus + 2)
+        assert roundpipe.device_count() == gpus + 2
+        assert roundpipe.devices() == [torch.device("cuda", i % gpus) for i in range(gpus + 2)]
+        total = torch.cuda.get_device_properties(0).total_memory
+        assert roundpipe.device.device_total_memory(gpus) == total
+    finally:
+        roundpipe.configure_devices(kind="cuda", num_cuda_devices=previous)

@@ -11,14 +11,16 @@
 #                incrementally; prints nvcc, the CUDA headers, torch and the GPU first
 #   test         the whole pytest suite with ROUNDPIPE_DEVICE_KIND=cuda (junit + log)
 #   bench-train  benchmarks/train_gpu.py: ours vs roundpipe 0.1.1 vs the GPU-resident bound
-#   bench-micro  the C++ microbenchmarks of benchmarks/cpp when the build made them
+#   bench-micro  the C++ microbenchmarks of benchmarks/cpp (roundpipe_*_bench, built by the build
+#                stage with ROUNDPIPE_BUILD_BENCHMARKS=ON into its build folder)
 #   profile      the training benchmark, briefly, under nsys (else ncu on a few kernels)
 #   all          every stage above
 # Without `build`, a call that finds no usable build, or sources changed since it, builds first.
 # A failed build skips the later stages; any other failure is recorded and the next stage runs.
 #
 # --cpu-smoke runs the same stages on virtual CPU devices with tiny sizes and no CUDA build (the
-# already-built roundpipe of the chosen python), so a typo cannot cost a GPU call.
+# already-built roundpipe of the chosen python; its build stage builds only the C++
+# microbenchmarks, with cmake against that python's torch), so a typo cannot cost a GPU call.
 #
 # Environment:
 #   OUT               where everything goes (default build/gpu-out); at exit the logs are packed
@@ -71,7 +73,8 @@ else
   python=python3
 fi
 export PYTHONUNBUFFERED=1
-build_dir="build/gpu-$("$python" -c 'import sys; print("py%d%d" % sys.version_info[:2])')"
+py_tag=$("$python" -c 'import sys; print("py%d%d" % sys.version_info[:2])')
+build_dir="build/gpu-$([ "$smoke" = 0 ] || echo smoke-)$py_tag"
 
 stamp() { echo "=== $(date -u +%H:%M:%S) [+$((SECONDS - start))s] $*"; }
 note() { echo "$*" | tee -a "$summary"; }
@@ -138,8 +141,24 @@ PY
 
 # The installed package is a copy: a later call with edited sources (C++ or Python) rebuilds.
 source_hash() {
-  find csrc python CMakeLists.txt pyproject.toml -type f ! -name '*.so' ! -name '*.pyc' -print0 |
+  find csrc python benchmarks/cpp CMakeLists.txt pyproject.toml -type f ! -name '*.so' ! -name '*.pyc' -print0 |
     sort -z | xargs -0 sha1sum | sha1sum | cut -d' ' -f1
+}
+
+# The C++ microbenchmarks alone, configured with cmake against the python's torch (cpu-smoke: the
+# GPU build makes them through pip with the extension).
+build_benchmarks() {
+  local generator=() prefix
+  command -v ninja >/dev/null && generator=(-G Ninja)
+  prefix=$("$python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+  echo "C++ microbenchmarks in $build_dir (cmake, torch from $prefix)"
+  cmake -S . -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DROUNDPIPE_BUILD_BENCHMARKS=ON -DPython_EXECUTABLE="$(command -v "$python")" \
+    -DCMAKE_PREFIX_PATH="$prefix" >"$build_dir.cmake.log" 2>&1 || {
+    tail -n 40 "$build_dir.cmake.log"
+    return 1
+  }
+  cmake --build "$build_dir" --parallel --target roundpipe_copy_bench roundpipe_dispatch_bench
 }
 
 # ---------------------------------------------------------------- stages
@@ -148,6 +167,8 @@ stage_build() {
   if [ "$smoke" = 1 ]; then
     echo "cpu-smoke: no CUDA build; using the roundpipe that $python imports"
     check_built
+    mkdir -p build
+    build_benchmarks
     return
   fi
   roundpipe_find_cuda "$python" || {
@@ -213,11 +234,12 @@ stage_bench_train() {
 
 stage_bench_micro() {
   local found=()
-  mapfile -t found < <(find "$build_dir" -type f -executable -name 'roundpipe_*bench*' 2>/dev/null)
+  mapfile -t found < <(find "$build_dir" -maxdepth 1 -type f -executable \
+    -name 'roundpipe_*bench*' 2>/dev/null | sort)
   if [ ${#found[@]} -eq 0 ]; then
-    echo "no C++ microbenchmarks built (expected roundpipe_*bench* executables under build/," \
-      "made by the build stage with ROUNDPIPE_BUILD_BENCHMARKS=ON once benchmarks/cpp exists)"
-    return 3
+    echo "no C++ microbenchmarks built (expected roundpipe_*bench* executables in $build_dir," \
+      "made by the build stage with ROUNDPIPE_BUILD_BENCHMARKS=ON): run the build stage"
+    return 1
   fi
   local bench rc=0
   for bench in "${found[@]}"; do

@@ -18,15 +18,21 @@ void bind_devices(py::module_& m) {
 #endif
   m.def(
       "configure_devices",
-      [](std::optional<std::string> kind, std::optional<int> num_cpu_devices) {
+      [](std::optional<std::string> kind, std::optional<int> num_cpu_devices,
+         std::optional<int> num_cuda_devices) {
         std::optional<std::string_view> kind_view;
         if (kind) kind_view = *kind;
-        Registry::instance().configure(kind_view, num_cpu_devices);
+        Registry::instance().configure(kind_view, num_cpu_devices, num_cuda_devices);
       },
-      py::arg("kind") = py::none(), py::arg("num_cpu_devices") = py::none());
+      py::arg("kind") = py::none(), py::arg("num_cpu_devices") = py::none(),
+      py::arg("num_cuda_devices") = py::none());
   m.def("device_kind",
         [] { return std::string(device::device_kind_name(Registry::instance().kind())); });
   m.def("device_count", [] { return Registry::instance().count(); });
+  m.def(
+      "device_physical_index", [](int index) { return Registry::instance().physical_index(index); },
+      py::arg("index"));
+  m.def("cuda_logical_devices", [] { return Registry::instance().cuda_logical_devices(); });
   m.def(
       "device_total_memory", [](int index) { return Registry::instance().total_memory(index); },
       py::arg("index"));

@@ -114,6 +114,17 @@ void bind_runtime(py::module_& m) {
       py::arg("after") = nullptr, py::call_guard<py::gil_scoped_release>(),
       "dst.copy_(src) on the device's copy engine once `after` completed.");
   m.def(
+      "upload_pageable",
+      [](int device_index, const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs,
+         const EventPtr& after) {
+        return executor::copy_engine(device_index).upload_pageable(dsts, srcs, after);
+      },
+      py::arg("device_index"), py::arg("dsts"), py::arg("srcs"), py::arg("after") = nullptr,
+      py::call_guard<py::gil_scoped_release>(),
+      "dsts[i].copy_(srcs[i]) from pageable host bytes to a CUDA device's bytes on its parameter "
+      "lane once `after` completed, staged by the engine's worker through its page-locked bounce "
+      "buffers.");
+  m.def(
       "accumulate_async",
       [](int device_index, const at::Tensor& dst, const at::Tensor& src, const EventPtr& after,
          const std::optional<at::Tensor>& staging) {

@@ -5,10 +5,14 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "device/registry.h"
@@ -46,10 +50,11 @@ std::mutex& engines_mutex() {
 }
 
 // Engines live for the whole process (leaked on purpose: worker threads must not be joined during
-// static destruction, after libtorch may already be gone). Keyed by kind and index so that
-// reconfiguring the registry never hands out an engine of the other kind.
-std::map<std::pair<bool, int>, std::unique_ptr<CopyEngine>>& engines() {
-  static auto* map = new std::map<std::pair<bool, int>, std::unique_ptr<CopyEngine>>();
+// static destruction, after libtorch may already be gone). Keyed by kind, index and GPU so that
+// reconfiguring the registry never hands out an engine of the other kind or of another GPU.
+using EngineKey = std::tuple<bool, int, int>;
+std::map<EngineKey, std::unique_ptr<CopyEngine>>& engines() {
+  static auto* map = new std::map<EngineKey, std::unique_ptr<CopyEngine>>();
   return *map;
 }
 
@@ -147,6 +152,75 @@ EventPtr CopyEngine::accumulate(const at::Tensor& dst, const at::Tensor& src, co
   });
 }
 
+EventPtr CopyEngine::upload_pageable(const std::vector<at::Tensor>& dsts,
+                                     const std::vector<at::Tensor>& srcs, const EventPtr& after) {
+  TORCH_CHECK(on_cuda(),
+              "CopyEngine.upload_pageable: needs a CUDA device (virtual CPU devices "
+              "copy with copy())");
+  TORCH_CHECK(dsts.size() == srcs.size(), "CopyEngine.upload_pageable: ", dsts.size(),
+              " destinations but ", srcs.size(), " sources");
+  for (std::size_t i = 0; i < dsts.size(); ++i) {
+    const at::Tensor &dst = dsts[i], &src = srcs[i];
+    TORCH_CHECK(dst.scalar_type() == at::kByte && src.scalar_type() == at::kByte &&
+                    dst.is_contiguous() && src.is_contiguous() && dst.numel() == src.numel(),
+                "CopyEngine.upload_pageable: pair ", i,
+                " must be contiguous uint8 tensors of one "
+                "size, got ",
+                dst.scalar_type(), "[", dst.numel(), "] and ", src.scalar_type(), "[", src.numel(),
+                "]");
+    TORCH_CHECK(dst.device() == device_ && src.device().is_cpu(),
+                "CopyEngine.upload_pageable: pair ", i, " must copy from the host to ", device_,
+                ", got ", src.device(), " -> ", dst.device());
+  }
+  std::optional<c10::Event> compute;
+  if (!dsts.empty()) compute.emplace(compute_position(device_));
+  auto job = [this, dsts, srcs, after,
+              compute =
+                  std::make_shared<std::optional<c10::Event>>(std::move(compute))](Event& done) {
+    c10::Stream stream = lane_stream(Lane::kParameter);
+    c10::StreamGuard guard(stream);
+    if (after) after->block(stream);
+    if (*compute) (*compute)->block(stream);
+    if (bounce_.empty()) {
+      auto pinned = at::TensorOptions().dtype(at::kByte).pinned_memory(true);
+      for (int i = 0; i < kBounceSlots; ++i)
+        bounce_.push_back({at::empty({kBounceBytes}, pinned), nullptr});
+    }
+    // The ring position carries over from job to job: a small upload fills the free rest of the
+    // current buffer and waits for nothing; only a buffer being reused waits for its last DMA.
+    auto advance = [&] {
+      bounce_[bounce_slot_].drained = Event::recorded_on(stream);
+      bounce_slot_ = (bounce_slot_ + 1) % bounce_.size();
+      bounce_filled_ = 0;
+      if (EventPtr drained = std::exchange(bounce_[bounce_slot_].drained, nullptr)) {
+        drained->synchronize();
+      }
+    };
+    try {
+      for (std::size_t i = 0; i < dsts.size(); ++i) {
+        const auto* source = static_cast<const std::uint8_t*>(srcs[i].data_ptr());
+        for (std::int64_t begin = 0, bytes = srcs[i].numel(); begin < bytes;) {
+          if (bounce_filled_ == kBounceBytes) advance();
+          const std::int64_t chunk = std::min(bytes - begin, kBounceBytes - bounce_filled_);
+          at::Tensor staged = bounce_[bounce_slot_].buffer.narrow(0, bounce_filled_, chunk);
+          std::memcpy(staged.data_ptr(), source + begin, static_cast<std::size_t>(chunk));
+          dsts[i].narrow(0, begin, chunk).copy_(staged, /*non_blocking=*/true);
+          bounce_filled_ += chunk;
+          begin += chunk;
+        }
+        record_use(dsts[i], stream);
+      }
+    } catch (...) {
+      bounce_[bounce_slot_].drained = Event::recorded_on(stream);  // what was issued still reads
+      throw;
+    }
+    // The buffer in use is busy until this job's copies out of it ran.
+    bounce_[bounce_slot_].drained = Event::recorded_on(stream);
+    done.record_device(stream);
+  };
+  return submit_job(worker_, static_cast<int>(Lane::kParameter), std::move(job));
+}
+
 c10::Stream current_stream(int index) {
   c10::Device device = copy_engine(index).device();
   if (!device.is_cuda()) return c10::Stream(c10::Stream::DEFAULT, device);
@@ -164,11 +238,13 @@ CopyEngine& copy_engine(int index) {
   const bool cuda = registry.kind() == device::DeviceKind::kCuda;
   TORCH_CHECK(index >= 0 && index < registry.count(), "device index ", index,
               " is out of range [0, ", registry.count(), ")");
+  const int physical = registry.physical_index(index);
   std::lock_guard<std::mutex> lock(engines_mutex());
-  auto& engine = engines()[{cuda, index}];
+  auto& engine = engines()[{cuda, index, physical}];
   if (!engine) {
+    // A logical CUDA device (several may share one GPU) has its own engine, and so its own lanes.
     c10::Device device =
-        cuda ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index))
+        cuda ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(physical))
              : c10::Device(c10::DeviceType::CPU);
     engine = std::make_unique<CopyEngine>(device);
   }

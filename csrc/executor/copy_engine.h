@@ -16,7 +16,9 @@
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
 
+#include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "executor/event.h"
 #include "executor/work_queue.h"
@@ -43,21 +45,46 @@ class CopyEngine {
   EventPtr accumulate(const at::Tensor& dst, const at::Tensor& src, const EventPtr& after,
                       const std::optional<at::Tensor>& staging = std::nullopt);
 
+  // dsts[i].copy_(srcs[i]) for every i, on the parameter lane once `after` has completed: byte
+  // (uint8) tensors, contiguous, each dst in device memory of this (CUDA) engine and each src in
+  // pageable host memory (a model kept with pin_model="off"). The engine's worker copies the
+  // sources into a ring of page-locked bounce buffers, each buffer's DMA overlapping the filling
+  // of the next, so the calling thread never waits for the copies. The worker waits only to reuse
+  // a buffer whose DMA has not run yet: an upload larger than the ring completes (host part) once
+  // all but its last kBounceSlots * kBounceBytes are on the device.
+  EventPtr upload_pageable(const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs,
+                           const EventPtr& after);
+
   // Returns once every host job submitted so far has run (`check`: see WorkQueue::drain).
   void drain(const WaitCheck& check = {}) { worker_.drain(check); }
+
+  // Bounce buffers of upload_pageable: kBounceSlots page-locked buffers of kBounceBytes each.
+  static constexpr int kBounceSlots = 4;
+  static constexpr std::int64_t kBounceBytes = 8 << 20;
 
  private:
   bool on_cuda() const { return device_.is_cuda(); }
   c10::Stream lane_stream(Lane lane) const;
 
+  // One bounce buffer and the event of the last copy out of it (null: free). Used only by jobs on
+  // the engine's worker, one at a time.
+  struct BounceSlot {
+    at::Tensor buffer;
+    EventPtr drained;
+  };
+
   c10::Device device_;
   c10::Stream activation_;
   c10::Stream parameter_;
   c10::Stream gradient_;
+  std::vector<BounceSlot> bounce_;  // allocated by the first upload_pageable job
+  std::size_t bounce_slot_ = 0;     // the buffer being filled
+  std::int64_t bounce_filled_ = 0;  // its bytes used since it was last free
   WorkQueue worker_;
 };
 
-// The process-wide engine of device `index` of the registry's current kind, created on first use.
+// The process-wide engine of device `index` of the registry's current kind, created on first use
+// (a logical CUDA device's engine works on its GPU, device::Registry::physical_index).
 CopyEngine& copy_engine(int index);
 
 // Waits for the host jobs of every copy engine created so far (before interpreter shutdown);
@@ -69,7 +96,7 @@ void drain_copy_engines(const WaitCheck& check = {});
 EventPtr record_event(int index);
 
 // The stream that compute on device `index` is currently issued to (the CPU pseudo-stream on
-// virtual CPU devices).
+// virtual CPU devices; the GPU's current stream, shared, for logical CUDA devices).
 c10::Stream current_stream(int index);
 
 }  // namespace roundpipe::executor

@@ -7,7 +7,12 @@ Configuration, later sources overriding earlier ones:
 
 * ``ROUNDPIPE_DEVICE_KIND`` = ``auto`` | ``cpu`` | ``cuda`` (environment, read at first use)
 * ``ROUNDPIPE_CPU_DEVICES`` = ``N`` (environment, read at first use)
+* ``ROUNDPIPE_CUDA_LOGICAL_DEVICES`` = ``N`` (environment, read at first use): ``N`` logical CUDA
+  devices mapped round-robin onto the visible GPUs (default: one per GPU)
 * :func:`configure_devices` (at run time)
+
+Logical CUDA devices each have their own copy engine (own copy lanes) and share their GPU's
+compute stream, so a one-GPU machine runs the multi-device round-robin path.
 
 Nothing is probed at import: the first query resolves the configuration.
 """
@@ -23,14 +28,22 @@ from roundpipe._native import _C
 DeviceKind = Literal["auto", "cpu", "cuda"]
 
 
-def configure_devices(kind: DeviceKind | None = None, num_cpu_devices: int | None = None) -> None:
-    """Choose the device kind and/or the number of virtual CPU devices.
+def configure_devices(
+    kind: DeviceKind | None = None,
+    num_cpu_devices: int | None = None,
+    num_cuda_devices: int | None = None,
+) -> None:
+    """Choose the device kind, the number of virtual CPU devices and/or of logical CUDA devices.
 
     Args:
         kind: ``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda"``; ``None`` keeps
             the current choice.
         num_cpu_devices: how many virtual CPU devices to use when the kind resolves to CPU, in
             ``[1, 64]``; ``None`` keeps the current count.
+        num_cuda_devices: how many logical CUDA devices to use when the kind resolves to CUDA, in
+            ``[1, 64]``, mapped round-robin onto the visible GPUs (3 on one GPU runs the
+            multi-device path there); ``0`` means one per GPU (the default); ``None`` keeps the
+            current choice.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -39,13 +52,16 @@ def configure_devices(kind: DeviceKind | None = None, num_cpu_devices: int | Non
     """
     if kind is not None and not isinstance(kind, str):
         raise TypeError(f"kind must be 'auto', 'cpu', 'cuda' or None, got {type(kind).__name__}")
-    if num_cpu_devices is not None and (
-        isinstance(num_cpu_devices, bool) or not isinstance(num_cpu_devices, int)
-    ):
-        raise TypeError(
-            f"num_cpu_devices must be an int or None, got {type(num_cpu_devices).__name__}"
-        )
-    _C.configure_devices(kind, num_cpu_devices)
+    counts = {"num_cpu_devices": num_cpu_devices, "num_cuda_devices": num_cuda_devices}
+    for name, count in counts.items():
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int)):
+            raise TypeError(f"{name} must be an int or None, got {type(count).__name__}")
+    _C.configure_devices(kind, num_cpu_devices, num_cuda_devices)
+
+
+def num_cuda_devices() -> int:
+    """The configured number of logical CUDA devices; ``0`` means one per GPU."""
+    return _C.cuda_logical_devices()
 
 
 def device_kind() -> Literal["cpu", "cuda"]:
@@ -59,9 +75,10 @@ def device_count() -> int:
 
 
 def devices() -> list[torch.device]:
-    """The torch devices stages run on. Virtual CPU devices all map to ``torch.device("cpu")``."""
+    """The torch devices stages run on. Virtual CPU devices all map to ``torch.device("cpu")``;
+    logical CUDA devices to the GPU they run on."""
     if device_kind() == "cuda":
-        return [torch.device("cuda", i) for i in range(device_count())]
+        return [torch.device("cuda", _C.device_physical_index(i)) for i in range(device_count())]
     return [torch.device("cpu")] * device_count()
 
 
@@ -82,4 +99,5 @@ __all__ = [
     "device_total_memory",
     "devices",
     "min_device_memory",
+    "num_cuda_devices",
 ]

@@ -277,11 +277,17 @@ class ResidentStage:
                 self.uploaded = _C.copy_async(
                     device_index, self.buffer, memory.params[begin:end], "parameter", fence
                 )
+            elif device.type == "cuda":
+                # Pageable sources: the engine's worker stages them through its page-locked
+                # bounce buffers, so this thread goes on issuing compute meanwhile.
+                sources = memory.param_sources(layers)
+                targets = [self.buffer[o - begin : o - begin + s.numel()] for o, s in sources]
+                self.uploaded = _C.upload_pageable(
+                    device_index, targets, [source for _, source in sources], fence
+                )
             else:
                 # One copy per parameter from its own storage, all on the parameter lane, which
-                # runs them in order: the last one's event covers the stage. On CUDA a pageable
-                # source is staged by the driver on the issuing thread (this one, unless a queued
-                # weight write defers the copy to the engine's worker): slower, as documented.
+                # runs them in order: the last one's event covers the stage.
                 self.uploaded = _C.record_event(device_index)
                 for offset, source in memory.param_sources(layers):
                     target = self.buffer[offset - begin : offset - begin + source.numel()]

@@ -629,7 +629,7 @@ class _CudaClock:
     def mark(self, device: int) -> Mark:
         self._reference(device)
         event = self._torch.cuda.Event(enable_timing=True)
-        event.record(self._torch.cuda.current_stream(device))
+        event.record(self._torch.cuda.current_stream(_C.device_physical_index(device)))
         return event
 
     def after(self, device: int, done: Any) -> Mark:
@@ -638,7 +638,8 @@ class _CudaClock:
         with self._lock:
             stream = self._side_streams.get(device)
             if stream is None:
-                stream = self._side_streams[device] = self._torch.cuda.Stream(device)
+                gpu = _C.device_physical_index(device)  # logical devices share their GPU
+                stream = self._side_streams[device] = self._torch.cuda.Stream(gpu)
         event = self._torch.cuda.Event(enable_timing=True)
         with self._torch.cuda.stream(stream):
             done.block_current_stream(device)
@@ -663,7 +664,7 @@ class _CudaClock:
             if device in self._references:
                 return
             # On a fresh stream the reference event fires at once, so its host time is now.
-            stream = self._torch.cuda.Stream(device)
+            stream = self._torch.cuda.Stream(_C.device_physical_index(device))
             event = self._torch.cuda.Event(enable_timing=True)
             event.record(stream)
             event.synchronize()
