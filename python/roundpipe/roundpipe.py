@@ -408,18 +408,28 @@ class RoundPipe(ForwardingModule):
             model.load_state_dict(state["model"])  # before creating or loading the optimizer
             optimizer.load_state_dict(state["optimizer"])
         """
+        self.wait_for_step()
+        return super().state_dict(*args, **kwargs)
+
+    @serialized
+    def wait_for_step(self) -> None:
+        """Wait for pending gradient transfers, the asynchronous step in flight and the weight
+        writes queued so far, without writing that step's weights back (what ``state_dict()``
+        does first; ``synchronize()`` would publish them and change the training): the optimizer
+        copies and the optimizer's state are then after the step, the parameters the weights
+        the next iteration uses. A failed step raises a ``RuntimeError`` here (its error as the
+        cause), and its error again at the next ``step()`` or ``synchronize()``."""
         runtime = self._runtime
         runtime.gradients.wait_pending()
         try:
             runtime.steps.wait_step()
         except Exception as error:
             raise RuntimeError(
-                f"RoundPipe model {self.name!r}: state_dict(): the optimizer step in flight "
-                "failed, so there is no consistent state to save; its error is raised again by "
-                "the next step() or synchronize()"
+                f"RoundPipe model {self.name!r}: the optimizer step in flight failed, so there "
+                "is no consistent state to read; its error is raised again by the next step() "
+                "or synchronize()"
             ) from error
         runtime.memory.wait_writes()  # the parameters: earlier write-backs landed
-        return super().state_dict(*args, **kwargs)
 
     @serialized
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:

@@ -196,12 +196,23 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return dict(body)
 
 
-class _PieceSavePlanner(DefaultSavePlanner):
-    """The default plan, with each piece written as its chunk of the whole tensor."""
+class _Pieces:
+    """What both planners keep: the pieces, which they plan themselves, and every entry; the
+    default planner they extend sees the other entries only."""
 
     def __init__(self, pieces: dict[str, Piece]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        # The default planners' own flattening would rename the entries.
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)  # type: ignore[call-arg]
         self.pieces = pieces
+        self.all_entries: dict[str, Any] = {}
+
+    def whole(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        self.all_entries = state_dict
+        return {key: value for key, value in state_dict.items() if key not in self.pieces}
+
+
+class _PieceSavePlanner(_Pieces, DefaultSavePlanner):
+    """The default plan, with each piece written as its chunk of the whole tensor."""
 
     def set_up_planner(
         self,
@@ -209,9 +220,7 @@ class _PieceSavePlanner(DefaultSavePlanner):
         storage_meta: StorageMeta | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        self.all_entries = state_dict
-        whole = {key: value for key, value in state_dict.items() if key not in self.pieces}
-        super().set_up_planner(whole, storage_meta, is_coordinator)
+        super().set_up_planner(self.whole(state_dict), storage_meta, is_coordinator)
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -240,13 +249,9 @@ class _PieceSavePlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
 
-class _PieceLoadPlanner(DefaultLoadPlanner):
+class _PieceLoadPlanner(_Pieces, DefaultLoadPlanner):
     """The default plan, with each piece read from the chunks that overlap it; pickled
     objects are read with ``weights_only=True``."""
-
-    def __init__(self, pieces: dict[str, Piece]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = pieces
 
     def set_up_planner(
         self,
@@ -254,9 +259,7 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
         metadata: Metadata | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        self.all_entries = state_dict
-        whole = {key: value for key, value in state_dict.items() if key not in self.pieces}
-        super().set_up_planner(whole, metadata, is_coordinator)
+        super().set_up_planner(self.whole(state_dict), metadata, is_coordinator)
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()

@@ -225,6 +225,10 @@ def _find_parts(model: nn.Module) -> list[tuple[str, RoundPipe]]:
     return parts
 
 
+# The glue's entry saying that its optimizer copies are one step ahead of its parameters.
+_PENDING = "pending_writeback"
+
+
 def _no_step() -> None:
     """The step of a part whose optimizer copies the shared ``step_fn`` updates."""
 
@@ -417,10 +421,15 @@ class AutoRoundPipe(ForwardingModule):
     # -- checkpoints -------------------------------------------------------------------------
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped model's state (``model.<name>``) after draining pending work (every part's
-        and the glue's new weights written back), with each part's own entries and the glue's
-        optimizer copies (``_roundpipe.glue.<name>``), so a resumed run continues exactly."""
-        self._finish_step()
+        """The wrapped model's state (``model.<name>``) with each part's own entries and the
+        glue's optimizer copies (``_roundpipe.glue.<name>``), so a resumed run continues exactly.
+
+        As ``RoundPipe.state_dict``, reading it never changes the training: the step in flight
+        is waited for but not written back (every part's copies and the glue's are after it,
+        the parameters as the next iteration uses them), and ``_roundpipe.glue.pending_writeback``
+        records that the glue's copies are one step ahead; loading restores that."""
+        for _, part in self.parts:
+            part.wait_for_step()  # the last part's job runs step_fn: the glue's copies are final
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -438,9 +447,11 @@ class AutoRoundPipe(ForwardingModule):
         self._check_state_dict(state_dict, strict)  # nothing changes unless all of it loads
         result = super().load_state_dict(state_dict, strict=strict)
         for part in parts:
-            part.refresh_copies()
+            part.refresh_copies()  # restores each part's pending write-back
         glue = self._runtime
         saved_copies, glue.loaded = glue.loaded, {}
+        pending = saved_copies.pop(_PENDING, None)
+        glue.step_due = pending is not None and bool(pending) and bool(parts)
         if saved_copies or glue.copies is not None:
             copies = self._glue_copy_map()
             with torch.no_grad():
@@ -453,11 +464,15 @@ class AutoRoundPipe(ForwardingModule):
         glue = self._runtime
         if glue.copies is None:
             return {}
-        return {name: glue.copies[id(param)].detach().clone() for name, param in glue.params}
+        entries = {name: glue.copies[id(param)].detach().clone() for name, param in glue.params}
+        if glue.step_due:  # the copies are one step ahead of the parameters
+            entries[_PENDING] = torch.tensor(True)
+        return entries
 
     def _load_own_state(self, entries: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
         glue = self._runtime
-        known = dict(glue.params)
+        known: dict[str, torch.Tensor] = dict(glue.params)
+        known[_PENDING] = torch.tensor(True)
         glue.loaded = {}
         for key in [key for key in entries if key in known]:
             value = entries.pop(key)
