@@ -433,18 +433,19 @@ class AutoRoundPipe(ForwardingModule):
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Load a ``state_dict()`` of this model; pending work is drained first. Optimizer
-        copies come from the checkpoint, else from the loaded parameters."""
+        """Load a ``state_dict()`` of this model, checked entirely before anything changes; then
+        pending work is drained and the state replaces it, pending write-backs included.
+        Optimizer copies come from the checkpoint, else from the loaded parameters."""
         if assign:
             raise ValueError(
                 "assign=True would replace parameters that RoundPipe keeps in its host arenas; "
                 "load with assign=False"
             )
+        self._check_state_dict(state_dict, strict)  # nothing changes unless all of it loads
         self._finish_step()
         parts = [part for _, part in self.parts]
         for part in parts:
             part.drain()  # gradient transfers may still be landing in the arenas
-        self._check_state_dict(state_dict, strict)  # nothing changes unless all of it loads
         result = super().load_state_dict(state_dict, strict=strict)
         for part in parts:
             part.refresh_copies()  # restores each part's pending write-back
