@@ -89,10 +89,12 @@ def test_wrapping_does_not_hold_the_weights_twice() -> None:
     )
     assert result["built"] > 0.9  # the plain model's weights are resident before wrapping
     assert result["intact"]
-    # One copy of the weights plus slack for the interpreter and torch (was 3.0 before the
-    # originals were released as they moved and the gradient arena stayed untouched zero pages).
-    assert result["peak"] < 1.4, result
-    assert result["after"] < 1.25, result
+    # Wrapping adds little over the plain model it replaces (it added 2.0 copies of the weights
+    # before the originals were released as they moved and the gradient arena stayed untouched
+    # zero pages). Measured against the built model, not against the weights alone: torch's
+    # first-use slack while building (0.0 to 0.4 of the weights here) varies between machines.
+    assert result["peak"] - result["built"] < 0.4, result
+    assert result["after"] - result["built"] < 0.25, result
 
 
 @needs_vmhwm
