@@ -4,16 +4,21 @@ Run from the repository root: ``python benchmarks/scale_cpu.py [--params 8M] [--
 [--record]``. For each rank count N a bf16 model with fp32 optimizer copies (roundpipe.optim.Adam)
 trains a few synchronous steps on N processes (gloo on loopback; with ``--backend nccl`` and one
 GPU per rank, the user's group is NCCL while RoundPipe's own collectives stay on gloo), beside
-one process without torch.distributed. Per rank it reports:
+one process without torch.distributed. ``--reduce host|stage`` picks ``data_parallel_reduce``:
+the gradients summed on the optimizer thread before the step, or at the end of each backward
+stage (each rank downloads and keeps only its shard). Per rank it reports:
 
-- step: the whole optimizer step (``model.step(is_async=False)``: gradient reduce, the shard's
-  Adam, weight all-gather, write-back), median over the timed steps;
+- fwd+bwd: ``forward_backward`` (with ``--reduce stage`` it includes the gradient reduce);
+- step: the whole optimizer step (``model.step(is_async=False)``: gradient reduce with
+  ``--reduce host``, the shard's Adam, weight all-gather, write-back), median over the timed
+  steps;
 - adam: the shard's ``optimizer.step()`` alone (what sharding divides by N);
 - reduce-scatter vs all-reduce: one collective over the whole gradient arena each, on one gloo
   group (RoundPipe all-reduces: gloo's reduce-scatter is the slower of the two);
 - RSS: resident host memory after the steps, its peak, and the growth over the process before
   the model was built (torch, gloo and the interpreter excluded), beside the per-rank formula of
-  docs/guide.md (bf16 weights, fp32 copies, Adam): ``8P + 14P/N`` bytes, ``18P`` without a group.
+  docs/guide.md (bf16 weights, fp32 copies, Adam): ``8P + 14P/N`` bytes with host reduces,
+  ``4P + 18P/N`` with stage reduces, ``18P`` without a group.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
         name="scale",
         model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=1),
         data_parallel_group=group,
+        data_parallel_reduce=cfg["reduce"],
     )
     optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-4)
     adam_times: list[float] = []
@@ -82,15 +88,18 @@ def rank_main(cfg: dict[str, Any]) -> None:
         optimizer.zero_grad()
 
     x = torch.randn(1, WIDTH, dtype=torch.bfloat16)
-    step_times = []
+    step_times, call_times = [], []
     for iteration in range(cfg["warmup"] + cfg["steps"]):
-        model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().sum())
         start = time.perf_counter()
+        model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().sum())
+        middle = time.perf_counter()
         model.step(step_fn, is_async=False)
         if iteration >= cfg["warmup"]:
-            step_times.append(time.perf_counter() - start)
+            call_times.append(middle - start)
+            step_times.append(time.perf_counter() - middle)
     result = {
         "params": layers * WIDTH * WIDTH,
+        "call_ms": statistics.median(call_times) * 1e3,
         "step_ms": statistics.median(step_times) * 1e3,
         "adam_ms": statistics.median(adam_times[cfg["warmup"] :]) * 1e3,
         "rss_mib": _rss_mib("VmRSS"),
@@ -136,8 +145,11 @@ def measure(world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
         "warmup": 1,
         "threads": args.threads,
         "backend": args.backend,
+        "reduce": args.reduce,
     }
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "python")}
+    # The installed roundpipe (tools/setup.sh), as the other benchmarks use it: the source
+    # folder has no compiled core.
+    env = dict(os.environ)
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--rank-config", json.dumps({**base, "rank": rank})],
@@ -164,6 +176,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--backend", default="gloo", help="the user's group: gloo or nccl")
+    parser.add_argument(
+        "--reduce", default="host", choices=("host", "stage"), help="data_parallel_reduce"
+    )
     parser.add_argument("--record", action="store_true", help="append the table to RESULTS.md")
     parser.add_argument("--rank-config", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -172,9 +187,9 @@ def main() -> None:
         return
 
     rows = [
-        "| ranks | params | step ms | adam ms | reduce-scatter ms | all-reduce ms | "
-        "RSS MiB | peak RSS MiB | model RSS MiB | formula MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ranks | reduce | params | fwd+bwd ms | step ms | adam ms | reduce-scatter ms | "
+        "all-reduce ms | RSS MiB | peak RSS MiB | model RSS MiB | formula MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for world in [0] + [int(n) for n in args.ranks.split(",")]:
         figures = measure(world, args)
@@ -188,9 +203,16 @@ def main() -> None:
         peak = max(f["peak_mib"] for f in figures)
         growth = max(f["growth_mib"] for f in figures)
         params = worst["params"]
-        formula = (18 * params if world <= 1 else 8 * params + 14 * params / world) / 2**20
+        if world <= 1:
+            formula = 18 * params / 2**20
+        elif args.reduce == "stage":
+            formula = (4 * params + 18 * params / world) / 2**20
+        else:
+            formula = (8 * params + 14 * params / world) / 2**20
+        reduce = args.reduce if world > 1 else "-"
         rows.append(
-            f"| {label} | {params / 1e6:.1f}M | {cell('step_ms')} | {cell('adam_ms')} | "
+            f"| {label} | {reduce} | {params / 1e6:.1f}M | {cell('call_ms')} | "
+            f"{cell('step_ms')} | {cell('adam_ms')} | "
             f"{cell('reduce_scatter_ms')} | {cell('all_reduce_ms')} | {rss:.0f} | {peak:.0f} | "
             f"{growth:.0f} | {formula:.0f} |"
         )

@@ -80,7 +80,7 @@ def main() -> None:
     if cfg.get("chunk"):
         roundpipe.distributed.CHUNK_BYTES = cfg["chunk"]
     if cfg.get("delay"):
-        for name in ("all_reduce", "all_gather"):
+        for name in ("all_reduce", "all_gather", "reduce"):
             collective = getattr(roundpipe.distributed, name)
             setattr(roundpipe.distributed, name, delayed(collective, rank))
     result: dict[str, Any] = {"norms": [], "scales": []}
@@ -107,6 +107,7 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
         name="dp",
         model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=2),
         data_parallel_group=group,
+        data_parallel_reduce=cfg.get("reduce", "auto"),
     )
     if cfg["dtype"] == "float64":
         optimizer: Any = torch.optim.Adam(model.optim_parameters(), lr=0.02)
@@ -155,6 +156,8 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
         if scaler is not None:
             result["scales"].append(scaler.get_scale())
         model.forward_backward(input_args=(x[ours],), label=y[ours], loss_fn=loss_fn)
+        if scenario == "extra_call" and rank == 1 and iteration == 1:
+            model.forward_backward(input_args=(x[ours],), label=y[ours], loss_fn=loss_fn)
         model.step(step_fn, cfg["is_async"], iteration)
         if iteration == cfg.get("save_at"):  # with an asynchronous step in flight
             # The scheduler is stepped in step_fn: read once the step in flight has run.

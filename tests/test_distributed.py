@@ -122,28 +122,43 @@ def assert_matches(
 
 
 @pytest.mark.parametrize(
-    ("world", "is_async", "chunk", "delay"),
-    [(2, False, 0, False), (3, True, 128, True)],
-    ids=["2ranks-sync", "3ranks-async-chunked-delayed"],
+    ("world", "is_async", "chunk", "delay", "reduce"),
+    [
+        (2, False, 0, False, "host"),
+        (3, True, 128, True, "host"),
+        (2, False, 0, False, "stage"),
+        (3, True, 0, True, "stage"),
+    ],
+    ids=[
+        "2ranks-sync",
+        "3ranks-async-chunked-delayed",
+        "2ranks-sync-stage-reduce",
+        "3ranks-async-delayed-stage-reduce",
+    ],
 )
 def test_fp64_ranks_equal_one_process(
-    tmp_path: Path, world: int, is_async: bool, chunk: int, delay: bool
+    tmp_path: Path, world: int, is_async: bool, chunk: int, delay: bool, reduce: str
 ):
     # torch.optim.Adam on the shards, a StepLR schedule and model.clip_grad_norm_ every step.
     # 3 ranks: pieces straddle parameters and the last shard is padded; chunks of 128 bytes;
     # random pauses before every collective, different per rank, while the next iteration
-    # computes (a transport wrapper that shakes out overlap races).
-    results, ref, _ = run(tmp_path, world, is_async=is_async, chunk=chunk, delay=delay)
+    # computes (a transport wrapper that shakes out overlap races). "stage": the gradients are
+    # reduced at the end of each backward stage (each rank downloads its own shard only), on
+    # the main thread while the previous step's all-gather runs on the optimizer thread.
+    results, ref, _ = run(
+        tmp_path, world, is_async=is_async, chunk=chunk, delay=delay, reduce=reduce
+    )
     assert_matches(results, ref, rtol=1e-10, atol=1e-12)
     assert all(ref["norms"]), "clipping must have seen nonzero gradients"
     for result in results:
         assert "data_parallel_group" in result["auto_error"]  # type: ignore[index]
 
 
-def test_bf16_weights_fp32_copies_equal_one_process(tmp_path: Path):
+@pytest.mark.parametrize("reduce", ["host", "stage"])
+def test_bf16_weights_fp32_copies_equal_one_process(tmp_path: Path, reduce: str):
     # bf16 Linear weights and an fp32 LayerNorm (two gradient dtypes, in one shard),
     # fp32 copies stepped by roundpipe.optim.Adam (fused bf16 write-back into the staging).
-    results, ref, _ = run(tmp_path, 2, dtype="bf16")
+    results, ref, _ = run(tmp_path, 2, dtype="bf16", reduce=reduce)
     assert_matches(results, ref, rtol=0.0, atol=2e-3, norm_rtol=1e-3)
     copies = _full_copies(results)  # type: ignore[arg-type]
     ref_copies = {name: copy.reshape(-1) for name, _, _, _, copy in ref["shard"]}  # type: ignore[index]
@@ -190,10 +205,28 @@ def test_failed_rank_makes_the_others_raise(tmp_path: Path, scenario: str):
         assert codes[1] == 3
 
 
+def test_stage_reduce_refuses_ranks_out_of_step(tmp_path: Path):
+    # Rank 1 runs one backward call more before its step: reducing it with rank 0's next
+    # iteration would train on mixed-up gradients. Both ranks must raise instead, rank 0 naming
+    # the disagreement (rank 1 may instead time out in a collective rank 0 left).
+    results, _, _ = run(
+        tmp_path, 2, reference=False, scenario="extra_call", reduce="stage", timeout=5
+    )
+    errors = [result["error"] if result is not None else "" for result in results]
+    assert "must run the same backward calls" in errors[0], errors
+    assert "differs on rank 1 from rank 0's" in errors[0], errors
+    assert "RoundPipe model 'dp'" in errors[0] and "data-parallel gradient reduce" in errors[0]
+    assert errors[1], "rank 1 must fail too"
+
+
 def test_invalid_group_arguments():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="data_parallel_group must be"):
         roundpipe.RoundPipe(model, data_parallel_group="world")
+    with pytest.raises(ValueError, match="data_parallel_reduce must be one of"):
+        roundpipe.RoundPipe(model, data_parallel_reduce="gpu")
+    with pytest.raises(TypeError, match="data_parallel_reduce must be a str"):
+        roundpipe.RoundPipe(model, data_parallel_reduce=None)  # type: ignore[arg-type]
     if not dist.is_initialized():
         group = dist.ProcessGroup(dist.HashStore(), 0, 1)
         with pytest.raises(ValueError, match="init_process_group"):
@@ -267,3 +300,18 @@ def _folder(tmp_path: Path, name: str) -> Path:
     folder = tmp_path / name
     folder.mkdir()
     return folder
+
+
+def test_reduce_mode_resolution():
+    # "auto" reduces on the device only for a pool on one GPU with NCCL; never on CPU devices.
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    nccl = dist.is_nccl_available()
+    assert roundpipe.distributed.resolve_reduce_mode("auto", [cpu, cpu]) == "host"
+    one_gpu = roundpipe.distributed.resolve_reduce_mode("auto", [gpu0, gpu0])
+    assert one_gpu == ("stage" if nccl else "host")
+    assert roundpipe.distributed.resolve_reduce_mode("auto", [gpu0, gpu1]) == "host"
+    assert roundpipe.distributed.resolve_reduce_mode("stage", [cpu]) == "stage"
+    assert roundpipe.distributed.resolve_reduce_mode("host", [gpu0]) == "host"
+    if not nccl:
+        with pytest.raises(ValueError, match="needs NCCL"):
+            roundpipe.distributed.resolve_reduce_mode("stage", [gpu0])

@@ -22,21 +22,30 @@ One optimizer step, on the optimizer thread of every rank, in the same order eve
    the gradient arena's layout, which is then all-gathered, so that every rank writes every new
    weight into its parameter arena at the next ``step()``, as on one process.
 
-The collectives run on a process group of RoundPipe's own (gloo, over host tensors) created over
-the ranks of the user's group, so they never interleave with the user's collectives. Its timeout
-is the user's group's (``init_process_group(timeout=...)``): a rank that fails or dies makes the
-others raise within it instead of waiting forever.
+With ``data_parallel_reduce="stage"`` step 1 happens earlier, on the devices: at the end of
+every backward stage the stage's device gradients are summed into the rank that owns each byte
+(one ``reduce`` per layer and shard it touches, layers in descending order, so the sequence of
+collectives is the same on every rank whatever its plan), and each rank downloads only the bytes
+of its own shard: 1/N of every gradient crosses PCIe. The step then only divides the own shard.
+
+The collectives run on process groups of RoundPipe's own created over the ranks of the user's
+group, so they never interleave with the user's collectives: one (gloo, over host tensors) for the
+optimizer thread's steps, and with stage reduces one for the calling thread (gloo), plus one NCCL
+group per GPU of the device pool when the devices are CUDA GPUs. Their timeout is the user's
+group's (``init_process_group(timeout=...)``): a rank that fails or dies makes the others raise
+within it instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -53,6 +62,9 @@ _ALIGN = 64
 # torch 2.13 renamed all_gather_into_tensor; older releases have only the old name.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+ReduceMode = Literal["auto", "host", "stage"]
+REDUCE_MODES: tuple[str, ...] = ("auto", "host", "stage")
+
 _active = threading.local()
 
 
@@ -67,6 +79,11 @@ def all_reduce(tensor: torch.Tensor, op: Any, group: Any) -> None:
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
     """Every rank's ``input`` side by side in ``output`` (rank order)."""
     _ALL_GATHER(output, input, group=group)
+
+
+def reduce(tensor: torch.Tensor, dst: int, group: Any) -> None:
+    """``tensor`` summed over ``group`` into the rank ``dst`` (a global rank), in place there."""
+    dist.reduce(tensor, dst, op=dist.ReduceOp.SUM, group=group)
 
 
 @dataclass(frozen=True)
@@ -118,6 +135,34 @@ def _group_timeout(group: Any) -> timedelta | None:
     return timeout if isinstance(timeout, timedelta) else None
 
 
+def check_reduce_mode(mode: Any) -> None:
+    """Validate ``data_parallel_reduce``."""
+    if not isinstance(mode, str):
+        raise TypeError(
+            f"data_parallel_reduce must be a str, one of {REDUCE_MODES}, got {type(mode).__name__}"
+        )
+    if mode not in REDUCE_MODES:
+        raise ValueError(f"data_parallel_reduce must be one of {REDUCE_MODES}, got {mode!r}")
+
+
+def resolve_reduce_mode(mode: str, pool: Sequence[torch.device]) -> Literal["host", "stage"]:
+    """``"auto"``: reduce on the device when the pool is one CUDA GPU (its logical devices
+    included) and NCCL is there (only the own shard is downloaded); on the host otherwise
+    (virtual CPU devices are host memory, nothing to save; several GPUs per rank pair their
+    collectives by GPU, which needs the same plan on every rank, so they ask for it).
+    ``"stage"`` on GPUs without NCCL is a ValueError."""
+    on_gpus = bool(pool) and pool[0].type == "cuda"
+    if mode == "auto":
+        one_gpu = len({d.index for d in pool}) == 1
+        return "stage" if on_gpus and one_gpu and dist.is_nccl_available() else "host"
+    if mode == "stage" and on_gpus and not dist.is_nccl_available():
+        raise ValueError(
+            "data_parallel_reduce='stage' on CUDA devices needs NCCL, which this torch build "
+            "lacks: use data_parallel_reduce='host'"
+        )
+    return "stage" if mode == "stage" else "host"
+
+
 def check_group(group: Any) -> int:
     """Validate ``data_parallel_group`` and return its size (1 for None)."""
     if group is None:
@@ -153,19 +198,25 @@ class DataParallel:
     """The shard layout and the collectives of one data-parallel model on one rank."""
 
     def __init__(
-        self, group: Any, memory: ModelMemory, name: str, signature: dict[str, Any]
+        self,
+        group: Any,
+        memory: ModelMemory,
+        name: str,
+        signature: dict[str, Any],
+        reduce_mode: Literal["host", "stage"] = "host",
+        pool: Sequence[torch.device] = (),
     ) -> None:
-        """Create RoundPipe's own group over ``group``'s ranks (a collective call: every rank
+        """Create RoundPipe's own groups over ``group``'s ranks (collective calls: every rank
         creates its models in the same order) and check that every rank built the same model
         (``signature``: what must agree, compared with rank 0's; ValueError naming the first
-        difference and the rank)."""
+        difference and the rank). ``reduce_mode="stage"`` reduces gradients at the end of each
+        backward stage on the devices of ``pool`` (see the module docstring)."""
         ranks = dist.get_process_group_ranks(group)
+        timeout = _group_timeout(group)
         self.group = dist.new_group(
-            ranks=ranks,
-            backend="gloo",
-            timeout=_group_timeout(group),
-            use_local_synchronization=True,
+            ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
         )
+        self.ranks = ranks
         self.world_size = len(ranks)
         self.rank = dist.get_rank(self.group)
         self.name = name
@@ -178,6 +229,26 @@ class DataParallel:
                     f"RoundPipe model {name!r}: the data-parallel ranks must build the same model "
                     f"with the same settings, but on rank {rank} {difference}"
                 )
+        self.reduce_mode = reduce_mode
+        # Stage reduces: the calling thread's group, and one NCCL group per GPU of the pool (in
+        # the order of their indices: a GPU's ordinal pairs it with the others' same ordinal).
+        self.call_group: Any = None
+        self.gpus: list[int] = []
+        self.gpu_groups: list[Any] = []
+        # Steps submitted, and backward calls since the last one (what the ranks agree on).
+        self.steps = 0
+        self.calls = 0
+        if reduce_mode == "stage":
+            self.call_group = dist.new_group(
+                ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+            )
+            self.gpus = sorted({d.index or 0 for d in pool if d.type == "cuda"})
+            self.gpu_groups = [
+                dist.new_group(
+                    ranks=ranks, backend="nccl", timeout=timeout, use_local_synchronization=True
+                )
+                for _ in self.gpus
+            ]
 
         self.memory = memory
         total = memory.grads.numel()
@@ -230,10 +301,11 @@ class DataParallel:
 
     def reduce_gradients(self, arena: torch.Tensor) -> None:
         """Sum ``arena`` (a gradient arena) over the ranks, in place, chunk by chunk of every
-        same-dtype run; the own shard divided by the world size goes to ``shard_grads``."""
+        same-dtype run (with stage reduces its own shard already holds the sum); the own shard
+        divided by the world size goes to ``shard_grads``."""
         if self.shard_bytes == 0:
             return
-        for begin, end, dtype in self.runs:
+        for begin, end, dtype in self.runs if self.reduce_mode == "host" else ():
             for low in range(begin, end, CHUNK_BYTES):
                 all_reduce(
                     arena[low : min(end, low + CHUNK_BYTES)].view(dtype),
@@ -246,6 +318,64 @@ class DataParallel:
         with torch.no_grad():
             for piece in self.slices:
                 self.grad_of(piece).div_(self.world_size)
+
+    def note_step(self) -> None:
+        """A step was submitted (on the calling thread): the next backward call is the first
+        of the next iteration."""
+        self.steps += 1
+        self.calls = 0
+
+    def agree_on_call(self, plan: Sequence[range], device: torch.device) -> None:
+        """Before a call's first stage reduce: check that every rank is at the same backward
+        call of the same iteration and, with several GPUs per rank (a layer's reduce runs on
+        the GPU of its stage), has the same backward stages with the first on the same GPU
+        ordinal; ValueError on every rank naming the first rank that differs. The sequence of
+        reduces (layers in descending order) does not depend on the plan otherwise."""
+        layout, ordinal = 0, -1
+        if len(self.gpus) > 1:
+            layout = zlib.crc32(repr([(r.start, r.stop) for r in plan]).encode())
+            ordinal = self.gpus.index(device.index or 0)
+        mine = torch.tensor([self.steps, self.calls, layout, ordinal], dtype=torch.int64)
+        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
+        all_gather(everyone, mine, self.call_group)
+        self.calls += 1
+        rows = everyone.view(self.world_size, -1).tolist()
+        for rank, row in enumerate(rows):
+            if row != rows[0]:
+                what = (
+                    "number of steps taken",
+                    "number of backward calls since the last step",
+                    "plan's backward stages",
+                    "GPU of the first backward stage",
+                )
+                field = next(i for i in range(len(row)) if row[i] != rows[0][i])
+                raise ValueError(
+                    "the data-parallel ranks reduce gradients stage by stage, so they must run "
+                    "the same backward calls with the same plan (data_parallel_reduce='stage'), "
+                    f"but the {what[field]} differs on "
+                    f"rank {rank} from rank 0's: pass the same fixed ModelExecutePlan on every "
+                    "rank, keep the calls in step, or use data_parallel_reduce='host'"
+                )
+
+    def reduce_stage(
+        self, buffer: torch.Tensor, first_byte: int, layers: range, device: torch.device
+    ) -> tuple[int, int]:
+        """Sum a backward stage's device gradients (``buffer``: the gradient arena's bytes from
+        ``first_byte`` on, on ``device``) into the ranks that own them, layer by layer in
+        descending order; returns the own shard's byte range, the only part to download."""
+        group = self.call_group
+        if device.type == "cuda":
+            group = self.gpu_groups[self.gpus.index(device.index or 0)]
+        size = self.shard_bytes
+        if size == 0:
+            return 0, 0
+        for layer in reversed(layers):
+            for begin, end, dtype in self.memory.grad_runs(range(layer, layer + 1)):
+                for owner in range(begin // size, -(-end // size)):
+                    low, high = max(begin, owner * size), min(end, (owner + 1) * size)
+                    local = buffer[low - first_byte : high - first_byte].view(dtype)
+                    reduce(local, self.ranks[owner], group)
+        return self.begin, self.begin + size
 
     def gather_weights(self) -> None:
         """Every rank's staged new weights into every rank's staging arena (as bytes)."""
@@ -304,6 +434,7 @@ def any_rank(flag: bool) -> bool:
 
 __all__ = [
     "CHUNK_BYTES",
+    "REDUCE_MODES",
     "DataParallel",
     "DataParallelShard",
     "ShardPiece",
@@ -311,4 +442,7 @@ __all__ = [
     "all_reduce",
     "any_rank",
     "check_group",
+    "check_reduce_mode",
+    "reduce",
+    "resolve_reduce_mode",
 ]

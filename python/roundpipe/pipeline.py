@@ -38,6 +38,7 @@ from roundpipe.scheduler import ModelExecutePlan, RunType
 from roundpipe.tracing import StageTrace, stage_trace
 
 if TYPE_CHECKING:
+    from roundpipe.distributed import DataParallel
     from roundpipe.timer import Action, ModelTimer
 
 Phase = Literal["forward", "recompute", "backward", "loss"]
@@ -370,8 +371,9 @@ class ResidentStage:
             staging.copy_(working, non_blocking=True)
         return staging, _C.record_event(self.device_index)
 
-    def download_grads(self) -> list[Any]:
-        """Accumulate this stage's device gradients into the host arena; returns the events.
+    def download_grads(self, only: tuple[int, int] | None = None) -> list[Any]:
+        """Accumulate this stage's device gradients into the host arena (``only``: just the
+        bytes in this range of the gradient arena); returns the events.
 
         On CUDA the downloads go through the model's page-locked staging at the stage's own
         offsets (see :meth:`ModelMemory.download_staging`)."""
@@ -380,8 +382,12 @@ class ResidentStage:
         staging = self.memory.download_staging() if self.grad_buffer.is_cuda else None
         after = _C.record_event(self.device_index)
         events = []
+        runs = self.memory.grad_runs(self.layers)
+        if only is not None:
+            clipped = [(max(b, only[0]), min(e, only[1]), t) for b, e, t in runs]
+            runs = [(b, e, t) for b, e, t in clipped if b < e]
         with _marked(self.nvtx_model, "download", self.layers):
-            for begin, end, dtype in self.memory.grad_runs(self.layers):
+            for begin, end, dtype in runs:
                 host = self.memory.grads[begin:end].view(dtype)
                 local = self.grad_buffer[begin - grad_begin : end - grad_begin].view(dtype)
                 through = None if staging is None else staging[begin:end].view(dtype)
@@ -497,12 +503,14 @@ def _backward(outputs: Any, grads: Sequence[torch.Tensor | None]) -> None:
 
 @dataclass
 class LayerRunner:
-    """What a call needs from its model: the layers, their memory, name and timer."""
+    """What a call needs from its model: the layers, their memory, name and timer, and the
+    data-parallel replica set when it reduces gradients at the end of each backward stage."""
 
     name: str
     layers: Sequence[torch.nn.Module]
     memory: ModelMemory
     timer: ModelTimer | None
+    stage_reduce: DataParallel | None = None
 
 
 @dataclass
@@ -535,6 +543,8 @@ class Call:
     # Whether this call marks NVTX ranges and runs on CUDA devices (decided once per call).
     nvtx: bool = field(init=False, default_factory=_nvtx_enabled)
     on_cuda: bool = field(init=False, default_factory=_on_cuda)
+    # Whether the data-parallel ranks agreed on this call's backward stages (stage reduces).
+    reduce_agreed: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.saving = self.run_type != "infer"
@@ -735,7 +745,7 @@ class Call:
                 grads.append(_grads_of(inputs))
                 if trace is not None:
                     trace.span("fused", start_mark, m)
-        self.pending.extend(stage.download_grads())
+        self.pending.extend(self._download_grads(stage))
         return grads
 
     def backward_stage(self, stage: ResidentStage, grads: list[Any]) -> list[Any]:
@@ -750,8 +760,32 @@ class Call:
                 else:
                     grad = self._recompute_backward(stage.layers, m, grad, run)
                 new_grads.append(grad)
-        self.pending.extend(stage.download_grads())
+        self.pending.extend(self._download_grads(stage))
         return new_grads
+
+    def _download_grads(self, stage: ResidentStage) -> list[Any]:
+        """The stage's gradients into the host arena. With stage reduces they are first summed
+        over the data-parallel ranks on the device, and only the own shard is downloaded."""
+        dp = self.runner.stage_reduce
+        if dp is None:
+            return stage.download_grads()
+        assert stage.grad_buffer is not None
+        device = devices()[stage.device_index]
+        try:
+            if not self.reduce_agreed:
+                backward = self.plan.bwd_plan
+                dp.agree_on_call(backward, device)
+                self.reduce_agreed = True
+            with _device_guard(device):
+                first_byte, _ = self.runner.memory.grad_range(stage.layers)
+                own = dp.reduce_stage(stage.grad_buffer, first_byte, stage.layers, device)
+        except Exception as error:
+            where = (
+                f"RoundPipe model '{self.runner.name}': layers {stage.layers.start}-"
+                f"{stage.layers.stop - 1} (backward: data-parallel gradient reduce)"
+            )
+            raise annotate(error, where) from error
+        return stage.download_grads(own)
 
     def _recompute_backward(
         self, layers: range, microbatch: int, grad: Any, run: _LayerCalls

@@ -24,8 +24,15 @@ from roundpipe.batch import (
     split_input,
     split_label,
 )
-from roundpipe.device import device_count
-from roundpipe.distributed import DataParallel, DataParallelShard, ShardPiece, check_group
+from roundpipe.device import device_count, devices
+from roundpipe.distributed import (
+    DataParallel,
+    DataParallelShard,
+    ShardPiece,
+    check_group,
+    check_reduce_mode,
+    resolve_reduce_mode,
+)
 from roundpipe.forwarding import ForwardingModule
 from roundpipe.gradients import GradientState
 from roundpipe.memory import ModelMemory
@@ -117,6 +124,11 @@ class RoundPipe(ForwardingModule):
             sharded (see ``docs/guide.md``, "Scaling out"). Every rank must create the same model
             with the same settings, in the same order as its other data-parallel models. None
             or a group of one rank: no data parallelism.
+        data_parallel_reduce: where the ranks' gradients are summed: ``"host"`` (the whole
+            gradient arena, on the optimizer thread, before the step), ``"stage"`` (at the end
+            of every backward stage, on the stage's device, so that each rank downloads only
+            its own shard: every rank must then run the same backward calls with the same
+            plan), or ``"auto"`` (``"stage"`` on CUDA GPUs, ``"host"`` on virtual CPU devices).
     """
 
     name: str
@@ -134,6 +146,7 @@ class RoundPipe(ForwardingModule):
         model_run_config: RoundPipeRunConfig | None = None,
         pin_model: str = "alloc",
         data_parallel_group: Any = None,
+        data_parallel_reduce: str = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -155,6 +168,7 @@ class RoundPipe(ForwardingModule):
         if pin_model not in _PIN_MODES:
             raise ValueError(f"pin_model must be one of {_PIN_MODES}, got {pin_model!r}")
         data_parallel_size = check_group(data_parallel_group)
+        check_reduce_mode(data_parallel_reduce)
         # list(Sequential) keeps a module that appears twice (children() would drop the repeat).
         layers = list(model) if isinstance(model, nn.Sequential) else [model]
         if not layers:
@@ -164,21 +178,31 @@ class RoundPipe(ForwardingModule):
         data_parallel = None
         if data_parallel_size > 1:
             params = list(model.named_parameters(remove_duplicate=False))
+            pool = devices()
+            reduce_mode = resolve_reduce_mode(data_parallel_reduce, pool)
             signature = {
                 "world size": data_parallel_size,
                 "layer count": len(layers),
                 "optim_dtype": str(optim_dtype),
                 "pin_model": pin_model,
+                "data_parallel_reduce": reduce_mode,
                 "parameters": [
                     (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in params
                 ],
             }
-            data_parallel = DataParallel(data_parallel_group, memory, name, signature)
+            if reduce_mode == "stage":  # one group per GPU: the ranks need as many
+                signature["GPUs"] = len({d.index for d in pool if d.type == "cuda"})
+            data_parallel = DataParallel(
+                data_parallel_group, memory, name, signature, reduce_mode, pool
+            )
         timer = ModelTimer(len(layers), [layer.param_bytes for layer in memory.layers], name)
+        stage_reduce = data_parallel
+        if data_parallel is None or data_parallel.reduce_mode != "stage":
+            stage_reduce = None
         runtime = _Runtime(
             memory=memory,
             timer=timer,
-            runner=LayerRunner(name, layers, memory, timer),
+            runner=LayerRunner(name, layers, memory, timer, stage_reduce),
             gradients=GradientState(memory),
             steps=StepPipeline(memory, optim_dtype, name, data_parallel),
             param_names=list(model.named_parameters(remove_duplicate=False)),

@@ -343,6 +343,8 @@ class StepPipeline:
 
         written = self._written
         dp = self.data_parallel
+        if dp is not None:
+            dp.note_step()
         # Synchronous: nothing reads the parameter arena until this step is done (calls wait for
         # their uploads before they return), so Adam may write the new weights right there.
         # Asynchronous: the iteration in flight still reads it, and the write-back casts them from
