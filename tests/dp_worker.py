@@ -8,6 +8,7 @@ scales. ``world == 0`` is the reference: one process without torch.distributed o
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -84,8 +85,12 @@ def main() -> None:
             collective = getattr(roundpipe.distributed, name)
             setattr(roundpipe.distributed, name, delayed(collective, rank))
     result: dict[str, Any] = {"norms": [], "scales": []}
+    tracing: Any = contextlib.nullcontext()
+    if cfg.get("trace"):
+        tracing = roundpipe.trace(os.path.join(out, f"trace{rank}.json"))
     try:
-        train(cfg, rank, max(world, 1), group, result)
+        with tracing:
+            train(cfg, rank, max(world, 1), group, result)
     except Exception as error:  # the test reads what each rank raised
         result["error"] = f"{type(error).__name__}: {error}"
     torch.save(result, os.path.join(out, f"{cfg.get('tag', 'rank')}{rank}.pt"))

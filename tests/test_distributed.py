@@ -145,13 +145,25 @@ def test_fp64_ranks_equal_one_process(
     # computes (a transport wrapper that shakes out overlap races). "stage": the gradients are
     # reduced at the end of each backward stage (each rank downloads its own shard only), on
     # the main thread while the previous step's all-gather runs on the optimizer thread.
+    trace = reduce == "stage" and not is_async
     results, ref, _ = run(
-        tmp_path, world, is_async=is_async, chunk=chunk, delay=delay, reduce=reduce
+        tmp_path, world, is_async=is_async, chunk=chunk, delay=delay, reduce=reduce, trace=trace
     )
     assert_matches(results, ref, rtol=1e-10, atol=1e-12)
     assert all(ref["norms"]), "clipping must have seen nonzero gradients"
     for result in results:
         assert "data_parallel_group" in result["auto_error"]  # type: ignore[index]
+    if trace:  # every backward stage of every call shows its reduce in the timeline
+        for rank in range(world):
+            events = json.loads((tmp_path / f"trace{rank}.json").read_text())["traceEvents"]
+            events.sort(key=lambda e: e.get("ts", 0))
+            reduced = [e["args"]["layers"] for e in events if e.get("cat") == "grad_reduce"]
+            stages = [
+                e["args"]["layers"]
+                for e in events
+                if e.get("cat") in ("backward", "fused") and e["args"]["microbatch"] == 0
+            ]
+            assert len(stages) >= worker.ITERATIONS and reduced == stages, (reduced, stages)
 
 
 @pytest.mark.parametrize("reduce", ["host", "stage"])
@@ -315,3 +327,16 @@ def test_reduce_mode_resolution():
     if not nccl:
         with pytest.raises(ValueError, match="needs NCCL"):
             roundpipe.distributed.resolve_reduce_mode("stage", [gpu0])
+
+
+def test_example_runs_under_torchrun_on_cpu():
+    # The guide's command for examples/train_distributed.py, on this CPU-only machine.
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_distributed.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(example)]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=PROCESS_TIMEOUT, env=os.environ.copy()
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    first, last = done.stdout.strip().splitlines()[-1].removeprefix("loss ").split(" -> ")
+    assert float(last) < float(first), done.stdout

@@ -771,6 +771,8 @@ class Call:
             return stage.download_grads()
         assert stage.grad_buffer is not None
         device = devices()[stage.device_index]
+        trace = stage.trace
+        start = trace.mark() if trace is not None else None
         try:
             if not self.reduce_agreed:
                 backward = self.plan.bwd_plan
@@ -785,6 +787,8 @@ class Call:
                 f"{stage.layers.stop - 1} (backward: data-parallel gradient reduce)"
             )
             raise annotate(error, where) from error
+        if trace is not None and start is not None:
+            trace.span("grad_reduce", start)
         return stage.download_grads(own)
 
     def _recompute_backward(

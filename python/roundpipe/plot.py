@@ -24,6 +24,7 @@ PHASE_COLORS: dict[str, str] = {
     "fused": "#9467bd",
     "upload": "#2ca02c",
     "grad_download": "#d62728",
+    "grad_reduce": "#ff9896",
     "activation": "#17becf",
     "optimizer_step": "#8c564b",
     "writeback": "#e377c2",

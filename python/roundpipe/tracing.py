@@ -60,6 +60,7 @@ Phase = Literal[
     "fused",
     "upload",
     "grad_download",
+    "grad_reduce",
     "activation",
     "optimizer_step",
     "writeback",
