@@ -217,6 +217,17 @@ def test_failed_rank_makes_the_others_raise(tmp_path: Path, scenario: str):
         assert codes[1] == 3
 
 
+def test_dead_rank_during_stage_reduces_makes_the_others_raise(tmp_path: Path):
+    # Rank 1 exits before its second call: rank 0 waits in that call's first reduce and must
+    # raise a clear error within the group's timeout (5 s here), naming the phase.
+    results, _, codes = run(
+        tmp_path, 2, reference=False, scenario="exit", reduce="stage", timeout=5
+    )
+    error = results[0]["error"] if results[0] is not None else ""
+    assert "RoundPipe model 'dp'" in error and "data-parallel gradient reduce" in error, error
+    assert codes[1] == 3
+
+
 def test_stage_reduce_refuses_ranks_out_of_step(tmp_path: Path):
     # Rank 1 runs one backward call more before its step: reducing it with rank 0's next
     # iteration would train on mixed-up gradients. Both ranks must raise instead, rank 0 naming
