@@ -1,6 +1,6 @@
 # Typed surface of the compiled core; tests/test_package.py keeps it true.
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import overload
 
 from torch import Tensor
@@ -127,3 +127,13 @@ def grad_accumulate(
 ) -> bool: ...
 def all_finite(tensors: list[Tensor], num_threads: int | None = None) -> bool: ...
 def optimizer_threads_started() -> int: ...
+
+# Per-stage dispatch work (csrc/bindings/dispatch.cpp).
+def backward(outputs: list[Tensor], grads: list[Tensor]) -> None: ...
+def typed_views(
+    buffer: Tensor,
+    first_byte: int,
+    offsets: Sequence[int],
+    likes: Sequence[Tensor],
+    like_requires_grad: bool = False,
+) -> list[Tensor]: ...
