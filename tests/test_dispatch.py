@@ -1,12 +1,16 @@
 """The native helpers of the pipeline's hot path (csrc/bindings/dispatch.cpp) against the PyTorch
 calls they replace: ``_C.backward`` for ``torch.autograd.backward``, ``_C.typed_views`` for
-``roundpipe.memory.typed_view``."""
+``roundpipe.memory.typed_view``; and the copy engine's small copies on virtual CPU devices, run on
+the calling thread when its worker is idle and on the worker otherwise."""
 
 from __future__ import annotations
 
+import threading
 import warnings
+from collections.abc import Iterator
 
 import pytest
+import roundpipe
 import torch
 from roundpipe._native import _C
 from roundpipe.memory import typed_view
@@ -126,3 +130,70 @@ def test_typed_views_refuse_what_does_not_fit() -> None:
         _C.typed_views(torch.zeros(4), 0, [0], [like])
     with pytest.raises(RuntimeError, match="1 offsets but 2 likes"):
         _C.typed_views(buffer, 0, [0], [like, like])
+
+
+@pytest.fixture
+def one_cpu_device() -> Iterator[None]:
+    kind, count = roundpipe.device_kind(), roundpipe.device_count()
+    roundpipe.configure_devices(kind="cpu", num_cpu_devices=1)
+    inline_bytes = _C.inline_copy_bytes()
+    try:
+        yield
+    finally:
+        _C.set_inline_copy_bytes(inline_bytes)
+        if kind == "cpu":
+            roundpipe.configure_devices(kind="cpu", num_cpu_devices=count)
+
+
+def _block_the_engine() -> tuple[threading.Event, _C.Event]:
+    """A job holding device 0's copy-engine worker until the returned flag is set."""
+    release = threading.Event()
+    held = _C.submit_optimizer_job(release.wait)
+    # A large copy waiting for the held job occupies the engine's worker.
+    busy = _C.copy_async(0, torch.empty(1 << 20), torch.ones(1 << 20), "parameter", held)
+    return release, busy
+
+
+@pytest.mark.usefixtures("one_cpu_device")
+def test_small_copies_run_inline_only_when_nothing_is_queued() -> None:
+    assert _C.inline_copy_bytes() == 64 << 10
+    dst = torch.zeros(8)
+    done = _C.copy_async(0, dst, torch.ones(8), "activation")
+    assert done.query() and dst.sum() == 8  # on the calling thread: done on return
+    grads = torch.zeros(8)
+    assert _C.accumulate_async(0, grads, torch.ones(8)).query() and grads.sum() == 8
+
+    release, busy = _block_the_engine()
+    queued = _C.copy_async(0, dst, torch.full((8,), 2.0), "activation")
+    accumulated = _C.accumulate_async(0, grads, torch.ones(8))
+    assert not queued.query() and not accumulated.query()  # behind the worker's job, in order
+    assert dst.sum() == 8 and grads.sum() == 8
+    release.set()
+    busy.synchronize()
+    queued.synchronize()
+    accumulated.synchronize()
+    assert dst.sum() == 16 and grads.sum() == 16
+
+
+@pytest.mark.usefixtures("one_cpu_device")
+def test_every_copy_goes_to_the_worker_with_threshold_zero() -> None:
+    _C.set_inline_copy_bytes(0)
+    release, busy = _block_the_engine()
+    dst = torch.zeros(8)
+    queued = _C.copy_async(0, dst, torch.ones(8), "activation")
+    assert not queued.query()
+    release.set()
+    busy.synchronize()
+    queued.synchronize()
+    assert dst.sum() == 8
+    with pytest.raises(RuntimeError, match="must be >= 0"):
+        _C.set_inline_copy_bytes(-1)
+
+
+@pytest.mark.usefixtures("one_cpu_device")
+def test_an_inline_copy_reports_its_error_through_its_event() -> None:
+    failed = _C.copy_async(0, torch.zeros(2, 4), torch.ones(8), "activation")  # not broadcastable
+    ok = _C.copy_async(0, torch.zeros(4), torch.ones(4), "activation")
+    assert ok.query()
+    with pytest.raises(RuntimeError):
+        failed.synchronize()

@@ -81,11 +81,22 @@ void WorkQueue::drain(const std::function<void()>& check) {
   }
 }
 
+bool WorkQueue::idle() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.running) return false;
+  for (const auto& lane : s.lanes) {
+    if (!lane.empty()) return false;
+  }
+  return true;
+}
+
 void WorkQueue::run(State& s) {
   for (;;) {
     std::function<void()> job;
     {
       std::unique_lock<std::mutex> lock(s.mutex);
+      s.running = false;
       s.ready_cv.wait(lock, [&s] {
         if (s.stopping) return true;
         for (const auto& lane : s.lanes) {
@@ -101,6 +112,7 @@ void WorkQueue::run(State& s) {
         }
       }
       if (!job) return;  // stopping and drained
+      s.running = true;
     }
     job();
   }

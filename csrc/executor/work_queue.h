@@ -39,6 +39,10 @@ class WorkQueue {
   // jobs still run, the wait's own marker job included).
   void drain(const std::function<void()>& check = {});
 
+  // True when no job is queued or running: work the caller does itself now is ordered after
+  // every job submitted before, as the next job would be.
+  bool idle();
+
  private:
   struct State {
     explicit State(pid_t owner_pid) : owner(owner_pid) {}
@@ -47,6 +51,7 @@ class WorkQueue {
     std::condition_variable ready_cv;
     std::array<std::deque<std::function<void()>>, kLanes> lanes;
     bool stopping = false;
+    bool running = false;  // the worker is running a job
     std::thread worker;
   };
 
