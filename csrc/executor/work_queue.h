@@ -20,6 +20,10 @@
 
 namespace roundpipe::executor {
 
+// This process's id, cached: getpid() is a system call, and the fork checks here and in Event ask
+// for it on every job and event. A forked child's first call already returns the child's id.
+pid_t current_pid();
+
 class WorkQueue {
  public:
   static constexpr int kLanes = 3;
