@@ -18,6 +18,9 @@ checkpointed (the same recompute work RoundPipe does):
 
 Target (issue 3): under 30 us and a ratio under 1.5 for 256 layers of width 256, 4 microbatches.
 
+``--clock thread`` times by the calling thread's CPU time instead of the wall clock: it leaves out
+waits and the copy engines' worker threads, and is the steadier figure on a loaded machine.
+
 ``--trace`` adds to the compute table RoundPipe with a timeline trace being recorded
 (``roundpipe.trace()``, in memory) and the cost of tracing per layer x microbatch:
 (traced - ours) / (layers * microbatches).
@@ -80,10 +83,14 @@ def roundpipe_step(
         p.grad = None
 
 
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "thread": time.thread_time}
+clock = CLOCKS["wall"]  # set by --clock
+
+
 def timed(fn: Callable[..., object], *args: object) -> float:
-    start = time.perf_counter()
+    start = clock()
     fn(*args)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def traced_step(model: RoundPipe, x: torch.Tensor, y: torch.Tensor, n: int) -> int:
@@ -99,7 +106,7 @@ GRAINS = ("stage", "layer")
 
 def measure_dispatch(layers: int, n: int, devices: int, iters: int) -> dict:
     """Per layer x microbatch times (us) of the plain loop, the checkpointed loop and RoundPipe
-    with each recompute grain, at width 8."""
+    with each recompute grain, at width 8; and the stage count of the automatic plan after them."""
     roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
     plain = deep_narrow(layers, DISPATCH_WIDTH)
     ours = RoundPipe(copy.deepcopy(plain), name=f"dispatch-{layers}")
@@ -119,7 +126,12 @@ def measure_dispatch(layers: int, n: int, devices: int, iters: int) -> dict:
         for name, step in contenders.items():
             times[name].append(timed(step))
     per_unit = 1e6 / (layers * n)
-    return {name: statistics.median(t) * per_unit for name, t in times.items()}
+    result = {name: statistics.median(t) * per_unit for name, t in times.items()}
+    # The automatic plan follows the measured layer times, so its stage count (which sets the
+    # per-stage share of the figure) varies from run to run: reported beside it.
+    plan = roundpipe.ModelExecutePlan.auto("fused", ours)
+    result["stages"] = len(plan.fwd_plan) + len(plan.bwd_plan)
+    return result
 
 
 def print_dispatch(args: argparse.Namespace) -> None:
@@ -130,15 +142,15 @@ def print_dispatch(args: argparse.Namespace) -> None:
     )
     print(
         "| CPU devices | plain fwd+bwd | plain + checkpoint | RoundPipe, grain stage "
-        "| RoundPipe, grain layer |"
+        "| RoundPipe, grain layer | stages (fwd + bwd) of the last plan |"
     )
-    print("|---:" * 5 + "|")
+    print("|---:" * 6 + "|")
     for devices in args.devices:
         r = measure_dispatch(args.dispatch_layers, args.microbatches, devices, args.iters)
         cells = [f"{r['plain']:.1f}"] + [
             f"{r[name]:.1f} ({r[name] / r['plain']:.2f}x)" for name in ("checkpoint", *GRAINS)
         ]
-        print(f"| {devices} | " + " | ".join(cells) + " |")
+        print(f"| {devices} | " + " | ".join(cells) + f" | {r['stages']:.0f} |")
 
 
 def measure(
@@ -222,13 +234,23 @@ def main() -> None:
     parser.add_argument(
         "--trace", action="store_true", help="also time RoundPipe with a trace being recorded"
     )
+    parser.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="wall: elapsed time; thread: the calling thread's CPU time (leaves out waits and "
+        "the copy engines' worker threads; steadier on a loaded machine)",
+    )
     args = parser.parse_args()
+    global clock
+    clock = CLOCKS[args.clock]
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
     print(
         f"# torch {torch.__version__}, roundpipe {roundpipe.__version__}, "
-        f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
+        f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+        f"{args.clock} clock"
     )
     if args.mode in ("all", "dispatch"):
         print_dispatch(args)

@@ -6,6 +6,8 @@
   number of GPUs) and on 3 logical CUDA devices mapped onto them (id ``cuda3``, so the
   multi-device round-robin path runs on a one-GPU machine too). The registry is restored
   afterwards. Tests that take it exercise the same scheduler and executors on every device kind.
+  On 1 CPU device the copy engine runs small copies on the calling thread (its default); on 3 it
+  sends every copy to its worker thread (``_C.set_inline_copy_bytes(0)``), so both paths run.
 * ``@pytest.mark.cpu_devices``: the test checks something true of virtual CPU devices only (their
   count, host memory as device memory); ``num_devices`` then skips its ``cuda`` case.
 """
@@ -17,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 import roundpipe
 import torch
-from roundpipe._native import BUILD_INFO
+from roundpipe._native import _C, BUILD_INFO
 
 CUDA_USABLE = bool(BUILD_INFO["cuda"]) and torch.cuda.is_available()
 DEVICE_CASES = [pytest.param(1, id="1dev"), pytest.param(3, id="3dev")]
@@ -58,9 +60,13 @@ def num_devices(request: pytest.FixtureRequest) -> Iterator[int]:
         roundpipe.configure_devices(kind="cuda", num_cuda_devices=3)
     else:
         roundpipe.configure_devices(kind="cpu", num_cpu_devices=request.param)
+    inline_bytes = _C.inline_copy_bytes()
+    if request.param == 3:
+        _C.set_inline_copy_bytes(0)
     try:
         yield roundpipe.device_count()
     finally:
+        _C.set_inline_copy_bytes(inline_bytes)
         if previous_kind == "cpu":
             roundpipe.configure_devices(
                 kind="cpu", num_cpu_devices=previous_count, num_cuda_devices=previous_logical

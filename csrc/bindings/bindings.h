@@ -10,5 +10,6 @@ void bind_devices(pybind11::module_& m);
 void bind_runtime(pybind11::module_& m);
 void bind_planner(pybind11::module_& m);
 void bind_optim(pybind11::module_& m);
+void bind_dispatch(pybind11::module_& m);
 
 }  // namespace roundpipe::bindings

@@ -45,4 +45,5 @@ PYBIND11_MODULE(_C, m) {
   roundpipe::bindings::bind_runtime(m);
   roundpipe::bindings::bind_planner(m);
   roundpipe::bindings::bind_optim(m);
+  roundpipe::bindings::bind_dispatch(m);
 }

@@ -134,6 +134,12 @@ void bind_runtime(py::module_& m) {
       py::arg("staging") = py::none(), py::call_guard<py::gil_scoped_release>(),
       "dst += src (dst on the host) on the device's copy engine once `after` completed; a CUDA "
       "src is downloaded through `staging` when given.");
+  m.def("set_inline_copy_bytes", &executor::set_inline_copy_bytes, py::arg("bytes"),
+        "Virtual CPU devices: copies and accumulations of at most `bytes` bytes run on the calling "
+        "thread when the engine's worker is idle and nothing they wait for is pending; 0 sends "
+        "all of them to the worker.");
+  m.def("inline_copy_bytes", &executor::inline_copy_bytes,
+        "The threshold of set_inline_copy_bytes (default 64 KiB).");
   m.def(
       "submit_optimizer_job",
       [](py::function job) {

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -58,6 +59,11 @@ std::map<EngineKey, std::unique_ptr<CopyEngine>>& engines() {
   return *map;
 }
 
+std::atomic<std::int64_t>& inline_bytes() {
+  static std::atomic<std::int64_t> bytes{kDefaultInlineCopyBytes};
+  return bytes;
+}
+
 }  // namespace
 
 CopyEngine::CopyEngine(c10::Device device)
@@ -78,16 +84,35 @@ c10::Stream CopyEngine::lane_stream(Lane lane) const {
   return parameter_;
 }
 
+EventPtr CopyEngine::host_work(Lane lane, std::int64_t bytes, const EventPtr& after,
+                               std::function<void()> work) {
+  if (bytes <= inline_copy_bytes() && (!after || after->host_done()) && worker_.idle()) {
+    // With the worker idle, in the order of submission, as the job would have run.
+    auto done = std::make_shared<Event>();
+    std::exception_ptr error;
+    try {
+      if (after) after->synchronize();
+      work();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    done->complete(error);
+    return done;
+  }
+  return submit_job(worker_, static_cast<int>(lane), [after, work = std::move(work)](Event&) {
+    if (after) after->synchronize();
+    work();
+  });
+}
+
 EventPtr CopyEngine::copy(const at::Tensor& dst, const at::Tensor& src, Lane lane,
                           const EventPtr& after) {
   TORCH_CHECK(dst.numel() == src.numel(), "CopyEngine.copy: dst has ", dst.numel(),
               " elements but src has ", src.numel());
   const int queue_lane = static_cast<int>(lane);
   if (!on_cuda()) {
-    return submit_job(worker_, queue_lane, [dst, src, after](Event&) {
-      if (after) after->synchronize();
-      dst.copy_(src);
-    });
+    return host_work(lane, static_cast<std::int64_t>(src.nbytes()), after,
+                     [dst, src] { dst.copy_(src); });
   }
   auto issue = [dst, src, stream = lane_stream(lane)](
                    const EventPtr& after, const std::optional<c10::Event>& compute, Event& done) {
@@ -130,10 +155,8 @@ EventPtr CopyEngine::accumulate(const at::Tensor& dst, const at::Tensor& src, co
   }
   const int queue_lane = static_cast<int>(Lane::kGradient);
   if (!on_cuda()) {
-    return submit_job(worker_, queue_lane, [dst, src, after](Event&) {
-      if (after) after->synchronize();
-      dst.add_(src);
-    });
+    return host_work(Lane::kGradient, static_cast<std::int64_t>(src.nbytes()), after,
+                     [dst, src] { dst.add_(src); });
   }
   c10::Stream stream = lane_stream(Lane::kGradient);
   at::Tensor host;
@@ -220,6 +243,13 @@ EventPtr CopyEngine::upload_pageable(const std::vector<at::Tensor>& dsts,
   };
   return submit_job(worker_, static_cast<int>(Lane::kParameter), std::move(job));
 }
+
+void set_inline_copy_bytes(std::int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "set_inline_copy_bytes: bytes must be >= 0, got ", bytes);
+  inline_bytes().store(bytes, std::memory_order_relaxed);
+}
+
+std::int64_t inline_copy_bytes() { return inline_bytes().load(std::memory_order_relaxed); }
 
 c10::Stream current_stream(int index) {
   c10::Device device = copy_engine(index).device();

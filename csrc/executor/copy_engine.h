@@ -8,8 +8,12 @@
 // thread's current stream of that device (the caching allocator may have handed the block out on
 // it while kernels still read its previous contents). The host-side gradient accumulation after a
 // download runs on the engine's worker thread.
-// Virtual CPU devices: every copy runs on the engine's worker thread, activations first, so
-// transfers overlap the compute that the calling thread runs meanwhile.
+// Virtual CPU devices: copies run on the engine's worker thread, activations first, so transfers
+// overlap the compute that the calling thread runs meanwhile; a copy or accumulation of at most
+// inline_copy_bytes() bytes whose `after` has completed runs on the calling thread instead, when
+// the worker is idle (so in submission order): handing
+// it to the worker and waiting for it costs two thread wake-ups, far more than the copy itself
+// (see set_inline_copy_bytes). It still returns an event carrying its error, as a job would.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,6 +21,7 @@
 #include <c10/core/Stream.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -65,6 +70,11 @@ class CopyEngine {
  private:
   bool on_cuda() const { return device_.is_cuda(); }
   c10::Stream lane_stream(Lane lane) const;
+  // work() on a virtual CPU device's `lane` once `after` has completed: on the calling thread
+  // when it moves at most inline_copy_bytes() bytes, `after` is done and the worker idle, else on
+  // the worker.
+  EventPtr host_work(Lane lane, std::int64_t bytes, const EventPtr& after,
+                     std::function<void()> work);
 
   // One bounce buffer and the event of the last copy out of it (null: free). Used only by jobs on
   // the engine's worker, one at a time.
@@ -90,6 +100,13 @@ CopyEngine& copy_engine(int index);
 // Waits for the host jobs of every copy engine created so far (before interpreter shutdown);
 // `check`: see WorkQueue::drain.
 void drain_copy_engines(const WaitCheck& check = {});
+
+// Virtual CPU devices: copies and accumulations of at most this many bytes run on the calling
+// thread when nothing they wait for is pending (default kDefaultInlineCopyBytes); 0 sends every
+// one to the engine's worker (tests use it to exercise the asynchronous path).
+constexpr std::int64_t kDefaultInlineCopyBytes = 64 << 10;
+void set_inline_copy_bytes(std::int64_t bytes);
+std::int64_t inline_copy_bytes();
 
 // An event that completes when the work issued so far to the device's current stream has
 // (already complete on virtual CPU devices).

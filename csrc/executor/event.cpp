@@ -4,13 +4,15 @@
 
 #include <stdexcept>
 
+#include "executor/work_queue.h"
+
 #ifdef ROUNDPIPE_WITH_CUDA
 #include "executor/cuda_wait.h"
 #endif
 
 namespace roundpipe::executor {
 
-Event::Event() : owner_(getpid()) {}
+Event::Event() : owner_(current_pid()) {}
 
 std::shared_ptr<Event> Event::completed() {
   auto event = std::make_shared<Event>();
@@ -61,7 +63,7 @@ bool Event::host_done() {
 
 void Event::wait_host(const WaitCheck& check) {
   std::unique_lock<std::mutex> lock(mutex_);
-  if (!host_done_ && owner_ != getpid()) {
+  if (!host_done_ && owner_ != current_pid()) {
     // The job ran on a worker thread of the parent process; no thread of this forked child will
     // ever complete it.
     throw std::runtime_error(

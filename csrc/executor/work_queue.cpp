@@ -1,5 +1,6 @@
 #include "executor/work_queue.h"
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include <memory>
@@ -7,12 +8,28 @@
 #include <string>
 
 namespace roundpipe::executor {
+namespace {
 
-WorkQueue::WorkQueue() : state_(new State(getpid())) {}
+std::atomic<pid_t> cached_pid{0};
+
+void refresh_pid() { cached_pid.store(getpid(), std::memory_order_relaxed); }
+
+}  // namespace
+
+pid_t current_pid() {
+  // Registered once; the handler runs in every forked child before fork() returns there.
+  static const bool registered = [] {
+    refresh_pid();
+    return pthread_atfork(nullptr, nullptr, &refresh_pid) == 0;
+  }();
+  return registered ? cached_pid.load(std::memory_order_relaxed) : getpid();
+}
+
+WorkQueue::WorkQueue() : state_(new State(current_pid())) {}
 
 WorkQueue::~WorkQueue() {
   State* state = state_.load();
-  if (state->owner != getpid()) return;  // the parent's: leaked (see the header)
+  if (state->owner != current_pid()) return;  // the parent's: leaked (see the header)
   {
     std::lock_guard<std::mutex> lock(state->mutex);
     state->stopping = true;
@@ -24,7 +41,7 @@ WorkQueue::~WorkQueue() {
 
 WorkQueue::State& WorkQueue::state() {
   State* current = state_.load(std::memory_order_acquire);
-  const pid_t self = getpid();
+  const pid_t self = current_pid();
   while (current->owner != self) {
     auto* fresh = new State(self);
     if (state_.compare_exchange_strong(current, fresh, std::memory_order_acq_rel)) {
@@ -81,11 +98,22 @@ void WorkQueue::drain(const std::function<void()>& check) {
   }
 }
 
+bool WorkQueue::idle() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.running) return false;
+  for (const auto& lane : s.lanes) {
+    if (!lane.empty()) return false;
+  }
+  return true;
+}
+
 void WorkQueue::run(State& s) {
   for (;;) {
     std::function<void()> job;
     {
       std::unique_lock<std::mutex> lock(s.mutex);
+      s.running = false;
       s.ready_cv.wait(lock, [&s] {
         if (s.stopping) return true;
         for (const auto& lane : s.lanes) {
@@ -101,6 +129,7 @@ void WorkQueue::run(State& s) {
         }
       }
       if (!job) return;  // stopping and drained
+      s.running = true;
     }
     job();
   }

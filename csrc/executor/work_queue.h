@@ -20,6 +20,10 @@
 
 namespace roundpipe::executor {
 
+// This process's id, cached: getpid() is a system call, and the fork checks here and in Event ask
+// for it on every job and event. A forked child's first call already returns the child's id.
+pid_t current_pid();
+
 class WorkQueue {
  public:
   static constexpr int kLanes = 3;
@@ -39,6 +43,10 @@ class WorkQueue {
   // jobs still run, the wait's own marker job included).
   void drain(const std::function<void()>& check = {});
 
+  // True when no job is queued or running: work the caller does itself now is ordered after
+  // every job submitted before, as the next job would be.
+  bool idle();
+
  private:
   struct State {
     explicit State(pid_t owner_pid) : owner(owner_pid) {}
@@ -47,6 +55,7 @@ class WorkQueue {
     std::condition_variable ready_cv;
     std::array<std::deque<std::function<void()>>, kLanes> lanes;
     bool stopping = false;
+    bool running = false;  // the worker is running a job
     std::thread worker;
   };
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from roundpipe.memory import ModelMemory, clear_arena
+from roundpipe._native import _C
+from roundpipe.memory import ModelMemory, ParamSlot, clear_arena
 
 if TYPE_CHECKING:
     from roundpipe.pipeline import Call
@@ -90,23 +91,31 @@ class GradientState:
         memory = self.memory
         memory.wait_writes()
         memory.fold_alias_grads()
-        for slot in memory.slots():
-            if slot.grad_offset is not None:
-                slot.param.grad = memory.grad_view(slot)
+        for slot, view in self._views():
+            slot.param.grad = view
         self.published = True
+
+    def _views(self) -> list[tuple[ParamSlot, torch.Tensor]]:
+        """Every trained parameter's gradient in the current arena (``memory.grad_view`` of each,
+        cut by one native call: publishing and taking back make one per parameter per
+        iteration)."""
+        slots = [slot for slot in self.memory.slots() if slot.grad_offset is not None]
+        views = _C.typed_views(
+            self.memory.grads,
+            0,
+            [cast(int, slot.grad_offset) for slot in slots],
+            [slot.param for slot in slots],
+        )
+        return list(zip(slots, views, strict=True))
 
     def _absorb_user_grads(self) -> None:
         """Gradients published by ``synchronize()`` go back into the arena as the user left them:
         cleared (``None``) means zero, a replaced tensor is copied in, views are kept."""
         if not self.published:
             return
-        memory = self.memory
         dirty = False
         with torch.no_grad():
-            for slot in memory.slots():
-                if slot.grad_offset is None:
-                    continue
-                view = memory.grad_view(slot)
+            for slot, view in self._views():
                 grad = slot.param.grad
                 if grad is None:
                     view.zero_()

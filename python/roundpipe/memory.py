@@ -257,6 +257,8 @@ class ModelMemory:
 
     def settle_buffers(self, layers: range | None = None) -> None:
         """Apply the queued buffer writes of ``layers`` (default: all), in the order queued."""
+        if not self._buffer_writes:  # nearly always (no buffers): checked once, not per layer
+            return
         for layer in list(self._buffer_writes) if layers is None else layers:
             with torch.no_grad():
                 for buffer, source, landed in self._buffer_writes.pop(layer, []):

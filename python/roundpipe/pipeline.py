@@ -223,27 +223,6 @@ def _buffer_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return staging.to(device, non_blocking=True)
 
 
-class _TypedViews:
-    """Views of a stage's device buffer (bytes from arena offset ``first_byte`` on) laid out like
-    the parameters it holds, as ``roundpipe.memory.typed_view`` makes them, but cut with
-    ``as_strided`` from one view of the buffer per dtype. Every upload makes one per parameter,
-    and backward stages one more per gradient; this costs about a quarter of ``typed_view``'s
-    slice and two ``view`` calls. Arena offsets are aligned for every dtype (memory.py)."""
-
-    def __init__(self, buffer: torch.Tensor, first_byte: int) -> None:
-        self.buffer, self.first_byte = buffer, first_byte
-        self.typed: dict[torch.dtype, torch.Tensor] = {}
-
-    def at(self, offset: int, like: torch.Tensor) -> torch.Tensor:
-        """The view at arena byte ``offset`` laid out like ``like`` (a contiguous tensor)."""
-        size = like.element_size()
-        base = self.typed.get(like.dtype)
-        if base is None:
-            whole = self.buffer.numel() // size * size
-            base = self.typed[like.dtype] = self.buffer[:whole].view(like.dtype)
-        return base.as_strided(like.shape, like.stride(), (offset - self.first_byte) // size)
-
-
 def _stage_buffer(nbytes: int, device: torch.device, zero: bool) -> torch.Tensor:
     """A stage's flat uint8 buffer on ``device``. A virtual CPU device's is host memory: a native
     arena of its own, returned to the operating system when the stage is done (the C heap would
@@ -298,20 +277,25 @@ class ResidentStage:
         if with_grads:
             grad_begin, grad_end = memory.grad_range(layers)
             self.grad_buffer = _stage_buffer(grad_end - grad_begin, device, zero=True)
-        params = _TypedViews(self.buffer, begin)
-        grads = None if self.grad_buffer is None else _TypedViews(self.grad_buffer, grad_begin)
-        self.views: dict[int, list[torch.Tensor]] = {}
-        for index in layers:
-            views = []
-            for slot in memory.layers[index].slots:
-                view = params.at(slot.offset, slot.param)
-                # As the parameter, also in forward stages (they run without grad): a layer that
-                # checks `p.requires_grad` sees what it would see on the parameter itself.
-                view.requires_grad_(slot.param.requires_grad)
-                if grads is not None and slot.grad_offset is not None:
-                    view.grad = grads.at(slot.grad_offset, slot.param)
-                views.append(view)
-            self.views[index] = views
+        # One native call per buffer cuts every parameter's view (a Python `as_strided` per
+        # parameter cost several times more). They require grad as the parameters do, also in
+        # forward stages (run without grad): a layer that checks `p.requires_grad` sees what it
+        # would see on the parameter itself.
+        self.slots = slots = [slot for index in layers for slot in memory.layers[index].slots]
+        params = [slot.param for slot in slots]
+        self.views = _C.typed_views(
+            self.buffer, begin, [slot.offset for slot in slots], params, like_requires_grad=True
+        )
+        if self.grad_buffer is not None:
+            trained = [i for i, slot in enumerate(slots) if slot.grad_offset is not None]
+            grads = _C.typed_views(
+                self.grad_buffer,
+                grad_begin,
+                [cast(int, slots[i].grad_offset) for i in trained],
+                [params[i] for i in trained],
+            )
+            for i, grad in zip(trained, grads, strict=True):
+                self.views[i].grad = grad
 
     @contextmanager
     def bound(self, keep_buffer_updates: bool) -> Iterator[None]:
@@ -335,13 +319,12 @@ class ResidentStage:
             if trace is not None:
                 trace.span("wait", start)
             try:
+                for slot, view in zip(self.slots, self.views, strict=True):
+                    for owner, name in slot.owners:
+                        # The device copy (a plain tensor) stands in for the parameter.
+                        owner._parameters[name] = cast(torch.nn.Parameter, view)
                 for index in self.layers:
-                    layer = memory.layers[index]
-                    for slot, view in zip(layer.slots, self.views[index], strict=True):
-                        for owner, name in slot.owners:
-                            # The device copy (a plain tensor) stands in for the parameter.
-                            owner._parameters[name] = cast(torch.nn.Parameter, view)
-                    for owner, name in layer.buffers:
+                    for owner, name in memory.layers[index].buffers:
                         host = owner._buffers[name]
                         assert host is not None
                         working = _buffer_to_device(host, device)
@@ -354,10 +337,9 @@ class ResidentStage:
                     for index, _, _, host, working in bound_buffers:
                         memory.defer_buffer_write(index, host, *self._buffer_to_host(working))
             finally:
-                for index in self.layers:
-                    for slot in memory.layers[index].slots:
-                        for owner, name in slot.owners:
-                            owner._parameters[name] = slot.param
+                for slot in self.slots:
+                    for owner, name in slot.owners:
+                        owner._parameters[name] = slot.param
                 for _, owner, name, host, _ in bound_buffers:
                     owner._buffers[name] = host
 
@@ -498,7 +480,9 @@ def _backward(outputs: Any, grads: Sequence[torch.Tensor | None]) -> None:
         if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
     ]
     if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        # Natively: torch.autograd.backward's Python entry costs a third of a small layer's
+        # backward, paid per layer x microbatch in layer grain (see csrc/bindings/dispatch.cpp).
+        _C.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 @dataclass
