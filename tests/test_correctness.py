@@ -499,3 +499,131 @@ def test_backward_failure_names_the_layer_or_its_stage_never_another(
         )
     assert "layer 3" not in str(error.value) and "layer 4 (" not in str(error.value)
     assert isinstance(error.value.__cause__, ValueError)
+
+
+# --------------------------------------------------------------------------------------------
+# Frozen parameters (bound in host memory on virtual CPU devices)
+# --------------------------------------------------------------------------------------------
+
+
+class Adapted(nn.Module):
+    """A frozen linear map plus a trainable low-rank update (LoRA)."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.down = nn.Parameter(torch.randn(2, 6) / 3)
+        self.up = nn.Parameter(torch.randn(6, 2) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.base(x) + (x @ self.down.t()) @ self.up.t())
+
+
+def assert_grads_equal(model: nn.Module, reference: nn.Module) -> None:
+    """Bit for bit the reference's gradients, and none where it has none (frozen)."""
+    for (name, p), (_, q) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert torch.equal(p.grad, q.grad), name
+
+
+def adapted_model(seed: int = 8) -> nn.Sequential:
+    """Four adapted layers; the first and the last share their frozen base (an alias slot)."""
+    torch.manual_seed(seed)
+    shared = nn.Linear(6, 6)
+    return nn.Sequential(
+        Adapted(shared), Adapted(nn.Linear(6, 6)), Adapted(nn.Linear(6, 6)), Adapted(shared)
+    )
+
+
+@pytest.mark.parametrize("pin_model", ["alloc", "off"])
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_frozen_base_trains_like_pytorch(num_devices: int, pin_model: str, grain: str) -> None:
+    """Adapters on a frozen base, three synchronous steps: losses, gradients and weights bit for
+    bit those of the plain loop; the frozen weights unchanged, without gradients."""
+    reference = adapted_model()
+    model = RoundPipe(copy.deepcopy(reference), pin_model=pin_model)
+    ours = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    theirs = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    config = RoundPipeRunConfig(
+        num_microbatch=2, recompute_grain=grain, execute_plan=single_layer_plan(4)
+    )
+    frozen = [p.clone() for p in reference.parameters() if not p.requires_grad]
+    for _ in range(3):
+        x, y = torch.randn(4, 6), torch.randn(4, 6)
+        loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+        torch.testing.assert_close(loss, plain_forward_backward(reference, x, y, 2), rtol=0, atol=0)
+        model.synchronize()
+        assert_grads_equal(model.model, reference)
+        model.step(ours.step, is_async=False)
+        theirs.step()
+        model.synchronize()
+        ours.zero_grad()
+        theirs.zero_grad()
+    for mine, plain in zip(model.model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, plain, rtol=0, atol=0)
+    still = [p for p in model.model.parameters() if not p.requires_grad]
+    assert len(still) == len(frozen) == 6  # weight and bias of three bases
+    assert all(torch.equal(p, q) for p, q in zip(still, frozen, strict=True))
+
+
+class Scaling(nn.Module):
+    """Halves its frozen weight in place on every forward (state kept in a parameter)."""
+
+    def __init__(self, skip_in_recompute: bool = False) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6).requires_grad_(False)
+        self.skip_in_recompute = skip_in_recompute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.skip_in_recompute and roundpipe.doing_recompute()):
+            with torch.no_grad():
+                self.linear.weight.mul_(0.5)
+        return self.linear(x)
+
+
+def scaling_model(seed: int = 9) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 6), Scaling(), nn.Linear(6, 6))
+
+
+@pytest.mark.cpu_devices
+def test_layer_changing_its_frozen_weight_in_inference_does_what_pytorch_does(
+    num_devices: int,
+) -> None:
+    """Without recompute the layer computes with the live weight, and the change stays."""
+    reference = scaling_model()
+    model = RoundPipe(copy.deepcopy(reference))
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        out = model(x, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=2))
+        expected = torch.cat([reference(chunk) for chunk in x.tensor_split(2)])
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(model.model[1].linear.weight, reference[1].linear.weight)
+
+
+@pytest.mark.cpu_devices
+@pytest.mark.parametrize("skip_in_recompute", [False, True], ids=["always", "forward-only"])
+def test_layer_changing_its_frozen_weight_in_a_recomputed_forward_is_an_error(
+    num_devices: int, skip_in_recompute: bool
+) -> None:
+    """A recomputed layer would change the weight twice: a RuntimeError naming the layer and the
+    parameter, after which the model trains on; a change in the fused stage (no recompute) is
+    what plain PyTorch makes."""
+    torch.manual_seed(9)
+    model = RoundPipe(nn.Sequential(nn.Linear(6, 6), Scaling(skip_in_recompute), nn.Linear(6, 6)))
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=single_layer_plan(3))
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    with pytest.raises(RuntimeError, match=r"layer 1 \(Scaling\).*'linear\.weight' in place"):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    model.model[1].skip_in_recompute = True
+    reference = copy.deepcopy(model.model)
+    fused = make_plan([range(0, 1)], [range(1, 3), range(0, 1)])  # layer 1 in the fused stage
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=fused)
+    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    torch.testing.assert_close(loss, plain_forward_backward(reference, x, y, 2), rtol=0, atol=0)
+    model.synchronize()
+    assert_grads_equal(model.model, reference)
+    torch.testing.assert_close(model.model[1].linear.weight, reference[1].linear.weight)

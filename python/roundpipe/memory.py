@@ -61,6 +61,12 @@ class ParamSlot:
     def nbytes(self) -> int:
         return self.param.numel() * self.param.element_size()
 
+    @property
+    def frozen(self) -> bool:
+        """Frozen since construction: no gradient, no optimizer copy, so nothing of RoundPipe's
+        writes it (the weight writer and the step write only parameters that train)."""
+        return self.grad_offset is None and not self.param.requires_grad
+
 
 @dataclass
 class LayerMemory:
@@ -173,14 +179,33 @@ class ModelMemory:
         assert self.params is not None
         return typed_view(self.params, alias.offset, alias.param)
 
-    def param_sources(self, layers: range) -> list[tuple[int, torch.Tensor]]:
+    def param_sources(self, layers: range, skip_frozen: bool) -> list[tuple[int, torch.Tensor]]:
         """Without an arena: ``(byte offset in the arena layout, bytes)`` of every parameter of
-        ``layers``, aliases included (they read their parameter's own storage)."""
+        ``layers`` (but the frozen ones, with ``skip_frozen``), aliases included (they read their
+        parameter's own storage)."""
         return [
             (slot.offset, slot.param.detach().reshape(-1).view(torch.uint8))
             for index in layers
             for slot in self.layers[index].slots
+            if not (skip_frozen and slot.frozen)
         ]
+
+    def param_runs(self, layers: range, skip_frozen: bool) -> list[tuple[int, int]]:
+        """Maximal byte runs ``(begin, end)`` of the parameter arena over ``layers``: the whole
+        range, or with ``skip_frozen`` the runs between frozen parameters."""
+        if not skip_frozen:
+            return [self.param_range(layers)]
+        runs: list[tuple[int, int]] = []
+        for index in layers:
+            for slot in self.layers[index].slots:
+                if slot.frozen:
+                    continue
+                begin, end = slot.offset, slot.offset + _aligned(slot.nbytes)
+                if runs and runs[-1][1] == begin:
+                    runs[-1] = (runs[-1][0], end)
+                else:
+                    runs.append((begin, end))
+        return runs
 
     def write_async(self, layer: int, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Any:
         """Queue ``dsts[i].copy_(srcs[i])`` into layer ``layer``'s parameters on the weight

@@ -33,7 +33,7 @@ from roundpipe import context
 from roundpipe._native import _C
 from roundpipe.context import annotate
 from roundpipe.device import device_count, devices
-from roundpipe.memory import ModelMemory
+from roundpipe.memory import ModelMemory, ParamSlot
 from roundpipe.scheduler import ModelExecutePlan, RunType
 from roundpipe.tracing import StageTrace, stage_trace
 
@@ -235,7 +235,14 @@ def _stage_buffer(nbytes: int, device: torch.device, zero: bool) -> torch.Tensor
 class ResidentStage:
     """A stage's parameters (and gradient buffer, for backward) resident on one device.
 
-    ``nvtx_model``: the model's name when its upload and download are marked as NVTX ranges."""
+    On a virtual CPU device the stage computes in host memory anyway, so frozen parameters (see
+    :attr:`ParamSlot.frozen`: nothing of RoundPipe writes them) are bound as they are, as plain
+    PyTorch computes with them, instead of being copied into the stage's buffer: a frozen base
+    model (LoRA) then costs no stage memory at all. Parameters that train are copied: the weight
+    writer may be writing the next step's values into the arena while the stage computes.
+
+    ``model``: the model's name, for errors; ``nvtx_model``: the model's name when its upload
+    and download are marked as NVTX ranges."""
 
     def __init__(
         self,
@@ -243,33 +250,46 @@ class ResidentStage:
         layers: range,
         device_index: int,
         with_grads: bool,
+        model: str,
         nvtx_model: str | None = None,
     ) -> None:
         self.memory, self.layers, self.device_index = memory, layers, device_index
-        self.nvtx_model = nvtx_model
+        self.model, self.nvtx_model = model, nvtx_model
         self.trace: StageTrace | None = None  # set while a timeline trace is recorded
         device = devices()[device_index]
+        in_host = device.type == "cpu"
         begin, end = memory.param_range(layers)
+        # Pages of the buffer that no copy writes (frozen parameters bound in host memory) are
+        # never touched, so they cost no memory.
         self.buffer = _stage_buffer(end - begin, device, zero=False)
         fence = memory.fence(layers)
         with _marked(nvtx_model, "upload", layers):
             if memory.params is not None:
-                self.uploaded = _C.copy_async(
-                    device_index, self.buffer, memory.params[begin:end], "parameter", fence
-                )
+                # The copies of one stage run in order on the parameter lane: the last one's
+                # event covers the stage.
+                runs = memory.param_runs(layers, skip_frozen=in_host)
+                if not runs:  # every parameter is bound in host memory
+                    self.uploaded = _C.record_event(device_index)
+                for run_begin, run_end in runs:
+                    self.uploaded = _C.copy_async(
+                        device_index,
+                        self.buffer[run_begin - begin : run_end - begin],
+                        memory.params[run_begin:run_end],
+                        "parameter",
+                        fence,
+                    )
             elif device.type == "cuda":
                 # Pageable sources: the engine's worker stages them through its page-locked
                 # bounce buffers, so this thread goes on issuing compute meanwhile.
-                sources = memory.param_sources(layers)
+                sources = memory.param_sources(layers, skip_frozen=False)
                 targets = [self.buffer[o - begin : o - begin + s.numel()] for o, s in sources]
                 self.uploaded = _C.upload_pageable(
                     device_index, targets, [source for _, source in sources], fence
                 )
             else:
-                # One copy per parameter from its own storage, all on the parameter lane, which
-                # runs them in order: the last one's event covers the stage.
+                # One copy per parameter from its own storage, in order as above.
                 self.uploaded = _C.record_event(device_index)
-                for offset, source in memory.param_sources(layers):
+                for offset, source in memory.param_sources(layers, skip_frozen=True):
                     target = self.buffer[offset - begin : offset - begin + source.numel()]
                     self.uploaded = _C.copy_async(device_index, target, source, "parameter", fence)
         self.grad_buffer: torch.Tensor | None = None
@@ -286,6 +306,16 @@ class ResidentStage:
         self.views = _C.typed_views(
             self.buffer, begin, [slot.offset for slot in slots], params, like_requires_grad=True
         )
+        # The frozen parameters bound in host memory: (layer, slot, the tensor bound). Each is a
+        # `.data` alias with a version counter of its own, so an in-place change by the layer
+        # shows (see `bound`).
+        self.in_host: list[tuple[int, ParamSlot, torch.Tensor]] = []
+        if in_host:
+            layer_of = [index for index in layers for _ in memory.layers[index].slots]
+            for i, slot in enumerate(slots):
+                if slot.frozen:
+                    self.views[i] = slot.param.data
+                    self.in_host.append((layer_of[i], slot, self.views[i]))
         if self.grad_buffer is not None:
             trained = [i for i, slot in enumerate(slots) if slot.grad_offset is not None]
             grads = _C.typed_views(
@@ -298,9 +328,16 @@ class ResidentStage:
                 self.views[i].grad = grad
 
     @contextmanager
-    def bound(self, keep_buffer_updates: bool) -> Iterator[None]:
+    def bound(self, keep_buffer_updates: bool, recomputed: bool) -> Iterator[None]:
         """Bind the layers' modules to the device copies while the stage computes, with the
         stage's device as the current CUDA device.
+
+        ``recomputed``: the stage is a recompute, or a forward whose layers backward will
+        recompute. A layer that then changes a frozen parameter bound in host memory in place
+        would change it twice where plain PyTorch changes it once (a copy would lose the change
+        instead): that is a ``RuntimeError`` at the end of the stage, naming layer and
+        parameter. Without recompute (inference, the fused stage) the change stays, as in plain
+        PyTorch.
 
         Buffers (BatchNorm statistics) are bound to device copies too, made from their host
         values after the buffer writes of earlier stages settled; with ``keep_buffer_updates``
@@ -331,6 +368,8 @@ class ResidentStage:
                         owner._buffers[name] = working
                         bound_buffers.append((index, owner, name, host, working))
                 yield
+                if recomputed:
+                    self._check_frozen_unchanged(keep_buffer_updates)
                 if keep_buffer_updates:
                     # Every bound buffer, changed or not: an update through `.data` leaves no
                     # trace in `_version`, and the download is asynchronous and small.
@@ -342,6 +381,25 @@ class ResidentStage:
                         owner._parameters[name] = slot.param
                 for _, owner, name, host, _ in bound_buffers:
                     owner._buffers[name] = host
+
+    def _check_frozen_unchanged(self, forward: bool) -> None:
+        for index, slot, bound in self.in_host:
+            if bound._version == 0:
+                continue
+            module = self.memory.layers[index].module
+            owner, attribute = slot.owners[0]
+            prefix = next(p for p, m in module.named_modules(remove_duplicate=False) if m is owner)
+            name = f"{prefix}.{attribute}" if prefix else attribute
+            phase = "forward" if forward else "recompute"
+            raise RuntimeError(
+                f"RoundPipe model '{self.model}': layer {index} ({type(module).__name__}) changed "
+                f"its frozen parameter '{name}' in place during {phase}; backward recomputes "
+                "the layer, so the change would be made twice where plain PyTorch makes it "
+                "once (the parameter already holds the changed value). Keep state that a "
+                "layer's forward updates in a buffer (register_buffer: buffers advance once per "
+                "forward pass, recompute leaves them unchanged), or change the parameter "
+                "outside the layer's forward."
+            )
 
     def _buffer_to_host(self, working: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The host source of a buffer's write-back and the event after which it holds the
@@ -659,7 +717,7 @@ class Call:
     def forward_stage(self, stage: ResidentStage, activations: list[Any]) -> list[Any]:
         outputs, trace = [], stage.trace
         run = _LayerCalls(self, stage, recompute=False)
-        with stage.bound(keep_buffer_updates=True), torch.no_grad(), run:
+        with stage.bound(keep_buffer_updates=True, recomputed=self.saving), torch.no_grad(), run:
             for m, value in enumerate(activations):
                 start = trace.mark() if trace is not None else None
                 if stage.layers.start == 0:
@@ -695,7 +753,7 @@ class Call:
         ``losses`` (and ``outputs``, if kept)."""
         grads, trace = [], stage.trace
         run = _LayerCalls(self, stage, recompute=False)
-        with stage.bound(keep_buffer_updates=True), torch.enable_grad(), run:
+        with stage.bound(keep_buffer_updates=True, recomputed=False), torch.enable_grad(), run:
             for m, value in enumerate(activations):
                 start_mark = trace.mark() if trace is not None else None
                 first, device = stage.layers.start, stage.device_index
@@ -735,7 +793,7 @@ class Call:
     def backward_stage(self, stage: ResidentStage, grads: list[Any]) -> list[Any]:
         """Recompute + backward of one backward stage for every microbatch; returns input grads."""
         run = _LayerCalls(self, stage, recompute=True)
-        with stage.bound(keep_buffer_updates=False), run:
+        with stage.bound(keep_buffer_updates=False, recomputed=True), run:
             new_grads = []
             for m, grad in enumerate(grads):
                 if self.recompute_grain == "layer":
@@ -1040,7 +1098,12 @@ class _Uploads:
     def _upload(self, index: int) -> None:
         stage = self.stages[index]
         resident = ResidentStage(
-            self.memory, stage.layers, _next_device(), stage.kind != "forward", self.nvtx_model
+            self.memory,
+            stage.layers,
+            _next_device(),
+            stage.kind != "forward",
+            self.model,
+            self.nvtx_model,
         )
         resident.trace = stage_trace(self.model, resident.device_index, index, stage.layers)
         if resident.trace is not None:
