@@ -9,10 +9,16 @@ Each case runs in a fresh subprocess (RSS is per process) on virtual CPU devices
 
 ``peak`` is the kernel's high-water mark since the zero point (construction included), ``steady``
 the RSS after the last iteration, both in bytes per parameter. The floor counts only what the
-design must hold (one-layer stages keep the virtual devices' buffers, host memory here, to
-2/L of the model): the model's weights, the optimizer copies (when they cannot be the weights
+design must hold: the model's weights, the optimizer copies (when they cannot be the weights
 themselves), Adam's two moments and the gradient arena (two of them for asynchronous steps, one
 filling while the optimizer consumes the other); the breakdown table says where the rest goes.
+Stages on virtual CPU devices compute with the host arenas themselves (no stage buffers).
+
+The LoRA case is issue 16's model: rank-8 adapters on a frozen bf16 base of 4096 x 4096 layers
+(12 of them at 200M), the base kept in its own pageable storage (``pin_model="off"``, as
+docs/guide.md advises for frozen bases). Beside it, the same model trained by the plain PyTorch
+per-microbatch loop with ``torch.optim.Adam`` on the adapters, measured the same way: torch's
+own first-use costs (kernel code pages, allocator and thread-pool state) are in both.
 
     python benchmarks/host_memory.py --params 200M --record
 """
@@ -30,6 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results import parse_count, record
+from roundpipe import RoundPipe
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,7 @@ class Case:
     is_async: bool
     scaler: bool = False
     lora: bool = False
+    plain: bool = False  # the plain PyTorch loop instead of RoundPipe
 
     def floor(self) -> float:
         """Bytes per parameter the design must hold."""
@@ -56,6 +64,14 @@ CASES = [
     Case("fp32 + Adam, async", "float32", None, True),
     Case("fp16 + fp32 Adam + GradScaler, async", "float16", "float32", True, scaler=True),
     Case("LoRA r=8 on a frozen bf16 base, async", "bfloat16", "float32", True, lora=True),
+    Case(
+        "the same LoRA, plain PyTorch + torch.optim.Adam",
+        "bfloat16",
+        None,
+        False,
+        lora=True,
+        plain=True,
+    ),
 ]
 
 
@@ -96,17 +112,19 @@ class LoRALinear(torch.nn.Module):
 
 
 def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, float]:
-    # torch imports torch.fx.experimental.symbolic_shapes (tens of MB, sympy included) on the
-    # first torch.autograd.backward(tensors, grad_tensors), which backward stages call: an
-    # import, not memory per parameter, so it belongs before the zero point with the others.
+    # Every import before the zero point is this process's own (`import roundpipe` already
+    # brought torch.fx.experimental.symbolic_shapes, which torch.autograd.backward imports when
+    # given gradients, through torch.distributed.checkpoint): nothing a training call imports
+    # on first use is preloaded here.
     import roundpipe
-    import torch.fx.experimental.symbolic_shapes
-    from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig
+    from roundpipe import GradScaler, RoundPipeRunConfig
 
     roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
-    # Many thin layers in one-layer stages: on virtual CPU devices the resident stages' buffers
-    # (at most two stages, 2/L of the model) are host memory too, and are counted.
-    width = 2048 if params >= 20 * 10**6 else 512
+    # One-layer stages; the LoRA base in issue 16's 4096 x 4096 layers.
+    if case.lora and params >= 10**8:
+        width = 4096
+    else:
+        width = 2048 if params >= 20 * 10**6 else 512
     layers = max(2, round(params / width**2))
     dtype = getattr(torch, case.dtype)
     zero = _rss()
@@ -119,8 +137,18 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
         net = torch.nn.Sequential(
             *[torch.nn.Linear(width, width, bias=False, dtype=dtype) for _ in range(layers)]
         )
-    total = sum(p.numel() for p in net.parameters())
-    weights_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    x, y = torch.randn(8, width, dtype=dtype), torch.randn(8, width)
+    if case.plain:
+        construction_peak = _peak_rss() - zero
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(
+            [p for p in net.parameters() if p.requires_grad], lr=1e-4
+        )
+        for _ in range(iters):
+            for xm, ym in zip(x.tensor_split(2), y.tensor_split(2), strict=True):
+                ((net(xm).float() - ym) ** 2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return _figures(_peak_rss() - zero, _rss() - zero, construction_peak, net, optimizer, net)
     model = RoundPipe(
         net,
         optim_dtype=None if case.optim_dtype is None else getattr(torch, case.optim_dtype),
@@ -142,7 +170,6 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
         loss = ((out.float() - label) ** 2).mean()
         return loss if scaler is None else scaler.scale(loss)
 
-    x, y = torch.randn(8, width, dtype=dtype), torch.randn(8, width)
     plan = roundpipe.ModelExecutePlan()
     plan.fwd_plan = [range(i, i + 1) for i in range(layers - 1)]
     plan.bwd_plan = [range(i, i + 1) for i in reversed(range(layers))]
@@ -153,22 +180,35 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
     steady = _rss() - zero
     peak = _peak_rss() - zero
     model.synchronize()
+    return _figures(peak, steady, construction_peak, net, optimizer, model)
+
+
+def _figures(
+    peak: int,
+    steady: int,
+    construction_peak: int,
+    net: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trained: torch.nn.Module,
+) -> dict[str, float]:
+    """The measured figures and the design's parts, in bytes per parameter of ``net``."""
+    total = sum(p.numel() for p in net.parameters())
     state_bytes = sum(
         t.numel() * t.element_size()
         for s in optimizer.state.values()
         for t in s.values()
         if isinstance(t, torch.Tensor) and t.numel() > 1
     )
-    copies_bytes = sum(p.numel() * p.element_size() for p in model.optim_parameters())
+    copies = trained.optim_parameters() if isinstance(trained, RoundPipe) else iter(())
     return {
         "params": total,
         "construction_peak": construction_peak / total,
         "peak": peak / total,
         "steady": steady / total,
-        "weights": weights_bytes / total,
+        "weights": sum(p.numel() * p.element_size() for p in net.parameters()) / total,
         "grad_arena": sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
         / total,
-        "copies": copies_bytes / total,
+        "copies": sum(p.numel() * p.element_size() for p in copies) / total,
         "optimizer_state": state_bytes / total,
     }
 
@@ -209,9 +249,9 @@ def table(results: list[tuple[Case, dict[str, float]]]) -> str:
     lines += [
         "",
         "Where the bytes go (per parameter): what the design holds, then the rest of the peak and "
-        "of the steady RSS (stage buffers of the virtual devices, temporaries, fixed costs of "
-        "torch and the runtime, allocator slack). Gradient arenas: as counted in the floor; a "
-        "consumed arena's pages are handed back to the OS, so the steady RSS, taken after a "
+        "of the steady RSS (torch's temporaries, fixed costs of torch and the runtime, allocator "
+        "slack). Gradient arenas: as counted in the floor (plain PyTorch: its `.grad` tensors); "
+        "a consumed arena's pages are handed back to the OS, so the steady RSS, taken after a "
         "step, holds at most the one the optimizer may still be reading.",
         "",
         "| case | weights | optimizer copies | Adam state | gradient arenas "
