@@ -12,7 +12,8 @@ the RSS after the last iteration, both in bytes per parameter. The floor counts 
 design must hold: the model's weights, the optimizer copies (when they cannot be the weights
 themselves), Adam's two moments and the gradient arena (two of them for asynchronous steps, one
 filling while the optimizer consumes the other); the breakdown table says where the rest goes.
-Stages on virtual CPU devices compute with the host arenas themselves (no stage buffers).
+One-layer stages keep the virtual devices' buffers (host memory here; GPU memory on GPUs) to 2/L
+of the trained weights; frozen parameters are bound in place on virtual CPU devices, not copied.
 
 The LoRA case is issue 16's model: rank-8 adapters on a frozen bf16 base of 4096 x 4096 layers
 (12 of them at 200M), the base kept in its own pageable storage (``pin_model="off"``, as
@@ -120,7 +121,9 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
     from roundpipe import GradScaler, RoundPipeRunConfig
 
     roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
-    # One-layer stages; the LoRA base in issue 16's 4096 x 4096 layers.
+    # Many layers in one-layer stages: on virtual CPU devices the resident stages' buffers (at
+    # most two stages, 2/L of the trained weights) are host memory too, and are counted. The
+    # LoRA base in issue 16's 4096 x 4096 layers.
     if case.lora and params >= 10**8:
         width = 4096
     else:
