@@ -334,7 +334,8 @@ class DataParallel:
         layout, ordinal = 0, -1
         if len(self.gpus) > 1:
             layout = zlib.crc32(repr([(r.start, r.stop) for r in plan]).encode())
-            ordinal = self.gpus.index(device.index or 0)
+            gpu = device.index or 0
+            ordinal = self.gpus.index(gpu) if gpu in self.gpus else -2  # reduce_stage raises
         mine = torch.tensor([self.steps, self.calls, layout, ordinal], dtype=torch.int64)
         everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
         all_gather(everyone, mine, self.call_group)
@@ -364,8 +365,14 @@ class DataParallel:
         ``first_byte`` on, on ``device``) into the ranks that own them, layer by layer in
         descending order; returns the own shard's byte range, the only part to download."""
         group = self.call_group
-        if device.type == "cuda":
+        if device.type == "cuda" and (device.index or 0) in self.gpus:
             group = self.gpu_groups[self.gpus.index(device.index or 0)]
+        elif device.type == "cuda" or self.gpus:
+            raise RuntimeError(
+                f"the device pool changed since the model was built (its stage reduces were set "
+                f"up for {'GPUs ' + str(self.gpus) if self.gpus else 'CPU devices'}, this stage "
+                f"ran on {device}): build data-parallel models after configure_devices()"
+            )
         size = self.shard_bytes
         if size == 0:
             return 0, 0
