@@ -62,7 +62,6 @@ _ALIGN = 64
 # torch 2.13 renamed all_gather_into_tensor; older releases have only the old name.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-ReduceMode = Literal["auto", "host", "stage"]
 REDUCE_MODES: tuple[str, ...] = ("auto", "host", "stage")
 
 _active = threading.local()
@@ -364,9 +363,9 @@ class DataParallel:
         """Sum a backward stage's device gradients (``buffer``: the gradient arena's bytes from
         ``first_byte`` on, on ``device``) into the ranks that own them, layer by layer in
         descending order; returns the own shard's byte range, the only part to download."""
-        group = self.call_group
-        if device.type == "cuda" and (device.index or 0) in self.gpus:
-            group = self.gpu_groups[self.gpus.index(device.index or 0)]
+        group, gpu = self.call_group, device.index or 0
+        if device.type == "cuda" and gpu in self.gpus:
+            group = self.gpu_groups[self.gpus.index(gpu)]
         elif device.type == "cuda" or self.gpus:
             raise RuntimeError(
                 f"the device pool changed since the model was built (its stage reduces were set "

@@ -27,14 +27,16 @@ wrapping never holds the weights twice.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from roundpipe._native import _C
+
+_Key = TypeVar("_Key")
 
 _ALIGN = 64  # bytes; keeps every dtype view aligned and SIMD-friendly
 # While parameters move into the arena, the C heap's free memory (their old storage) is handed
@@ -195,17 +197,13 @@ class ModelMemory:
         range, or with ``skip_frozen`` the runs between frozen parameters."""
         if not skip_frozen:
             return [self.param_range(layers)]
-        runs: list[tuple[int, int]] = []
-        for index in layers:
-            for slot in self.layers[index].slots:
-                if slot.frozen:
-                    continue
-                begin, end = slot.offset, slot.offset + _aligned(slot.nbytes)
-                if runs and runs[-1][1] == begin:
-                    runs[-1] = (runs[-1][0], end)
-                else:
-                    runs.append((begin, end))
-        return runs
+        spans = (
+            (slot.offset, slot.offset + _aligned(slot.nbytes), None)
+            for index in layers
+            for slot in self.layers[index].slots
+            if not slot.frozen
+        )
+        return [(begin, end) for begin, end, _ in _coalesced(spans)]
 
     def write_async(self, layer: int, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Any:
         """Queue ``dsts[i].copy_(srcs[i])`` into layer ``layer``'s parameters on the weight
@@ -309,18 +307,23 @@ class ModelMemory:
 
     def grad_runs(self, layers: range) -> list[tuple[int, int, torch.dtype]]:
         """Maximal byte runs ``(begin, end, dtype)`` of same-dtype gradients over ``layers``."""
-        runs: list[tuple[int, int, torch.dtype]] = []
-        for index in layers:
-            for slot in self.layers[index].slots:
-                if slot.grad_offset is None:
-                    continue
-                begin, end = slot.grad_offset, slot.grad_offset + _aligned(slot.nbytes)
-                dtype = slot.param.dtype
-                if runs and runs[-1][2] == dtype and runs[-1][1] == begin:
-                    runs[-1] = (runs[-1][0], end, dtype)
-                else:
-                    runs.append((begin, end, dtype))
-        return runs
+        return _coalesced(
+            (slot.grad_offset, slot.grad_offset + _aligned(slot.nbytes), slot.param.dtype)
+            for index in layers
+            for slot in self.layers[index].slots
+            if slot.grad_offset is not None
+        )
+
+
+def _coalesced(spans: Iterable[tuple[int, int, _Key]]) -> list[tuple[int, int, _Key]]:
+    """Byte spans ``(begin, end, key)`` in order, adjacent ones with equal keys merged."""
+    runs: list[tuple[int, int, _Key]] = []
+    for begin, end, key in spans:
+        if runs and runs[-1][2] == key and runs[-1][1] == begin:
+            runs[-1] = (runs[-1][0], end, key)
+        else:
+            runs.append((begin, end, key))
+    return runs
 
 
 __all__ = ["LayerMemory", "ModelMemory", "ParamSlot", "clear_arena", "typed_view"]
