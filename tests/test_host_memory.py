@@ -34,6 +34,23 @@ _PRELUDE = textwrap.dedent(
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024
 
+    # `iterations` of bf16 inputs through one-layer stages, with roundpipe.optim.Adam steps.
+    def train(model, width, layers, iterations, is_async=True):
+        optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-4)
+        plan = roundpipe.ModelExecutePlan()
+        plan.fwd_plan = [range(i, i + 1) for i in range(layers - 1)]
+        plan.bwd_plan = [range(i, i + 1) for i in reversed(range(layers))]
+        config = roundpipe.RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+        x, y = torch.randn(8, width, dtype=torch.bfloat16), torch.randn(8, width)
+        for _ in range(iterations):
+            model.forward_backward(
+                input_args=(x,), label=y,
+                loss_fn=lambda out, label: ((out.float() - label) ** 2).mean(),
+                run_config=config,
+            )
+            model.step(lambda: (optimizer.step(), optimizer.zero_grad()), is_async=is_async)
+        model.synchronize()
+
     roundpipe.configure_devices(kind="cpu", num_cpu_devices=2)
     torch.set_num_threads(1)
     zero = rss()
@@ -115,25 +132,7 @@ def test_training_peak_stays_near_the_floor(is_async: bool) -> None:
         )
         params = sum(p.numel() for p in net.parameters())
         model = roundpipe.RoundPipe(net, optim_dtype=torch.float32)
-        optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-4)
-        plan = roundpipe.ModelExecutePlan()
-        plan.fwd_plan = [range(i, i + 1) for i in range(layers - 1)]
-        plan.bwd_plan = [range(i, i + 1) for i in reversed(range(layers))]
-        config = roundpipe.RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
-        x, y = torch.randn(8, width, dtype=torch.bfloat16), torch.randn(8, width)
-
-        def step_fn():
-            optimizer.step()
-            optimizer.zero_grad()
-
-        for _ in range(6):
-            model.forward_backward(
-                input_args=(x,), label=y,
-                loss_fn=lambda out, label: ((out.float() - label) ** 2).mean(),
-                run_config=config,
-            )
-            model.step(step_fn, is_async={is_async})
-        model.synchronize()
+        train(model, width, layers, 6, is_async={is_async})
         result = {{"peak": (peak() - zero) / params}}
         """
     )
@@ -169,28 +168,12 @@ def test_a_frozen_base_costs_no_stage_memory(pin_model: str) -> None:
             net = torch.nn.Sequential(*[Adapted(width) for _ in range(layers)])
             return roundpipe.RoundPipe(net, optim_dtype=torch.float32, pin_model={pin_model!r})
 
-        def train(model, width, layers):
-            optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-4)
-            plan = roundpipe.ModelExecutePlan()
-            plan.fwd_plan = [range(i, i + 1) for i in range(layers - 1)]
-            plan.bwd_plan = [range(i, i + 1) for i in reversed(range(layers))]
-            config = roundpipe.RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
-            x, y = torch.randn(8, width, dtype=torch.bfloat16), torch.randn(8, width)
-            for _ in range(3):
-                model.forward_backward(
-                    input_args=(x,), label=y,
-                    loss_fn=lambda out, label: ((out.float() - label) ** 2).mean(),
-                    run_config=config,
-                )
-                model.step(lambda: (optimizer.step(), optimizer.zero_grad()))
-            model.synchronize()
-
-        train(build(256, 4), 256, 4)
+        train(build(256, 4), 256, 4, 3)
         model = build(4096, 4)
         before = rss()
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")
-        train(model, 4096, 4)
+        train(model, 4096, 4, 3)
         result = {{"peak": (peak() - before) / (4 * 4096 * 4096 * 2)}}
         """
     )
