@@ -6,6 +6,7 @@ the calling thread when its worker is idle and on the worker otherwise."""
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -192,8 +193,128 @@ def test_every_copy_goes_to_the_worker_with_threshold_zero() -> None:
 
 @pytest.mark.usefixtures("one_cpu_device")
 def test_an_inline_copy_reports_its_error_through_its_event() -> None:
+    # The worker may still be finishing an earlier test's job: wait until a copy runs inline.
+    deadline = time.monotonic() + 10
+    while not _C.copy_async(0, torch.zeros(1), torch.ones(1), "activation").query():
+        assert time.monotonic() < deadline, "the copy engine's worker never became idle"
+        time.sleep(0.001)
     failed = _C.copy_async(0, torch.zeros(2, 4), torch.ones(8), "activation")  # not broadcastable
     ok = _C.copy_async(0, torch.zeros(4), torch.ones(4), "activation")
     assert ok.query()
     with pytest.raises(RuntimeError):
         failed.synchronize()
+
+
+# --------------------------------------------------------------------------------------------
+# The native layer loop (_C.LayerLoop)
+# --------------------------------------------------------------------------------------------
+
+
+class _Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise KeyError("layer 2 is broken")
+
+
+def _dropout_layers() -> list[nn.Module]:
+    torch.manual_seed(1)
+    return [nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5)]
+
+
+def test_layer_loop_reseeds_and_calls_each_layer_as_python_would() -> None:
+    from roundpipe.context import LayerCall, doing_recompute
+
+    layers = _dropout_layers()
+    x = torch.randn(4, 8)
+    expected: torch.Tensor = x
+    for index, layer in enumerate(layers):
+        torch.default_generator.manual_seed(_C.layer_seed(99, index, 2, False))
+        expected = layer(expected)
+    seen: list[tuple[int, int, bool]] = []
+    context = LayerCall({}, recompute=True, saving_enabled=True)
+    hook = layers[2].register_forward_pre_hook(
+        lambda *_: seen.append((context.layer, context.microbatch, doing_recompute()))
+    )
+    loop = _C.LayerLoop(layers, 99, False, [torch.default_generator], context, None, "host", 0)
+    with context:
+        first = loop.run(0, 1, 2, ((x,), {}))  # layer 0 takes (args, kwargs)
+        got = loop.run(1, 4, 2, first)
+    hook.remove()
+    assert torch.equal(got, expected)
+    assert seen == [(2, 2, True)]
+    times = loop.take_host_times()
+    assert len(times) == 4 and all(t >= 0 for t in times)
+    assert loop.take_host_times() == []
+    # fresh draws differ from the replayed ones
+    assert _C.layer_seed(99, 1, 2, True) != _C.layer_seed(99, 1, 2, False)
+    assert len({_C.layer_seed(99, layer, m, False) for layer in range(4) for m in range(4)}) == 16
+    assert all(0 <= _C.layer_seed(s, 3, 1, False) < 2**63 for s in (0, 1, 2**62 - 1))
+
+
+def test_layer_loop_names_the_failing_layer_and_keeps_the_exception() -> None:
+    from roundpipe.context import LayerCall
+
+    layers: list[nn.Module] = [nn.Identity(), nn.Identity(), _Fails(), nn.Identity()]
+    context = LayerCall({}, recompute=False, saving_enabled=False)
+    loop = _C.LayerLoop(layers, 0, False, [], context, None, "off", 0)
+    with pytest.raises(KeyError, match="layer 2 is broken"):
+        loop.run(1, 4, 0, torch.zeros(1))
+    assert context.layer == 2
+    with pytest.raises(RuntimeError, match="not within the 4 layers"):
+        loop.run(3, 5, 0, torch.zeros(1))
+    with pytest.raises(RuntimeError, match="timing must be"):
+        _C.LayerLoop(layers, 0, False, [], context, None, "wall", 0)
+
+
+def test_layer_loop_enters_and_leaves_each_mark() -> None:
+    from contextlib import contextmanager
+
+    from roundpipe.context import LayerCall
+
+    events: list[str] = []
+
+    @contextmanager
+    def mark(layer: int, microbatch: int) -> Iterator[None]:
+        events.append(f"enter {layer}/{microbatch}")
+        try:
+            yield
+        finally:
+            events.append(f"exit {layer}")
+
+    layers: list[nn.Module] = [nn.Identity(), _Fails()]
+    loop = _C.LayerLoop(layers, 0, False, [], LayerCall({}, False, False), mark, "off", 0)
+    with pytest.raises(KeyError):
+        loop.run(0, 2, 3, ((torch.zeros(1),), {}))
+    assert events == ["enter 0/3", "exit 0", "enter 1/3", "exit 1"]
+
+
+def test_timings_of_a_stage_with_a_full_garbage_collection_are_dropped() -> None:
+    """A full collection's pause would land in one layer's timing and skew the plan for many
+    calls: the stage's timings are not handed to the timer."""
+    import gc
+
+    from roundpipe import RoundPipe, RoundPipeRunConfig, doing_recompute
+
+    class Collects(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not doing_recompute():
+                gc.collect()
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    roundpipe.configure_devices(kind="cpu", num_cpu_devices=1)
+    model = RoundPipe(nn.Sequential(nn.Linear(4, 4), Collects(4, 4), nn.Linear(4, 4)))
+    plan = roundpipe.ModelExecutePlan()
+    plan.fwd_plan = [range(0, 1), range(1, 2)]
+    plan.bwd_plan = [range(2, 3), range(1, 2), range(0, 1)]
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+    model.forward_backward(
+        input_args=(torch.randn(4, 4),),
+        label=torch.randn(4, 4),
+        loss_fn=lambda out, label: ((out - label) ** 2).mean(),
+        run_config=config,
+    )
+    model.synchronize()
+    timer = model._runtime.timer
+    assert timer.estimate(1, "fwd") is None  # collected during its stage
+    assert timer.estimate(1, "re") is not None  # its recompute collected nothing
+    assert timer.estimate(0, "fwd") is not None and timer.estimate(2, "fwd") is not None

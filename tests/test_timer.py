@@ -218,3 +218,33 @@ def test_record_spans_rejects_bad_spans(span: tuple[range, str, float]) -> None:
     timer = ModelTimer(3, [1, 1, 1])
     with pytest.raises(ValueError, match="timing span"):
         timer.record_spans([span])  # type: ignore[list-item]
+
+
+def test_record_layers_is_record_of_each_in_order() -> None:
+    ours, theirs = ModelTimer(3, [1, 1, 1]), ModelTimer(3, [1, 1, 1])
+    layers, seconds = [0, 1, 1, 2, 0], [1.0, 2.0, 0.5, 3.0, 4.0]
+    ours.record_layers(layers, "re", seconds)
+    for layer, time in zip(layers, seconds, strict=True):
+        theirs.record(layer, "re", time)
+    for layer in range(3):
+        assert ours.estimate(layer, "re") == theirs.estimate(layer, "re")
+    assert ours.version == theirs.version
+
+
+@pytest.mark.parametrize(
+    ("layers", "action", "seconds", "match"),
+    [
+        ([0, 1], "fwd", [1.0], "one time per layer"),
+        ([0], "forward", [1.0], "action"),
+        ([3], "fwd", [1.0], "within"),
+        ([0], "fwd", [float("nan")], "finite"),
+        ([0], "fwd", [-1.0], "finite"),
+    ],
+)
+def test_record_layers_rejects_bad_input(
+    layers: list[int], action: str, seconds: list[float], match: str
+) -> None:
+    timer = ModelTimer(3, [1, 1, 1])
+    with pytest.raises(ValueError, match=match):
+        timer.record_layers(layers, action, seconds)  # type: ignore[arg-type]
+    assert all(timer.estimate(i, "fwd") is None for i in range(3))

@@ -1,15 +1,24 @@
 // Bindings of the pipeline's per-stage work that Python would pay for per layer x microbatch or per
-// parameter: the backward of a recomputed stage and the typed views of a stage's buffers.
+// parameter: the loop over a stage's layers, the backward of a recomputed stage and the typed views
+// of a stage's buffers.
 //
 // At short sequences a device finishes a layer in about a millisecond, so the host's Python work
-// around each layer caps throughput (benchmarks/overhead_cpu.py, the dispatch table). These two
-// calls replace a Python entry point that costs more than the native work behind it.
+// around each layer caps throughput (benchmarks/overhead_cpu.py, the dispatch table). These calls
+// replace a Python entry point that costs more than the native work behind it.
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <chrono>
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "bindings/bindings.h"
@@ -75,9 +84,161 @@ std::vector<at::Tensor> typed_views(const at::Tensor& buffer, std::int64_t first
   return views;
 }
 
+// A timing event recorded on a CUDA device's compute stream, read by the model's timer once it
+// completed (roundpipe.timer.TimingEvent: query() and elapsed_time(end) in milliseconds).
+class TimingMark {
+ public:
+  explicit TimingMark(const c10::Stream& stream)
+      : event_(stream.device_type(), c10::EventFlag::BACKEND_DEFAULT) {
+    event_.record(stream);
+  }
+  bool query() const { return event_.query(); }
+  double elapsed_time(const TimingMark& end) const { return event_.elapsedTime(end.event_); }
+
+ private:
+  c10::Event event_;
+};
+
+// splitmix64's finaliser of (call, layer, microbatch): every random draw of layer l for microbatch
+// m comes from generators seeded with it, the same whatever the plan, stage boundaries or device;
+// `fresh` gives recompute a stream of its own when it must not replay the forward's draws.
+std::uint64_t layer_seed(std::uint64_t call_seed, std::int64_t layer, std::int64_t microbatch,
+                         bool fresh) {
+  std::uint64_t x = call_seed ^ (static_cast<std::uint64_t>(layer) * 0x9E3779B97F4A7C15ULL) ^
+                    (static_cast<std::uint64_t>(microbatch) * 0xC2B2AE3D27D4EB4FULL);
+  if (fresh) x ^= 0x165667B19E3779F9ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return (x ^ (x >> 31)) >> 1;
+}
+
+// The layer calls of one stage of one pipelined call (roundpipe.pipeline._LayerCalls): for each
+// layer of a run, reseed the generators, point the recompute context at the layer, call the module
+// (inside its NVTX range, when ranges are marked) and time it. What is the same for every layer x
+// microbatch of the stage is given once, here.
+class LayerLoop {
+ public:
+  LayerLoop(py::list modules, std::uint64_t call_seed, bool fresh,
+            std::vector<at::Generator> generators, py::object context, py::object mark,
+            const std::string& timing, std::int64_t device_index)
+      : modules_(std::move(modules)),
+        call_seed_(call_seed),
+        fresh_(fresh),
+        generators_(std::move(generators)),
+        context_(std::move(context)),
+        mark_(std::move(mark)) {
+    TORCH_CHECK(timing == "off" || timing == "host" || timing == "device",
+                "LayerLoop: timing must be 'off', 'host' or 'device', got '", timing, "'");
+    if (timing == "host") timing_ = Timing::kHost;
+    if (timing == "device") {
+      timing_ = Timing::kDevice;
+      const c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index));
+      stream_.emplace(c10::impl::getDeviceGuardImpl(device.type())->getStream(device));
+    }
+  }
+
+  // Runs layers [first, stop) on `value` for `microbatch` and returns the last one's output; layer
+  // 0 takes `value` as (args, kwargs). The context's `layer` names the layer that raised, if one
+  // did.
+  py::object run(std::int64_t first, std::int64_t stop, std::int64_t microbatch, py::object value) {
+    const auto size = static_cast<std::int64_t>(modules_.size());
+    TORCH_CHECK(0 <= first && first <= stop && stop <= size, "LayerLoop.run: layers [", first, ", ",
+                stop, ") are not within the ", size, " layers");
+    const py::int_ mb(microbatch);
+    for (std::int64_t layer = first; layer < stop; ++layer) {
+      const std::uint64_t seed = layer_seed(call_seed_, layer, microbatch, fresh_);
+      for (at::Generator& generator : generators_) {
+        std::lock_guard<std::mutex> lock(generator.mutex());
+        generator.set_current_seed(seed);
+      }
+      context_.attr("layer") = py::int_(layer);
+      context_.attr("microbatch") = mb;
+      context_.attr("saved") = py::bool_(false);
+      value = call(layer, mb, value);
+    }
+    return value;
+  }
+
+  // The host times taken since the last call, in seconds, one per layer run, in order.
+  std::vector<double> take_host_times() { return std::exchange(host_times_, {}); }
+  // The device timing events recorded since the last call: (start, end) per layer run, in order.
+  std::vector<std::pair<std::shared_ptr<TimingMark>, std::shared_ptr<TimingMark>>>
+  take_device_times() {
+    return std::exchange(device_times_, {});
+  }
+
+ private:
+  enum class Timing { kOff, kHost, kDevice };
+
+  py::object call(std::int64_t layer, const py::int_& mb, const py::object& value) {
+    const py::handle module = modules_[static_cast<std::size_t>(layer)];
+    py::object range;
+    if (!mark_.is_none()) {
+      range = mark_(layer, mb);
+      range.attr("__enter__")();
+    }
+    std::shared_ptr<TimingMark> start_mark;
+    const auto start = std::chrono::steady_clock::now();
+    if (timing_ == Timing::kDevice) start_mark = std::make_shared<TimingMark>(*stream_);
+    py::object result;
+    try {
+      if (layer == 0) {
+        const py::tuple pair = value.cast<py::tuple>();
+        TORCH_CHECK(pair.size() == 2, "LayerLoop.run: layer 0 takes (args, kwargs)");
+        result = module(*pair[0], **pair[1]);
+      } else {
+        result = module(value);
+      }
+    } catch (...) {
+      if (range) range.attr("__exit__")(py::none(), py::none(), py::none());
+      throw;
+    }
+    if (timing_ == Timing::kHost) {
+      host_times_.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    } else if (timing_ == Timing::kDevice) {
+      device_times_.emplace_back(std::move(start_mark), std::make_shared<TimingMark>(*stream_));
+    }
+    if (range) range.attr("__exit__")(py::none(), py::none(), py::none());
+    return result;
+  }
+
+  py::list modules_;
+  std::uint64_t call_seed_;
+  bool fresh_;
+  std::vector<at::Generator> generators_;
+  py::object context_;
+  py::object mark_;
+  Timing timing_ = Timing::kOff;
+  std::optional<c10::Stream> stream_;
+  std::vector<double> host_times_;
+  std::vector<std::pair<std::shared_ptr<TimingMark>, std::shared_ptr<TimingMark>>> device_times_;
+};
+
 }  // namespace
 
 void bind_dispatch(py::module_& m) {
+  py::class_<TimingMark, std::shared_ptr<TimingMark>>(
+      m, "TimingMark", "A timing event on a CUDA device's compute stream (see LayerLoop).")
+      .def("query", &TimingMark::query, "Whether the event completed.")
+      .def("elapsed_time", &TimingMark::elapsed_time, py::arg("end"),
+           "Milliseconds from this event to `end` (both completed).");
+  py::class_<LayerLoop>(m, "LayerLoop",
+                        "The layer calls of one stage: reseed, recompute context, NVTX range, "
+                        "module call and timing per layer, in one native loop.")
+      .def(py::init<py::list, std::uint64_t, bool, std::vector<at::Generator>, py::object,
+                    py::object, const std::string&, std::int64_t>(),
+           py::arg("modules"), py::arg("call_seed"), py::arg("fresh"), py::arg("generators"),
+           py::arg("context"), py::arg("mark"), py::arg("timing"), py::arg("device_index"))
+      .def("run", &LayerLoop::run, py::arg("first"), py::arg("stop"), py::arg("microbatch"),
+           py::arg("value"), "Runs layers [first, stop) on value; returns the last output.")
+      .def("take_host_times", &LayerLoop::take_host_times,
+           "Host seconds of each layer run since the last call, in order.")
+      .def("take_device_times", &LayerLoop::take_device_times,
+           "(start, end) TimingMarks of each layer run since the last call, in order.");
+  m.def("layer_seed", &layer_seed, py::arg("call_seed"), py::arg("layer"), py::arg("microbatch"),
+        py::arg("fresh"),
+        "The seed of the generators for (call, layer, microbatch) (splitmix64 finaliser).");
   m.def("backward", &backward, py::arg("outputs"), py::arg("grads"),
         "torch.autograd.backward(outputs, grads) through the engine directly, without the GIL: "
         "one defined gradient per output; errors are raised as torch.autograd.backward raises "

@@ -1,9 +1,11 @@
 # Typed surface of the compiled core; tests/test_package.py keeps it true.
 
 from collections.abc import Callable, Sequence
-from typing import overload
+from contextlib import AbstractContextManager
+from typing import Any, overload
 
-from torch import Tensor
+from torch import Generator, Tensor
+from torch.nn import Module
 
 def build_info() -> dict[str, object]: ...
 def configure_devices(
@@ -139,3 +141,30 @@ def typed_views(
     likes: Sequence[Tensor],
     like_requires_grad: bool = False,
 ) -> list[Tensor]: ...
+
+# A timing event on a CUDA device's compute stream (the model timer's TimingEvent).
+class TimingMark:
+    def query(self) -> bool: ...
+    def elapsed_time(self, end: TimingMark) -> float: ...
+
+# The layer calls of one stage: per layer, reseed `generators` with layer_seed(call_seed, layer,
+# microbatch, fresh), point `context` (roundpipe.context.LayerCall) at the layer, enter
+# mark(layer, microbatch) if given (NVTX), call the module and time it (timing: off | host |
+# device, the last on the current stream of CUDA device `device_index`).
+class LayerLoop:
+    def __init__(
+        self,
+        modules: list[Module],
+        call_seed: int,
+        fresh: bool,
+        generators: list[Generator],
+        context: object,
+        mark: Callable[[int, int], AbstractContextManager[object]] | None,
+        timing: str,
+        device_index: int,
+    ) -> None: ...
+    def run(self, first: int, stop: int, microbatch: int, value: object) -> Any: ...
+    def take_host_times(self) -> list[float]: ...
+    def take_device_times(self) -> list[tuple[TimingMark, TimingMark]]: ...
+
+def layer_seed(call_seed: int, layer: int, microbatch: int, fresh: bool) -> int: ...

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -104,6 +104,56 @@ def typed_view(arena: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Te
     return arena[offset : offset + nbytes].view(like.dtype).view(like.shape)
 
 
+@dataclass(frozen=True)
+class StageLayout:
+    """What a stage over ``layers`` needs of the arena layout, worked out once per range and
+    reused by every call whose plan has that stage (:meth:`ModelMemory.stage_layout`): the host
+    work a stage repeats per call is then a few native calls and the binding itself.
+
+    Only what cannot change after wrapping is kept: which parameters are frozen follows
+    ``requires_grad``, which the user may flip, so it is asked per upload (:meth:`frozen`)."""
+
+    layers: range
+    param_begin: int
+    param_end: int
+    grad_begin: int
+    grad_end: int
+    slots: tuple[ParamSlot, ...]
+    #: Parameter byte offsets and the parameters, in ``slots`` order (for ``typed_views``).
+    offsets: list[int]
+    params: list[nn.Parameter]
+    #: The layer of each slot.
+    layer_of: tuple[int, ...]
+    #: Indices into ``slots`` of the parameters with a gradient slot, their gradient offsets.
+    trained: tuple[int, ...]
+    grad_offsets: list[int]
+    #: Where each slot's device copy is bound: (module, attribute, the slot's index).
+    owners: tuple[tuple[nn.Module, str, int], ...]
+    #: The layers' buffers: (layer, module, attribute).
+    buffers: tuple[tuple[int, nn.Module, str], ...]
+    #: Maximal runs of same-dtype gradients: (begin, end, dtype) in the gradient arena.
+    grad_runs: tuple[tuple[int, int, torch.dtype], ...]
+    #: Slots that may be frozen (no gradient slot): indices into ``slots``.
+    maybe_frozen: tuple[int, ...]
+
+    def frozen(self) -> tuple[int, ...]:
+        """Indices into ``slots`` of the parameters frozen now (see :attr:`ParamSlot.frozen`)."""
+        return tuple(i for i in self.maybe_frozen if self.slots[i].frozen)
+
+    def param_runs(self, frozen: tuple[int, ...]) -> list[tuple[int, int]]:
+        """Maximal byte runs ``(begin, end)`` of the parameter arena over the stage, leaving out
+        the parameters at ``frozen`` (indices into ``slots``)."""
+        if not frozen:
+            return [(self.param_begin, self.param_end)]
+        skipped = set(frozen)
+        spans = (
+            (slot.offset, slot.offset + _aligned(slot.nbytes), None)
+            for i, slot in enumerate(self.slots)
+            if i not in skipped
+        )
+        return [(begin, end) for begin, end, _ in _coalesced(spans)]
+
+
 class ModelMemory:
     """Flat host arenas for a list of layers; the parameters are moved into them in place."""
 
@@ -158,6 +208,7 @@ class ModelMemory:
         self._writes: dict[int, tuple[int, Any]] = {}
         self._write_count = 0
         self._last_write: Any = None
+        self._stage_layouts: dict[tuple[int, int], StageLayout] = {}
         with torch.no_grad():
             moved = 0
             for slot in self.slots():
@@ -181,6 +232,41 @@ class ModelMemory:
         assert self.params is not None
         return typed_view(self.params, alias.offset, alias.param)
 
+    def stage_layout(self, layers: range) -> StageLayout:
+        """The layout of a stage over ``layers`` (worked out on first use, then cached)."""
+        key = (layers.start, layers.stop)
+        layout = self._stage_layouts.get(key)
+        if layout is None:
+            layout = self._stage_layouts[key] = self._new_stage_layout(layers)
+        return layout
+
+    def _new_stage_layout(self, layers: range) -> StageLayout:
+        slots = tuple(slot for index in layers for slot in self.layers[index].slots)
+        trained = tuple(i for i, slot in enumerate(slots) if slot.grad_offset is not None)
+        return StageLayout(
+            layers=layers,
+            param_begin=self.layers[layers.start].begin,
+            param_end=self.layers[layers.stop - 1].end,
+            grad_begin=self.layers[layers.start].grad_begin,
+            grad_end=self.layers[layers.stop - 1].grad_end,
+            slots=slots,
+            offsets=[slot.offset for slot in slots],
+            params=[slot.param for slot in slots],
+            layer_of=tuple(index for index in layers for _ in self.layers[index].slots),
+            trained=trained,
+            grad_offsets=[cast(int, slots[i].grad_offset) for i in trained],
+            owners=tuple(
+                (owner, name, i) for i, slot in enumerate(slots) for owner, name in slot.owners
+            ),
+            buffers=tuple(
+                (index, owner, name)
+                for index in layers
+                for owner, name in self.layers[index].buffers
+            ),
+            grad_runs=tuple(self.grad_runs(layers)),
+            maybe_frozen=tuple(i for i, slot in enumerate(slots) if slot.grad_offset is None),
+        )
+
     def param_sources(self, layers: range, skip_frozen: bool) -> list[tuple[int, torch.Tensor]]:
         """Without an arena: ``(byte offset in the arena layout, bytes)`` of every parameter of
         ``layers`` (but the frozen ones, with ``skip_frozen``), aliases included (they read their
@@ -191,19 +277,6 @@ class ModelMemory:
             for slot in self.layers[index].slots
             if not (skip_frozen and slot.frozen)
         ]
-
-    def param_runs(self, layers: range, skip_frozen: bool) -> list[tuple[int, int]]:
-        """Maximal byte runs ``(begin, end)`` of the parameter arena over ``layers``: the whole
-        range, or with ``skip_frozen`` the runs between frozen parameters."""
-        if not skip_frozen:
-            return [self.param_range(layers)]
-        spans = (
-            (slot.offset, slot.offset + _aligned(slot.nbytes), None)
-            for index in layers
-            for slot in self.layers[index].slots
-            if not slot.frozen
-        )
-        return [(begin, end) for begin, end, _ in _coalesced(spans)]
 
     def write_async(self, layer: int, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Any:
         """Queue ``dsts[i].copy_(srcs[i])`` into layer ``layer``'s parameters on the weight
@@ -326,4 +399,11 @@ def _coalesced(spans: Iterable[tuple[int, int, _Key]]) -> list[tuple[int, int, _
     return runs
 
 
-__all__ = ["LayerMemory", "ModelMemory", "ParamSlot", "clear_arena", "typed_view"]
+__all__ = [
+    "LayerMemory",
+    "ModelMemory",
+    "ParamSlot",
+    "StageLayout",
+    "clear_arena",
+    "typed_view",
+]

@@ -18,6 +18,7 @@ accumulation per dtype run, asynchronously.
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import time
 import warnings
@@ -33,7 +34,7 @@ from roundpipe import context
 from roundpipe._native import _C
 from roundpipe.context import annotate
 from roundpipe.device import device_count, devices
-from roundpipe.memory import ModelMemory, ParamSlot
+from roundpipe.memory import ModelMemory
 from roundpipe.scheduler import ModelExecutePlan, RunType
 from roundpipe.tracing import StageTrace, stage_trace
 
@@ -256,18 +257,20 @@ class ResidentStage:
         self.memory, self.layers, self.device_index = memory, layers, device_index
         self.model, self.nvtx_model = model, nvtx_model
         self.trace: StageTrace | None = None  # set while a timeline trace is recorded
+        self.layout = layout = memory.stage_layout(layers)
         device = devices()[device_index]
         in_host = device.type == "cpu"
-        begin, end = memory.param_range(layers)
-        # Pages of the buffer that no copy writes (frozen parameters bound in host memory) are
-        # never touched, so they cost no memory.
-        self.buffer = _stage_buffer(end - begin, device, zero=False)
+        # On a virtual CPU device the frozen parameters are bound in host memory: their pages of
+        # the buffer are never written, so they cost no memory.
+        frozen = layout.frozen() if in_host else ()
+        begin = layout.param_begin
+        self.buffer = _stage_buffer(layout.param_end - begin, device, zero=False)
         fence = memory.fence(layers)
         with _marked(nvtx_model, "upload", layers):
             if memory.params is not None:
                 # The copies of one stage run in order on the parameter lane: the last one's
                 # event covers the stage.
-                runs = memory.param_runs(layers, skip_frozen=in_host)
+                runs = layout.param_runs(frozen)
                 if not runs:  # every parameter is bound in host memory
                     self.uploaded = _C.record_event(device_index)
                 for run_begin, run_end in runs:
@@ -293,38 +296,31 @@ class ResidentStage:
                     target = self.buffer[offset - begin : offset - begin + source.numel()]
                     self.uploaded = _C.copy_async(device_index, target, source, "parameter", fence)
         self.grad_buffer: torch.Tensor | None = None
-        grad_begin = 0
         if with_grads:
-            grad_begin, grad_end = memory.grad_range(layers)
-            self.grad_buffer = _stage_buffer(grad_end - grad_begin, device, zero=True)
+            size = layout.grad_end - layout.grad_begin
+            self.grad_buffer = _stage_buffer(size, device, zero=True)
         # One native call per buffer cuts every parameter's view (a Python `as_strided` per
         # parameter cost several times more). They require grad as the parameters do, also in
         # forward stages (run without grad): a layer that checks `p.requires_grad` sees what it
         # would see on the parameter itself.
-        self.slots = slots = [slot for index in layers for slot in memory.layers[index].slots]
-        params = [slot.param for slot in slots]
         self.views = _C.typed_views(
-            self.buffer, begin, [slot.offset for slot in slots], params, like_requires_grad=True
+            self.buffer, begin, layout.offsets, layout.params, like_requires_grad=True
         )
-        # The frozen parameters bound in host memory: (layer, slot, the tensor bound). Each is a
-        # `.data` alias with a version counter of its own, so an in-place change by the layer
-        # shows (see `bound`).
-        self.in_host: list[tuple[int, ParamSlot, torch.Tensor]] = []
-        if in_host:
-            layer_of = [index for index in layers for _ in memory.layers[index].slots]
-            for i, slot in enumerate(slots):
-                if slot.frozen:
-                    self.views[i] = slot.param.data
-                    self.in_host.append((layer_of[i], slot, self.views[i]))
-        if self.grad_buffer is not None:
-            trained = [i for i, slot in enumerate(slots) if slot.grad_offset is not None]
+        # The frozen parameters bound in host memory, each a `.data` alias with a version counter
+        # of its own, so an in-place change by the layer shows (see `bound`): (slot index, the
+        # tensor bound).
+        self.in_host: list[tuple[int, torch.Tensor]] = []
+        for i in frozen:
+            self.views[i] = layout.params[i].data
+            self.in_host.append((i, self.views[i]))
+        if self.grad_buffer is not None and layout.trained:
             grads = _C.typed_views(
                 self.grad_buffer,
-                grad_begin,
-                [cast(int, slots[i].grad_offset) for i in trained],
-                [params[i] for i in trained],
+                layout.grad_begin,
+                layout.grad_offsets,
+                [layout.params[i] for i in layout.trained],
             )
-            for i, grad in zip(trained, grads, strict=True):
+            for i, grad in zip(layout.trained, grads, strict=True):
                 self.views[i].grad = grad
 
     @contextmanager
@@ -355,18 +351,17 @@ class ResidentStage:
             self.uploaded.block_current_stream(self.device_index)
             if trace is not None:
                 trace.span("wait", start)
+            layout, views = self.layout, self.views
             try:
-                for slot, view in zip(self.slots, self.views, strict=True):
-                    for owner, name in slot.owners:
-                        # The device copy (a plain tensor) stands in for the parameter.
-                        owner._parameters[name] = cast(torch.nn.Parameter, view)
-                for index in self.layers:
-                    for owner, name in memory.layers[index].buffers:
-                        host = owner._buffers[name]
-                        assert host is not None
-                        working = _buffer_to_device(host, device)
-                        owner._buffers[name] = working
-                        bound_buffers.append((index, owner, name, host, working))
+                for owner, name, i in layout.owners:
+                    # The device copy (a plain tensor) stands in for the parameter.
+                    owner._parameters[name] = cast(torch.nn.Parameter, views[i])
+                for index, owner, name in layout.buffers:
+                    host = owner._buffers[name]
+                    assert host is not None
+                    working = _buffer_to_device(host, device)
+                    owner._buffers[name] = working
+                    bound_buffers.append((index, owner, name, host, working))
                 yield
                 if recomputed:
                     self._check_frozen_unchanged(keep_buffer_updates)
@@ -376,16 +371,17 @@ class ResidentStage:
                     for index, _, _, host, working in bound_buffers:
                         memory.defer_buffer_write(index, host, *self._buffer_to_host(working))
             finally:
-                for slot in self.slots:
-                    for owner, name in slot.owners:
-                        owner._parameters[name] = slot.param
+                params = layout.params
+                for owner, name, i in layout.owners:
+                    owner._parameters[name] = params[i]
                 for _, owner, name, host, _ in bound_buffers:
                     owner._buffers[name] = host
 
     def _check_frozen_unchanged(self, forward: bool) -> None:
-        for index, slot, bound in self.in_host:
+        for i, bound in self.in_host:
             if bound._version == 0:
                 continue
+            index, slot = self.layout.layer_of[i], self.layout.slots[i]
             module = self.memory.layers[index].module
             owner, attribute = slot.owners[0]
             prefix = next(p for p, m in module.named_modules(remove_duplicate=False) if m is owner)
@@ -418,11 +414,11 @@ class ResidentStage:
         On CUDA the downloads go through the model's page-locked staging at the stage's own
         offsets (see :meth:`ModelMemory.download_staging`)."""
         assert self.grad_buffer is not None
-        grad_begin, _ = self.memory.grad_range(self.layers)
+        grad_begin = self.layout.grad_begin
         staging = self.memory.download_staging() if self.grad_buffer.is_cuda else None
         after = _C.record_event(self.device_index)
         events = []
-        runs = self.memory.grad_runs(self.layers)
+        runs: Sequence[tuple[int, int, torch.dtype]] = self.layout.grad_runs
         if only is not None:
             clipped = [(max(b, only[0]), min(e, only[1]), t) for b, e, t in runs]
             runs = [(b, e, t) for b, e, t in clipped if b < e]
@@ -445,12 +441,16 @@ class ResidentStage:
 
 
 class _StageClock:
-    """Times the pieces of one stage for the model's timer (none: times nothing).
+    """Times the pieces of one stage for the model's timer (none: times nothing): the layers the
+    stage's ``_C.LayerLoop`` runs, and the backward passes (:meth:`start` / :meth:`stop`).
 
-    Virtual CPU devices compute synchronously, so the host clock times them; the times are kept
-    here and handed to the timer once per stage (:meth:`flush`), not once per layer x microbatch.
-    On CUDA a piece is timed by events on the device's current stream, which the timer reads once
-    they completed, so nothing waits for the GPU."""
+    Virtual CPU devices compute synchronously, so the host clock times them; on CUDA a piece is
+    timed by events on the device's current stream, which the timer reads once they completed, so
+    nothing waits for the GPU. Either way the times are handed to the timer once per stage
+    (:meth:`flush`), not once per layer x microbatch, and not at all when a full garbage
+    collection ran meanwhile: its pause (about 15 ms with torch loaded) would land in whichever
+    layer was running, on the host clock and between a GPU's events alike, and mislead the
+    planner for many calls."""
 
     def __init__(self, timer: ModelTimer | None, device_index: int, on_cuda: bool) -> None:
         self.timer = timer
@@ -458,6 +458,8 @@ class _StageClock:
         if timer is not None and on_cuda:
             self.stream = torch.cuda.current_stream(devices()[device_index])
         self.times: list[tuple[range, Action, float]] = []
+        self.events: list[tuple[range, Action, Any, Any]] = []
+        self.collections = _full_collections()
 
     def start(self) -> Any:
         """The start of a piece (None without a timer)."""
@@ -478,13 +480,34 @@ class _StageClock:
             return
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end.record(self.stream)
-        self.timer.record_later(layers, action, start, end)
+        self.events.append((layers, action, start, end))
 
-    def flush(self) -> None:
-        """Hand the host-clock times taken so far to the timer."""
-        if self.timer is not None and self.times:
-            self.timer.record_spans(self.times)
-            self.times = []
+    def flush(self, loop: Any, runs: list[range], action: Action) -> None:
+        """Hand the times taken to the timer: the pieces', and those ``loop`` (a
+        ``_C.LayerLoop``) took of the layers of ``runs`` doing ``action``."""
+        timer = self.timer
+        if timer is None:
+            return
+        layers = [layer for run in runs for layer in run]
+        if self.stream is None:
+            host_times = loop.take_host_times()
+            if _full_collections() == self.collections:
+                timer.record_layers(layers, action, host_times)
+                timer.record_spans(self.times)
+        else:
+            marks = loop.take_device_times()
+            if _full_collections() == self.collections:
+                for layer, (start, end) in zip(layers, marks, strict=True):
+                    timer.record_later(range(layer, layer + 1), action, start, end)
+                for piece in self.events:
+                    timer.record_later(*piece)
+        self.times, self.events = [], []
+        self.collections = _full_collections()
+
+
+def _full_collections() -> int:
+    """How many full (generation 2) garbage collections this process ran."""
+    return int(gc.get_stats()[2]["collections"])
 
 
 @dataclass(frozen=True)
@@ -553,6 +576,11 @@ class LayerRunner:
     memory: ModelMemory
     timer: ModelTimer | None
     stage_reduce: DataParallel | None = None
+    #: ``layers`` as a list, what the native layer loop indexes.
+    modules: list[torch.nn.Module] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.modules = list(self.layers)
 
 
 @dataclass
@@ -717,6 +745,14 @@ class Call:
     def forward_stage(self, stage: ResidentStage, activations: list[Any]) -> list[Any]:
         outputs, trace = [], stage.trace
         run = _LayerCalls(self, stage, recompute=False)
+        # The layers run between the inputs kept for backward (layer 0's are the user's own,
+        # kept as they came in).
+        saved_here = (
+            {i for i in stage.layers if i > 0 and i in self.backward_starts}
+            if self.saving
+            else set()
+        )
+        runs = _split(stage.layers, saved_here)
         with stage.bound(keep_buffer_updates=True, recomputed=self.saving), torch.no_grad(), run:
             for m, value in enumerate(activations):
                 start = trace.mark() if trace is not None else None
@@ -729,8 +765,9 @@ class Call:
                 else:
                     with self._mark("activation", stage.layers[:1], m):
                         value = to_device(value, stage.device_index)
-                for layer in stage.layers:
-                    if self.saving and layer > 0 and layer in self.backward_starts:
+                for layers in runs:
+                    layer = layers.start
+                    if layer in saved_here:
                         with self._mark("activation", range(layer, layer + 1), m):
                             host, event = to_host(value, stage.device_index)
                         # With its copy's event: the backward stage, maybe on another device,
@@ -740,7 +777,7 @@ class Call:
                             self.pending.append(event)
                             if trace is not None:
                                 trace.transfer("activation", "activation", event, m)
-                    value = run(layer, m, value)
+                    value = run(layers, m, value)
                 outputs.append(value)
                 if trace is not None:
                     trace.span("forward", start, m)
@@ -758,9 +795,7 @@ class Call:
                 start_mark = trace.mark() if trace is not None else None
                 first, device = stage.layers.start, stage.device_index
                 inputs = self._differentiable_input(first, m, value, device)
-                result = _writable(inputs)
-                for layer in stage.layers:
-                    result = run(layer, m, result)
+                result = run(stage.layers, m, _writable(inputs))
                 label = to_device(loss_spec.labels[m], stage.device_index)
                 try:
                     loss = loss_spec.loss_fn(result, label)
@@ -844,9 +879,7 @@ class Call:
             layers.start, microbatch, saved, stage.device_index, landed
         )
         with torch.enable_grad():
-            result = _writable(inputs, saved)
-            for layer in layers:
-                result = run(layer, microbatch, result)
+            result = run(layers, microbatch, _writable(inputs, saved))
         if trace is not None:
             trace.span("recompute", mark, microbatch, layers)
             mark = trace.mark()
@@ -890,65 +923,73 @@ _NO_RANGE = nullcontext()  # what a call that marks no NVTX ranges enters (reusa
 
 
 class _LayerCalls:
-    """Runs single layers of one stage for a call (``run(layer, microbatch, value)``), in forward
-    or in recompute, and times them (``clock``) while entered.
+    """Runs runs of layers of one stage for a call (``run(layers, microbatch, value)``), in
+    forward or in recompute, and times them (``clock``) while entered.
 
     At short sequences the host's work per layer x microbatch is what caps a GPU's throughput
-    (benchmarks/overhead_cpu.py, the dispatch table), so what does not change from layer to layer
-    is settled here once per stage: the modules, the kind of random stream, the generator to
-    reseed, the recompute context (one object moved from layer to layer), whether NVTX ranges are
-    marked, the clock. Per layer x microbatch there remains: reseed the generators, call the
-    module in its context, read the clock. The message naming layer, phase and microbatch is
-    built only when a layer fails."""
+    (benchmarks/overhead_cpu.py, the dispatch table), so the loop over the layers is native
+    (``_C.LayerLoop``), and what does not change from layer to layer is given to it once per
+    stage: the modules, the kind of random stream, the generators to reseed, the recompute
+    context (one object moved from layer to layer), the NVTX marking, the timing. The message
+    naming layer, phase and microbatch is built only when a layer fails."""
 
     def __init__(self, call: Call, stage: ResidentStage, recompute: bool) -> None:
         self.call, self.stage = call, stage
-        self.modules = call.runner.layers
         self.phase: Phase = "recompute" if recompute else "forward"
         self.action: Action = "re" if recompute else "fwd"
-        self.rng_seed = call.rng_seed
         # Recompute replays the forward's draws, unless asked for fresh randomness.
-        self.fresh = recompute and not call.preserve_rng_state
-        self.device_generator: torch.Generator | None = None
+        fresh = recompute and not call.preserve_rng_state
+        generators = [torch.default_generator]
         if call.on_cuda:
-            if recompute and not self.fresh:
+            if recompute and not fresh:
                 _warn_if_replay_differs(tuple(devices()))
             device = devices()[stage.device_index]
-            self.device_generator = torch.cuda.default_generators[device.index]
+            generators.append(torch.cuda.default_generators[device.index])
         self.context = context.LayerCall(call.recompute_store, recompute, call.saving)
-        self.nvtx = call.nvtx
         self.clock = _StageClock(call.runner.timer, stage.device_index, call.on_cuda)
+        timing = "off" if self.clock.timer is None else "device" if call.on_cuda else "host"
+        mark = functools.partial(_mark_layer, call, self.phase) if call.nvtx else None
+        self.loop = _C.LayerLoop(
+            call.runner.modules,
+            call.rng_seed,
+            fresh,
+            generators,
+            self.context,
+            mark,
+            timing,
+            stage.device_index,
+        )
+        self.runs: list[range] = []  # what ran, in order, for the timings
 
     def __enter__(self) -> _LayerCalls:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.clock.flush()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:  # a failed stage's timings are incomplete: none are kept
+            self.clock.flush(self.loop, self.runs, self.action)
+        self.runs.clear()
 
-    def __call__(self, layer: int, microbatch: int, value: Any) -> Any:
-        """Run ``layer`` on ``microbatch`` (layer 0 takes ``(args, kwargs)``)."""
-        seed = _layer_seed(self.rng_seed, layer, microbatch, self.fresh)
-        torch.default_generator.manual_seed(seed)
-        if self.device_generator is not None:
-            self.device_generator.manual_seed(seed)
-        module = self.modules[layer]
-        nvtx_range = (
-            self.call._mark(self.phase, range(layer, layer + 1), microbatch)
-            if self.nvtx
-            else _NO_RANGE
-        )
-        start = self.clock.start()
+    def __call__(self, layers: range, microbatch: int, value: Any) -> Any:
+        """Run ``layers`` on ``microbatch`` (layer 0 takes ``(args, kwargs)``)."""
+        self.runs.append(layers)
         try:
-            with nvtx_range, self.context.at(layer, microbatch):
-                if layer == 0:
-                    args, kwargs = value
-                    result = module(*args, **kwargs)
-                else:
-                    result = module(value)
+            with self.context:
+                return self.loop.run(layers.start, layers.stop, microbatch, value)
         except Exception as error:
-            raise annotate(error, self.call._where(layer, self.phase, microbatch)) from error
-        self.clock.stop(start, range(layer, layer + 1), self.action)
-        return result
+            where = self.call._where(self.context.layer, self.phase, microbatch)
+            raise annotate(error, where) from error
+
+
+def _mark_layer(call: Call, phase: Phase, layer: int, microbatch: int) -> Any:
+    """The NVTX range of ``layer`` on ``microbatch`` in ``phase`` (what ``_C.LayerLoop`` enters
+    around each layer when the call marks ranges)."""
+    return call._mark(phase, range(layer, layer + 1), microbatch)
+
+
+def _split(layers: range, starts: set[int]) -> list[range]:
+    """``layers`` cut before each layer in ``starts``."""
+    cuts = [layers.start, *sorted(i for i in starts if i != layers.start), layers.stop]
+    return [range(a, b) for a, b in itertools.pairwise(cuts)]
 
 
 def _check_loss(loss: Any, name: str) -> None:
@@ -971,22 +1012,9 @@ def _detach_leaf(value: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-_SEED_MASK = (1 << 64) - 1
-
-
 def _draw_call_seed() -> int:
     """One draw from the default CPU generator: the call's randomness follows the user's seed."""
     return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
-
-
-def _layer_seed(call_seed: int, layer: int, microbatch: int, fresh: bool) -> int:
-    """A well-mixed seed for (call, layer, microbatch) (splitmix64 finaliser); ``fresh`` gives
-    recompute its own stream when it must not replay the forward's draws."""
-    x = call_seed ^ (layer * 0x9E3779B97F4A7C15) ^ (microbatch * 0xC2B2AE3D27D4EB4F)
-    x = (x ^ (0x165667B19E3779F9 if fresh else 0)) & _SEED_MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _SEED_MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _SEED_MASK
-    return (x ^ (x >> 31)) >> 1
 
 
 @functools.cache

@@ -164,6 +164,31 @@ class ModelTimer:
             for report in folded:
                 self._report(*report)
 
+    def record_layers(
+        self, layers: Sequence[int], action: Action, seconds: Sequence[float]
+    ) -> None:
+        """:meth:`record` of host-clock times, in order: ``seconds[i]`` of ``layers[i]`` doing
+        ``action`` (the runtime hands over a stage's layer timings at once)."""
+        if len(layers) != len(seconds):
+            raise ValueError(
+                f"record_layers got {len(layers)} layers but {len(seconds)} times; pass one "
+                "time per layer"
+            )
+        if action not in _ACTIONS:
+            raise ValueError(f"action must be 'fwd', 're' or 'bwd', got {action!r}")
+        if layers and not (0 <= min(layers) and max(layers) < self.num_layers):
+            raise ValueError(f"layers must lie within [0, {self.num_layers})")
+        if not all(0 <= s < math.inf for s in seconds):
+            raise ValueError("seconds must be finite and non-negative")
+        with self._lock:
+            folded = [
+                (layer, action, time, self._fold_locked(layer, action, time))
+                for layer, time in zip(layers, seconds, strict=True)
+            ]
+        if ModelTimer.VERBOSE:
+            for report in folded:
+                self._report(*report)
+
     def _fold_locked(self, layer: int, action: Action, seconds: float) -> float:
         """Fold one record into the estimate (lock held); returns the new estimate."""
         beta = self.SMOOTHING
