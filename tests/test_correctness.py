@@ -627,3 +627,95 @@ def test_layer_changing_its_frozen_weight_in_a_recomputed_forward_is_an_error(
     model.synchronize()
     assert_grads_equal(model.model, reference)
     torch.testing.assert_close(model.model[1].linear.weight, reference[1].linear.weight)
+
+
+# --------------------------------------------------------------------------------------------
+# The native recompute + backward of backward stages (lone tensors between layers)
+# --------------------------------------------------------------------------------------------
+
+
+class FailOnRecompute(nn.Linear):
+    armed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed and roundpipe.doing_recompute():
+            raise KeyError("cannot recompute")
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_recompute_failure_inside_a_stage_names_that_layer(num_devices: int, grain: str) -> None:
+    torch.manual_seed(3)
+    net = nn.Sequential(
+        nn.Linear(6, 6), nn.Tanh(), FailOnRecompute(6, 6), nn.Tanh(), nn.Linear(6, 6)
+    )
+    model = RoundPipe(net, name="rc")
+    plan = make_plan([range(0, 1), range(1, 4)], [range(4, 5), range(1, 4), range(0, 1)])
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan, recompute_grain=grain)
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    with pytest.raises(
+        KeyError, match=r"'rc': layer 2 \(FailOnRecompute\) failed in recompute of microbatch 0"
+    ):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    # The model is usable afterwards, with the same gradients as plain PyTorch.
+    model.model[2].armed = False
+    reference = copy.deepcopy(net)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    plain_forward_backward(reference, x, y, 2)
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
+class TupleOut(nn.Module):
+    """Returns its input as a 1-tuple: the next layer gets a tuple, not a lone tensor."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.sin(x),)
+
+
+class TupleIn(nn.Linear):
+    def forward(self, x: tuple[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x[0])
+
+
+class InPlaceFirst(nn.Module):
+    """Changes its input in place (a ReLU(inplace=True) that starts a stage)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2).relu_()
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        make_plan([range(0, 2), range(2, 5)], [range(5, 6), range(2, 5), range(0, 2)]),
+        make_plan(
+            [range(0, 1), range(1, 3), range(3, 5)],
+            [range(5, 6), range(3, 5), range(1, 3), range(0, 1)],
+        ),
+        # layer 1's tuple output is the end of a stage recomputed from a lone tensor
+        make_plan(
+            [range(0, 1), range(1, 2), range(2, 5)],
+            [range(5, 6), range(2, 5), range(1, 2), range(0, 1)],
+        ),
+        make_plan([], [range(0, 6)]),
+    ],
+)
+def test_tuples_and_in_place_inputs_between_layers_match_plain_pytorch(
+    num_devices: int, grain: str, plan: ModelExecutePlan
+) -> None:
+    torch.manual_seed(4)
+    net = nn.Sequential(
+        nn.Linear(6, 6), TupleOut(), TupleIn(6, 6), InPlaceFirst(), nn.Linear(6, 6), nn.Tanh()
+    )
+    reference = copy.deepcopy(net)
+    model = RoundPipe(net)
+    config = RoundPipeRunConfig(num_microbatch=3, execute_plan=plan, recompute_grain=grain)
+    x, y = torch.randn(6, 6), torch.randn(6, 6)
+    for _ in range(2):  # gradients accumulate across calls as in plain PyTorch
+        loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+        expected = plain_forward_backward(reference, x, y, 3)
+    model.synchronize()
+    assert torch.equal(torch.as_tensor(loss), torch.as_tensor(expected))
+    assert_same_grads(model.model, reference)

@@ -318,3 +318,42 @@ def test_timings_of_a_stage_with_a_full_garbage_collection_are_dropped() -> None
     assert timer.estimate(1, "fwd") is None  # collected during its stage
     assert timer.estimate(1, "re") is not None  # its recompute collected nothing
     assert timer.estimate(0, "fwd") is not None and timer.estimate(2, "fwd") is not None
+
+
+def test_layer_loop_keeps_private_copies_of_the_inputs_asked_for() -> None:
+    from roundpipe.context import LayerCall
+
+    class Doubles(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.mul_(2)  # in place: a kept input must not change with it
+
+    class Pair(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x, x + 1
+
+    class First(nn.Module):
+        def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return pair[0] * pair[1]
+
+    layers: list[nn.Module] = [nn.Identity(), Doubles(), Pair(), First(), Doubles()]
+    asked: list[tuple[int, int]] = []
+
+    def keeper(layer: int, microbatch: int, value: object) -> tuple[object, None]:
+        asked.append((layer, microbatch))
+        return ("kept by Python", None)
+
+    loop = _C.LayerLoop(layers, 0, False, [], LayerCall({}, False, False), None, "host", 0)
+    x = torch.ones(3)
+    output, kept = loop.run_keeping(1, 5, 7, x, [1, 3, 4], True, keeper)
+    assert torch.equal(output, torch.full((3,), 12.0))  # 2 * (2 + 1) * 2
+    first, third, fourth = kept
+    assert torch.equal(first[0], torch.ones(3)) and first[1] is None  # before layer 1 doubled it
+    assert third == ("kept by Python", None) and asked == [(3, 7)]  # a tuple: Python keeps it
+    assert torch.equal(fourth[0], torch.full((3,), 6.0))
+    assert len(loop.take_host_times()) == 4
+    # Without copy_tensors every input goes to the keeper.
+    asked.clear()
+    loop.run_keeping(1, 3, 0, torch.ones(3), [1, 2], False, keeper)
+    assert asked == [(1, 0), (2, 0)]
+    with pytest.raises(RuntimeError, match="ascending order"):
+        loop.run_keeping(1, 3, 0, torch.ones(3), [2, 1], True, keeper)

@@ -99,7 +99,7 @@ def test_records_from_many_threads_are_all_counted() -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    assert timer._records["fwd"] == [1000] * 4
+    assert [timer._timings.records(0, layer) for layer in range(4)] == [1000] * 4
     for layer in range(4):
         assert timer.estimate(layer, "fwd") == pytest.approx(1.0 + layer)
 

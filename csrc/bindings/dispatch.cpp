@@ -9,6 +9,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
@@ -18,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -84,6 +86,24 @@ std::vector<at::Tensor> typed_views(const at::Tensor& buffer, std::int64_t first
   return views;
 }
 
+// tensors[i].grad = grads[i] for views cut by typed_views (a Python `.grad =` per parameter costs
+// its own checks and a call through the tensor's Python type). Shape, dtype and device must match,
+// as the Python setter demands.
+void set_grads(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>& grads) {
+  TORCH_CHECK(tensors.size() == grads.size(), "set_grads: got ", tensors.size(), " tensors but ",
+              grads.size(), " gradients; pass one gradient per tensor");
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    at::Tensor tensor = tensors[i];
+    const at::Tensor& grad = grads[i];
+    TORCH_CHECK(tensor.sizes() == grad.sizes() && tensor.scalar_type() == grad.scalar_type() &&
+                    tensor.device() == grad.device(),
+                "set_grads: grads[", i, "] (", grad.scalar_type(), " ", grad.sizes(), " on ",
+                grad.device(), ") does not match tensors[", i, "] (", tensor.scalar_type(), " ",
+                tensor.sizes(), " on ", tensor.device(), ")");
+    tensor.mutable_grad() = grad;
+  }
+}
+
 // A timing event recorded on a CUDA device's compute stream, read by the model's timer once it
 // completed (roundpipe.timer.TimingEvent: query() and elapsed_time(end) in milliseconds).
 class TimingMark {
@@ -145,18 +165,127 @@ class LayerLoop {
     TORCH_CHECK(0 <= first && first <= stop && stop <= size, "LayerLoop.run: layers [", first, ", ",
                 stop, ") are not within the ", size, " layers");
     const py::int_ mb(microbatch);
-    for (std::int64_t layer = first; layer < stop; ++layer) {
-      const std::uint64_t seed = layer_seed(call_seed_, layer, microbatch, fresh_);
-      for (at::Generator& generator : generators_) {
-        std::lock_guard<std::mutex> lock(generator.mutex());
-        generator.set_current_seed(seed);
-      }
-      context_.attr("layer") = py::int_(layer);
-      context_.attr("microbatch") = mb;
-      context_.attr("saved") = py::bool_(false);
-      value = call(layer, mb, value);
-    }
+    for (std::int64_t layer = first; layer < stop; ++layer)
+      value = step(layer, microbatch, mb, value);
     return value;
+  }
+
+  // run, keeping the input of each layer in `keep` (ascending, within (first, stop)) for the
+  // backward pass: with `copy_tensors` a lone tensor is kept as (a private detached copy, None),
+  // anything else as what keeper(layer, microbatch, input) returns. Returns (output, kept).
+  py::tuple run_keeping(std::int64_t first, std::int64_t stop, std::int64_t microbatch,
+                        py::object value, const std::vector<std::int64_t>& keep, bool copy_tensors,
+                        const py::object& keeper) {
+    const auto size = static_cast<std::int64_t>(modules_.size());
+    TORCH_CHECK(0 <= first && first <= stop && stop <= size, "LayerLoop.run_keeping: layers [",
+                first, ", ", stop, ") are not within the ", size, " layers");
+    const py::int_ mb(microbatch);
+    py::list kept;
+    auto next = keep.begin();
+    for (std::int64_t layer = first; layer < stop; ++layer) {
+      if (next != keep.end() && *next == layer) {
+        if (copy_tensors && THPVariable_Check(value.ptr())) {
+          kept.append(py::make_tuple(THPVariable_Unpack(value.ptr()).detach().clone(), py::none()));
+        } else {
+          kept.append(keeper(layer, mb, value));
+        }
+        ++next;
+      }
+      value = step(layer, microbatch, mb, value);
+    }
+    TORCH_CHECK(next == keep.end(), "LayerLoop.run_keeping: keep must list layers of [", first + 1,
+                ", ", stop, ") in ascending order");
+    return py::make_tuple(value, kept);
+  }
+
+  // Recompute + backward, in grad mode, of layers [first, stop) (first > 0) for `microbatch`, from
+  // saved inputs: one segment over all of them from inputs[0] (stage grain), or with `per_layer`
+  // one per layer, last layer first, from inputs[i], the input of layer first + i (layer grain).
+  // saved[i] is what inputs[i] was uploaded from: an input leaf that shares its memory is cloned,
+  // so that a layer changing its input in place cannot change what a later recompute starts from.
+  // `grad` is the gradient of the last output (None: none reached it); an output that is not a
+  // tensor is backpropagated by `fallback(output, [grad])`. Returns the gradient of layer first's
+  // input, or None. On an error, `failure` tells the phase and the layers of the failing segment.
+  py::object recompute_backward(std::int64_t first, std::int64_t stop, std::int64_t microbatch,
+                                const std::vector<at::Tensor>& inputs,
+                                const std::vector<at::Tensor>& saved,
+                                std::optional<at::Tensor> grad, bool per_layer,
+                                const py::object& fallback) {
+    const auto size = static_cast<std::int64_t>(modules_.size());
+    TORCH_CHECK(0 < first && first < stop && stop <= size, "LayerLoop.recompute_backward: layers [",
+                first, ", ", stop, ") are not within layers 1 to ", size - 1);
+    const std::size_t segments = per_layer ? static_cast<std::size_t>(stop - first) : 1;
+    TORCH_CHECK(inputs.size() == segments && saved.size() == segments,
+                "LayerLoop.recompute_backward: got ", inputs.size(), " inputs and ", saved.size(),
+                " saved values for ", segments, " segments");
+    const py::int_ mb(microbatch);
+    for (std::int64_t end = stop; end > first;) {
+      const std::int64_t begin = per_layer ? end - 1 : first;
+      const auto index = static_cast<std::size_t>(begin - first);
+      at::Tensor leaf = inputs[index].detach();
+      if (leaf.is_floating_point()) leaf.requires_grad_(true);
+      failure_ = {"recompute", begin, end};
+      py::object output;
+      {
+        at::AutoGradMode grad_mode(true);
+        const bool copy = leaf.requires_grad() || shares_memory(leaf, saved[index]);
+        output = py::cast(copy ? leaf.clone() : leaf);
+        context_.attr("__enter__")();
+        try {
+          for (std::int64_t layer = begin; layer < end; ++layer) {
+            output = step(layer, microbatch, mb, output);
+          }
+        } catch (...) {
+          context_.attr("__exit__")(py::none(), py::none(), py::none());
+          throw;
+        }
+        context_.attr("__exit__")(py::none(), py::none(), py::none());
+      }
+      failure_ = {"backward", begin, end};
+      const bool has_grad = grad.has_value() && grad->defined();
+      const auto start = std::chrono::steady_clock::now();
+      std::shared_ptr<TimingMark> start_mark;
+      if (timing_ == Timing::kDevice) start_mark = std::make_shared<TimingMark>(*stream_);
+      if (THPVariable_Check(output.ptr())) {
+        const at::Tensor result = THPVariable_Unpack(output.ptr());
+        if (result.requires_grad() && has_grad) {
+          py::gil_scoped_release no_gil;
+          torch::autograd::backward({result}, {*grad});
+        }
+      } else {
+        py::list grads;
+        grads.append(has_grad ? py::cast(*grad) : py::none());
+        fallback(output, grads);
+      }
+      if (timing_ == Timing::kHost) {
+        backward_host_.emplace_back(
+            begin, end,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      } else if (timing_ == Timing::kDevice) {
+        backward_device_.emplace_back(begin, end, std::move(start_mark),
+                                      std::make_shared<TimingMark>(*stream_));
+      }
+      grad = leaf.requires_grad() ? std::optional<at::Tensor>(leaf.grad()) : std::nullopt;
+      end = begin;
+    }
+    if (!grad.has_value() || !grad->defined()) return py::none();
+    return py::cast(*grad);
+  }
+
+  // The phase ("recompute" or "backward") and layers [first, stop) of the segment
+  // recompute_backward was in when it last raised.
+  std::tuple<std::string, std::int64_t, std::int64_t> failure() const { return failure_; }
+
+  // The backward times recompute_backward took since the last call: (first, stop, seconds) on the
+  // host clock.
+  std::vector<std::tuple<std::int64_t, std::int64_t, double>> take_backward_host_times() {
+    return std::exchange(backward_host_, {});
+  }
+  // The same on a device: (first, stop, start, end).
+  std::vector<std::tuple<std::int64_t, std::int64_t, std::shared_ptr<TimingMark>,
+                         std::shared_ptr<TimingMark>>>
+  take_backward_device_times() {
+    return std::exchange(backward_device_, {});
   }
 
   // The host times taken since the last call, in seconds, one per layer run, in order.
@@ -169,6 +298,24 @@ class LayerLoop {
 
  private:
   enum class Timing { kOff, kHost, kDevice };
+
+  static bool shares_memory(const at::Tensor& a, const at::Tensor& b) {
+    return a.device() == b.device() && a.numel() > 0 && a.data_ptr() == b.data_ptr();
+  }
+
+  // One layer: reseed the generators, point the context at the layer, call it.
+  py::object step(std::int64_t layer, std::int64_t microbatch, const py::int_& mb,
+                  const py::object& value) {
+    const std::uint64_t seed = layer_seed(call_seed_, layer, microbatch, fresh_);
+    for (at::Generator& generator : generators_) {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_current_seed(seed);
+    }
+    context_.attr("layer") = py::int_(layer);
+    context_.attr("microbatch") = mb;
+    context_.attr("saved") = py::bool_(false);
+    return call(layer, mb, value);
+  }
 
   py::object call(std::int64_t layer, const py::int_& mb, const py::object& value) {
     const py::handle module = modules_[static_cast<std::size_t>(layer)];
@@ -212,6 +359,11 @@ class LayerLoop {
   Timing timing_ = Timing::kOff;
   std::optional<c10::Stream> stream_;
   std::vector<double> host_times_;
+  std::tuple<std::string, std::int64_t, std::int64_t> failure_{"", 0, 0};
+  std::vector<std::tuple<std::int64_t, std::int64_t, double>> backward_host_;
+  std::vector<std::tuple<std::int64_t, std::int64_t, std::shared_ptr<TimingMark>,
+                         std::shared_ptr<TimingMark>>>
+      backward_device_;
   std::vector<std::pair<std::shared_ptr<TimingMark>, std::shared_ptr<TimingMark>>> device_times_;
 };
 
@@ -232,10 +384,28 @@ void bind_dispatch(py::module_& m) {
            py::arg("context"), py::arg("mark"), py::arg("timing"), py::arg("device_index"))
       .def("run", &LayerLoop::run, py::arg("first"), py::arg("stop"), py::arg("microbatch"),
            py::arg("value"), "Runs layers [first, stop) on value; returns the last output.")
+      .def("run_keeping", &LayerLoop::run_keeping, py::arg("first"), py::arg("stop"),
+           py::arg("microbatch"), py::arg("value"), py::arg("keep"), py::arg("copy_tensors"),
+           py::arg("keeper"),
+           "run, keeping the inputs of the layers in keep for backward; returns (output, kept).")
+      .def("recompute_backward", &LayerLoop::recompute_backward, py::arg("first"), py::arg("stop"),
+           py::arg("microbatch"), py::arg("inputs"), py::arg("saved"), py::arg("grad"),
+           py::arg("per_layer"), py::arg("fallback"),
+           "Recompute + backward of layers [first, stop) from their saved inputs; returns the "
+           "gradient of the first layer's input or None.")
+      .def_property_readonly("failure", &LayerLoop::failure,
+                             "(phase, first, stop) of the segment recompute_backward last "
+                             "raised in.")
+      .def("take_backward_host_times", &LayerLoop::take_backward_host_times,
+           "(first, stop, seconds) of each backward since the last call.")
+      .def("take_backward_device_times", &LayerLoop::take_backward_device_times,
+           "(first, stop, start, end) TimingMarks of each backward since the last call.")
       .def("take_host_times", &LayerLoop::take_host_times,
            "Host seconds of each layer run since the last call, in order.")
       .def("take_device_times", &LayerLoop::take_device_times,
            "(start, end) TimingMarks of each layer run since the last call, in order.");
+  m.def("set_grads", &set_grads, py::arg("tensors"), py::arg("grads"),
+        "tensors[i].grad = grads[i] (same shape, dtype and device).");
   m.def("layer_seed", &layer_seed, py::arg("call_seed"), py::arg("layer"), py::arg("microbatch"),
         py::arg("fresh"),
         "The seed of the generators for (call, layer, microbatch) (splitmix64 finaliser).");

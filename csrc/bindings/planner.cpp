@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "bindings/bindings.h"
+#include "planner/layer_timings.h"
 #include "planner/planner.h"
 #include "planner/simulator.h"
 
@@ -96,6 +97,33 @@ std::pair<double, std::vector<std::tuple<int, int, int, double, double>>> simula
 }  // namespace
 
 void bind_planner(py::module_& m) {
+  using planner::LayerTimings;
+  py::class_<LayerTimings>(m, "LayerTimings",
+                           "Smoothed per-layer, per-action timings (see "
+                           "csrc/planner/layer_timings.h); actions 0 forward, 1 recompute, 2 "
+                           "backward. Invalid arguments raise ValueError.")
+      .def(py::init<int, double, double>(), py::arg("layers"), py::arg("smoothing"),
+           py::arg("change_threshold"))
+      .def(
+          "fold",
+          [](LayerTimings& self, int action, const std::vector<int>& layers,
+             const std::vector<double>& seconds) { return self.fold(action, layers, seconds); },
+          py::arg("action"), py::arg("layers"), py::arg("seconds"),
+          "Folds seconds[i] of layers[i] in order; returns how many estimates moved enough to "
+          "re-plan.")
+      .def(
+          "fold_reporting",
+          [](LayerTimings& self, int action, const std::vector<int>& layers,
+             const std::vector<double>& seconds) {
+            std::vector<double> estimates;
+            const int moved = self.fold(action, layers, seconds, &estimates);
+            return std::make_pair(moved, estimates);
+          },
+          py::arg("action"), py::arg("layers"), py::arg("seconds"),
+          "fold, also returning each record's new estimate.")
+      .def("estimate", &LayerTimings::estimate, py::arg("action"), py::arg("layer"))
+      .def("estimates", &LayerTimings::estimates, py::arg("action"))
+      .def("records", &LayerTimings::records, py::arg("action"), py::arg("layer"));
   m.def("plan_stages", &plan_stages, py::arg("run_type"), py::arg("profiles"),
         py::arg("min_stages"), py::arg("upper_threshold"), py::arg("stage_memory_cap"),
         py::arg("num_devices"), py::arg("num_microbatches"),

@@ -82,6 +82,18 @@ def devices() -> list[torch.device]:
     return [torch.device("cpu")] * device_count()
 
 
+_CPU = torch.device("cpu")
+
+
+def device_at(index: int) -> torch.device:
+    """``devices()[index]`` without building the list (once per stage on the dispatch path)."""
+    if _C.device_kind() == "cuda":
+        return torch.device("cuda", _C.device_physical_index(index))
+    if not 0 <= index < device_count():
+        raise IndexError(f"device index {index} out of range for {device_count()} devices")
+    return _CPU
+
+
 def device_total_memory(index: int) -> int:
     """Total memory of device ``index`` in bytes (host memory for a virtual CPU device)."""
     return _C.device_total_memory(index)
@@ -94,6 +106,7 @@ def min_device_memory() -> int:
 
 __all__ = [
     "configure_devices",
+    "device_at",
     "device_count",
     "device_kind",
     "device_total_memory",

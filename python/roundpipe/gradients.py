@@ -32,6 +32,10 @@ class GradientState:
         self.dirty = False
         # synchronize() put views of the arena into param.grad; the user may have changed them.
         self.published = False
+        # The trained parameters and their gradient offsets (fixed once the model is wrapped).
+        self._slots = [slot for slot in memory.slots() if slot.grad_offset is not None]
+        self._offsets = [cast(int, slot.grad_offset) for slot in self._slots]
+        self._params = [slot.param for slot in self._slots]
 
     def wait_pending(self) -> None:
         """Wait for every gradient transfer of earlier calls; the first error is raised and the
@@ -99,14 +103,8 @@ class GradientState:
         """Every trained parameter's gradient in the current arena (``memory.grad_view`` of each,
         cut by one native call: publishing and taking back make one per parameter per
         iteration)."""
-        slots = [slot for slot in self.memory.slots() if slot.grad_offset is not None]
-        views = _C.typed_views(
-            self.memory.grads,
-            0,
-            [cast(int, slot.grad_offset) for slot in slots],
-            [slot.param for slot in slots],
-        )
-        return list(zip(slots, views, strict=True))
+        views = _C.typed_views(self.memory.grads, 0, self._offsets, self._params)
+        return list(zip(self._slots, views, strict=True))
 
     def _absorb_user_grads(self) -> None:
         """Gradients published by ``synchronize()`` go back into the arena as the user left them:
@@ -114,17 +112,23 @@ class GradientState:
         if not self.published:
             return
         dirty = False
+        cleared = []
         with torch.no_grad():
             for slot, view in self._views():
                 grad = slot.param.grad
                 if grad is None:
-                    view.zero_()
+                    cleared.append(view)
                 elif grad.data_ptr() != view.data_ptr():
                     view.copy_(grad)
                     dirty = True
                 else:
                     dirty = True
                 slot.param.grad = None
+            if dirty:
+                for view in cleared:
+                    view.zero_()
+            else:  # every gradient cleared (zero_grad(set_to_none=True)): the arena at once
+                clear_arena(self.memory.grads)
         self.published = False
         self.dirty = dirty
 

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from roundpipe import context
 from roundpipe._native import _C
 from roundpipe.context import annotate
-from roundpipe.device import device_count, devices
+from roundpipe.device import device_at, device_count, devices
 from roundpipe.memory import ModelMemory
 from roundpipe.scheduler import ModelExecutePlan, RunType
 from roundpipe.tracing import StageTrace, stage_trace
@@ -76,7 +76,7 @@ def to_device(tree: Any, device_index: int, after: Any = None) -> Any:
     """
     if not _on_cuda():
         return tree
-    device = devices()[device_index]
+    device = device_at(device_index)
     copies: list[Any] = []
 
     def move(leaf: Any) -> Any:
@@ -109,7 +109,7 @@ def to_host(tree: Any, device_index: int) -> tuple[Any, Any]:
     if not _on_cuda():
         leaves, spec = _flatten(tree)
         return _unflatten([_detach_leaf(leaf) for leaf in leaves], spec), None
-    device = devices()[device_index]
+    device = device_at(device_index)
 
     def gather(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and leaf.is_cuda and leaf.device != device:
@@ -224,11 +224,16 @@ def _buffer_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return staging.to(device, non_blocking=True)
 
 
+# Below this size a CPU stage buffer comes from the C heap: a mapping of its own would cost two
+# system calls and a page fault per page for memory the heap reuses at once.
+_OWN_ARENA_BYTES = 1 << 20
+
+
 def _stage_buffer(nbytes: int, device: torch.device, zero: bool) -> torch.Tensor:
-    """A stage's flat uint8 buffer on ``device``. A virtual CPU device's is host memory: a native
-    arena of its own, returned to the operating system when the stage is done (the C heap would
-    keep a freed buffer of this size resident)."""
-    if device.type == "cpu":
+    """A stage's flat uint8 buffer on ``device``. A virtual CPU device's is host memory, from
+    ``_OWN_ARENA_BYTES`` up a native arena of its own, returned to the operating system when the
+    stage is done (the C heap would keep a freed buffer of this size resident)."""
+    if device.type == "cpu" and nbytes >= _OWN_ARENA_BYTES:
         return _C.allocate_host_arena(nbytes, "off", zero=zero)
     return (torch.zeros if zero else torch.empty)(nbytes, dtype=torch.uint8, device=device)
 
@@ -258,7 +263,7 @@ class ResidentStage:
         self.model, self.nvtx_model = model, nvtx_model
         self.trace: StageTrace | None = None  # set while a timeline trace is recorded
         self.layout = layout = memory.stage_layout(layers)
-        device = devices()[device_index]
+        device = device_at(device_index)
         in_host = device.type == "cpu"
         # On a virtual CPU device the frozen parameters are bound in host memory: their pages of
         # the buffer are never written, so they cost no memory.
@@ -320,8 +325,7 @@ class ResidentStage:
                 layout.grad_offsets,
                 [layout.params[i] for i in layout.trained],
             )
-            for i, grad in zip(layout.trained, grads, strict=True):
-                self.views[i].grad = grad
+            _C.set_grads([self.views[i] for i in layout.trained], grads)
 
     @contextmanager
     def bound(self, keep_buffer_updates: bool, recomputed: bool) -> Iterator[None]:
@@ -342,7 +346,7 @@ class ResidentStage:
         (recompute) they are dropped.
         """
         trace = self.trace
-        device = devices()[self.device_index]
+        device = device_at(self.device_index)
         memory = self.memory
         memory.settle_buffers(self.layers)
         bound_buffers: list[tuple[int, torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
@@ -456,7 +460,7 @@ class _StageClock:
         self.timer = timer
         self.stream: torch.cuda.Stream | None = None
         if timer is not None and on_cuda:
-            self.stream = torch.cuda.current_stream(devices()[device_index])
+            self.stream = torch.cuda.current_stream(device_at(device_index))
         self.times: list[tuple[range, Action, float]] = []
         self.events: list[tuple[range, Action, Any, Any]] = []
         self.collections = _full_collections()
@@ -491,23 +495,42 @@ class _StageClock:
         layers = [layer for run in runs for layer in run]
         if self.stream is None:
             host_times = loop.take_host_times()
+            backward: list[tuple[range, Action, float]] = [
+                (range(a, b), "bwd", t) for a, b, t in loop.take_backward_host_times()
+            ]
             if _full_collections() == self.collections:
                 timer.record_layers(layers, action, host_times)
                 timer.record_spans(self.times)
+                timer.record_spans(backward)
         else:
             marks = loop.take_device_times()
+            backward_marks = loop.take_backward_device_times()
             if _full_collections() == self.collections:
                 for layer, (start, end) in zip(layers, marks, strict=True):
                     timer.record_later(range(layer, layer + 1), action, start, end)
                 for piece in self.events:
                     timer.record_later(*piece)
+                for a, b, start, end in backward_marks:
+                    timer.record_later(range(a, b), "bwd", start, end)
         self.times, self.events = [], []
         self.collections = _full_collections()
 
 
+_collections = [0]  # full garbage collections so far (see _count_full_collections)
+
+
+def _count_full_collections(phase: str, info: dict[str, int]) -> None:
+    if phase == "start" and info["generation"] == 2:
+        _collections[0] += 1
+
+
+gc.callbacks.append(_count_full_collections)
+
+
 def _full_collections() -> int:
-    """How many full (generation 2) garbage collections this process ran."""
-    return int(gc.get_stats()[2]["collections"])
+    """How many full (generation 2) garbage collections this process has begun (a gc callback
+    counts them: ``gc.get_stats`` builds its dictionaries on every call)."""
+    return _collections[0]
 
 
 @dataclass(frozen=True)
@@ -747,12 +770,13 @@ class Call:
         run = _LayerCalls(self, stage, recompute=False)
         # The layers run between the inputs kept for backward (layer 0's are the user's own,
         # kept as they came in).
-        saved_here = (
-            {i for i in stage.layers if i > 0 and i in self.backward_starts}
-            if self.saving
-            else set()
+        kept = (
+            [i for i in stage.layers if i > 0 and i in self.backward_starts] if self.saving else []
         )
-        runs = _split(stage.layers, saved_here)
+        # Lone tensors are kept natively (a private copy) where keeping needs nothing more: on
+        # virtual CPU devices, with no timeline or NVTX ranges to record.
+        copy_tensors = not self.on_cuda and trace is None and not self.nvtx
+        keeper = functools.partial(self._keep_input, stage)
         with stage.bound(keep_buffer_updates=True, recomputed=self.saving), torch.no_grad(), run:
             for m, value in enumerate(activations):
                 start = trace.mark() if trace is not None else None
@@ -765,23 +789,27 @@ class Call:
                 else:
                     with self._mark("activation", stage.layers[:1], m):
                         value = to_device(value, stage.device_index)
-                for layers in runs:
-                    layer = layers.start
-                    if layer in saved_here:
-                        with self._mark("activation", range(layer, layer + 1), m):
-                            host, event = to_host(value, stage.device_index)
-                        # With its copy's event: the backward stage, maybe on another device,
-                        # uploads it after the copy landed.
-                        self.saved_inputs[(layer, m)] = (_unshared(host, value), event)
-                        if event is not None:
-                            self.pending.append(event)
-                            if trace is not None:
-                                trace.transfer("activation", "activation", event, m)
-                    value = run(layers, m, value)
+                value, inputs = run.keeping(stage.layers, m, value, kept, copy_tensors, keeper)
+                for layer, saved in zip(kept, inputs, strict=True):
+                    self.saved_inputs[(layer, m)] = saved
                 outputs.append(value)
                 if trace is not None:
                     trace.span("forward", start, m)
         return outputs
+
+    def _keep_input(
+        self, stage: ResidentStage, layer: int, microbatch: int, value: Any
+    ) -> tuple[Any, Any]:
+        """The input of ``layer`` kept for the backward pass: in host memory, private (whatever
+        the layer does to its input), with the event of its copy (None: already there)."""
+        with self._mark("activation", range(layer, layer + 1), microbatch):
+            host, event = to_host(value, stage.device_index)
+        if event is not None:
+            # The backward stage, maybe on another device, uploads it after the copy landed.
+            self.pending.append(event)
+            if stage.trace is not None:
+                stage.trace.transfer("activation", "activation", event, microbatch)
+        return _unshared(host, value), event
 
     def fused_stage(
         self, stage: ResidentStage, activations: list[Any], loss_spec: LossSpec
@@ -828,14 +856,23 @@ class Call:
     def backward_stage(self, stage: ResidentStage, grads: list[Any]) -> list[Any]:
         """Recompute + backward of one backward stage for every microbatch; returns input grads."""
         run = _LayerCalls(self, stage, recompute=True)
+        per_layer = self.recompute_grain == "layer"
+        # Layer 0 takes the user's (args, kwargs): always the Python path.
+        native = range(max(stage.layers.start, 1), stage.layers.stop)
+        if (not per_layer and stage.layers.start == 0) or stage.trace is not None or self.nvtx:
+            native = range(0)
         with stage.bound(keep_buffer_updates=False, recomputed=True), run:
             new_grads = []
             for m, grad in enumerate(grads):
-                if self.recompute_grain == "layer":
-                    for layer in reversed(stage.layers):
+                python = stage.layers
+                if native and self._recompute_backward_natively(native, m, grad, run):
+                    grad = run.loop_grads
+                    python = range(stage.layers.start, native.start)
+                if python and per_layer:
+                    for layer in reversed(python):
                         grad = self._recompute_backward(range(layer, layer + 1), m, grad, run)
-                else:
-                    grad = self._recompute_backward(stage.layers, m, grad, run)
+                elif python:
+                    grad = self._recompute_backward(python, m, grad, run)
                 new_grads.append(grad)
         self.pending.extend(self._download_grads(stage))
         return new_grads
@@ -847,7 +884,7 @@ class Call:
         if dp is None:
             return stage.download_grads()
         assert stage.grad_buffer is not None
-        device = devices()[stage.device_index]
+        device = device_at(stage.device_index)
         trace = stage.trace
         start = trace.mark() if trace is not None else None
         try:
@@ -893,6 +930,48 @@ class Call:
         if trace is not None:
             trace.span("backward", mark, microbatch, layers)
         return _grads_of(inputs)
+
+    def _recompute_backward_natively(
+        self, layers: range, microbatch: int, grad: list[Any], run: _LayerCalls
+    ) -> bool:
+        """:meth:`_recompute_backward` of ``layers`` (each layer on its own with layer grain) in
+        one native call (``_C.LayerLoop.recompute_backward``), when every input recomputed from
+        is a lone tensor (what passes between layers nearly always); the input gradients are
+        left in ``run.loop_grads``. False when an input is not: the caller recomputes in Python.
+        Not used while a timeline or NVTX ranges are recorded (those mark each microbatch)."""
+        per_layer = self.recompute_grain == "layer"
+        if len(grad) != 1:
+            return False
+        starts = layers if per_layer else layers[:1]
+        saved = [self.saved_inputs[(layer, microbatch)] for layer in starts]
+        if any(type(value) is not torch.Tensor for value, _ in saved):
+            return False
+        device = run.stage.device_index
+        inputs = [to_device(value, device, landed) for value, landed in saved]
+        if per_layer:
+            run.runs.extend(range(layer, layer + 1) for layer in reversed(layers))
+        else:
+            run.runs.append(layers)
+        try:
+            result = run.loop.recompute_backward(
+                layers.start,
+                layers.stop,
+                microbatch,
+                inputs,
+                [value for value, _ in saved],
+                grad[0],
+                per_layer,
+                _backward,
+            )
+        except Exception as error:
+            phase, first, stop = run.loop.failure
+            if phase == "recompute":
+                where = self._where(run.context.layer, "recompute", microbatch)
+            else:
+                where = self._where(range(first, stop), "backward", microbatch)
+            raise annotate(error, where) from error
+        run.loop_grads = [result]
+        return True
 
     def _differentiable_input(
         self, layer: int, microbatch: int, value: Any, device_index: int, landed: Any = None
@@ -943,7 +1022,7 @@ class _LayerCalls:
         if call.on_cuda:
             if recompute and not fresh:
                 _warn_if_replay_differs(tuple(devices()))
-            device = devices()[stage.device_index]
+            device = device_at(stage.device_index)
             generators.append(torch.cuda.default_generators[device.index])
         self.context = context.LayerCall(call.recompute_store, recompute, call.saving)
         self.clock = _StageClock(call.runner.timer, stage.device_index, call.on_cuda)
@@ -960,6 +1039,7 @@ class _LayerCalls:
             stage.device_index,
         )
         self.runs: list[range] = []  # what ran, in order, for the timings
+        self.loop_grads: list[Any] = []  # the input gradients of the last native recompute
 
     def __enter__(self) -> _LayerCalls:
         return self
@@ -979,17 +1059,33 @@ class _LayerCalls:
             where = self.call._where(self.context.layer, self.phase, microbatch)
             raise annotate(error, where) from error
 
+    def keeping(
+        self,
+        layers: range,
+        microbatch: int,
+        value: Any,
+        kept: list[int],
+        copy_tensors: bool,
+        keeper: Callable[[int, int, Any], tuple[Any, Any]],
+    ) -> tuple[Any, list[tuple[Any, Any]]]:
+        """Run ``layers`` on ``microbatch``, keeping the inputs of the layers in ``kept`` for
+        the backward pass (see ``_C.LayerLoop.run_keeping``); returns the output and those."""
+        self.runs.append(layers)
+        try:
+            with self.context:
+                output, inputs = self.loop.run_keeping(
+                    layers.start, layers.stop, microbatch, value, kept, copy_tensors, keeper
+                )
+        except Exception as error:
+            where = self.call._where(self.context.layer, self.phase, microbatch)
+            raise annotate(error, where) from error
+        return output, inputs
+
 
 def _mark_layer(call: Call, phase: Phase, layer: int, microbatch: int) -> Any:
     """The NVTX range of ``layer`` on ``microbatch`` in ``phase`` (what ``_C.LayerLoop`` enters
     around each layer when the call marks ranges)."""
     return call._mark(phase, range(layer, layer + 1), microbatch)
-
-
-def _split(layers: range, starts: set[int]) -> list[range]:
-    """``layers`` cut before each layer in ``starts``."""
-    cuts = [layers.start, *sorted(i for i in starts if i != layers.start), layers.stop]
-    return [range(a, b) for a, b in itertools.pairwise(cuts)]
 
 
 def _check_loss(loss: Any, name: str) -> None:

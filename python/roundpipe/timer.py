@@ -30,10 +30,12 @@ import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, Protocol
 
+from roundpipe._native import _C
 from roundpipe.scheduler import LayerProfile
 
 Action = Literal["fwd", "re", "bwd"]
 _ACTIONS: tuple[Action, ...] = ("fwd", "re", "bwd")
+_INDEX: dict[Action, int] = {"fwd": 0, "re": 1, "bwd": 2}  # the native table's action numbers
 
 
 class TimingEvent(Protocol):
@@ -77,10 +79,8 @@ class ModelTimer:
         self.name = name
         self._bytes = [float(b) for b in layer_bytes]
         self._lock = threading.Lock()
-        self._average = {a: [0.0] * num_layers for a in _ACTIONS}
-        self._records = {a: [0] * num_layers for a in _ACTIONS}
-        # Estimate of each (action, layer) as of the last version bump; None until timed.
-        self._planned: dict[Action, list[float | None]] = {a: [None] * num_layers for a in _ACTIONS}
+        # The estimates (native: the runtime folds in every layer x microbatch it timed).
+        self._timings = _C.LayerTimings(num_layers, self.SMOOTHING, self.CHANGE_THRESHOLD)
         self._version = 0
         # Device timings not read yet: (layers sharing the time, action, start, end).
         self._unread: list[tuple[range, Action, TimingEvent, TimingEvent]] = []
@@ -140,69 +140,52 @@ class ModelTimer:
         if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"seconds must be a finite non-negative number, got {seconds!r}")
         with self._lock:
-            estimate = self._fold_locked(layer, action, seconds)
+            moved, (estimate,) = self._timings.fold_reporting(_INDEX[action], [layer], [seconds])
+            self._version += moved
         self._report(layer, action, seconds, estimate)
 
     def record_spans(self, spans: Sequence[tuple[range, Action, float]]) -> None:
         """:meth:`record` of host-clock times, in order: each ``(layers, action, seconds)`` split
         evenly over ``layers``. The runtime hands over a stage's timings at once (one lock, checks
         per span rather than per layer x microbatch)."""
-        folded = []
-        with self._lock:
-            for layers, action, seconds in spans:
-                valid_layers = layers and 0 <= layers.start and layers.stop <= self.num_layers
-                if not (valid_layers and action in _ACTIONS and 0 <= seconds < math.inf):
-                    raise ValueError(
-                        f"a timing span needs layers within [0, {self.num_layers}), an action "
-                        f"'fwd', 're' or 'bwd' and finite non-negative seconds, got "
-                        f"{(layers, action, seconds)!r}"
-                    )
-                share = seconds / len(layers)
-                for layer in layers:
-                    folded.append((layer, action, share, self._fold_locked(layer, action, share)))
-        if ModelTimer.VERBOSE:
-            for report in folded:
-                self._report(*report)
+        per_action: dict[Action, tuple[list[int], list[float]]] = {a: ([], []) for a in _ACTIONS}
+        for layers, action, seconds in spans:
+            valid_layers = layers and 0 <= layers.start and layers.stop <= self.num_layers
+            if not (valid_layers and action in _ACTIONS and 0 <= seconds < math.inf):
+                raise ValueError(
+                    f"a timing span needs layers within [0, {self.num_layers}), an action "
+                    f"'fwd', 're' or 'bwd' and finite non-negative seconds, got "
+                    f"{(layers, action, seconds)!r}"
+                )
+            share = seconds / len(layers)
+            folded_layers, folded_seconds = per_action[action]
+            folded_layers.extend(layers)
+            folded_seconds.extend([share] * len(layers))
+        for action, (layers_of, seconds_of) in per_action.items():
+            if layers_of:
+                self._fold(action, layers_of, seconds_of)
 
     def record_layers(
         self, layers: Sequence[int], action: Action, seconds: Sequence[float]
     ) -> None:
         """:meth:`record` of host-clock times, in order: ``seconds[i]`` of ``layers[i]`` doing
         ``action`` (the runtime hands over a stage's layer timings at once)."""
-        if len(layers) != len(seconds):
-            raise ValueError(
-                f"record_layers got {len(layers)} layers but {len(seconds)} times; pass one "
-                "time per layer"
-            )
         if action not in _ACTIONS:
             raise ValueError(f"action must be 'fwd', 're' or 'bwd', got {action!r}")
-        if layers and not (0 <= min(layers) and max(layers) < self.num_layers):
-            raise ValueError(f"layers must lie within [0, {self.num_layers})")
-        if not all(0 <= s < math.inf for s in seconds):
-            raise ValueError("seconds must be finite and non-negative")
-        with self._lock:
-            folded = [
-                (layer, action, time, self._fold_locked(layer, action, time))
-                for layer, time in zip(layers, seconds, strict=True)
-            ]
-        if ModelTimer.VERBOSE:
-            for report in folded:
-                self._report(*report)
+        self._fold(action, layers, seconds)
 
-    def _fold_locked(self, layer: int, action: Action, seconds: float) -> float:
-        """Fold one record into the estimate (lock held); returns the new estimate."""
-        beta = self.SMOOTHING
-        average = self._average[action]
-        records = self._records[action]
-        average[layer] = beta * average[layer] + (1 - beta) * seconds
-        records[layer] += 1
-        estimate = average[layer] / (1 - beta ** records[layer])
-        planned = self._planned[action]
-        before = planned[layer]
-        if before is None or abs(estimate - before) > self.CHANGE_THRESHOLD * before:
-            planned[layer] = estimate
-            self._version += 1
-        return estimate
+    def _fold(self, action: Action, layers: Sequence[int], seconds: Sequence[float]) -> None:
+        """Fold ``seconds[i]`` of ``layers[i]`` doing ``action``, in order (all checked first:
+        ValueError); with ``VERBOSE``, report each record."""
+        if not ModelTimer.VERBOSE:
+            with self._lock:
+                self._version += self._timings.fold(_INDEX[action], layers, seconds)
+            return
+        with self._lock:
+            moved, estimates = self._timings.fold_reporting(_INDEX[action], layers, seconds)
+            self._version += moved
+        for layer, time, estimate in zip(layers, seconds, estimates, strict=True):
+            self._report(layer, action, time, estimate)
 
     @staticmethod
     def _report(layer: int, action: Action, seconds: float, estimate: float) -> None:
@@ -216,37 +199,32 @@ class ModelTimer:
 
     def estimate(self, layer: int, action: Action) -> float | None:
         """The smoothed time of ``layer`` doing ``action``, or None before its first record."""
+        if action not in _ACTIONS:
+            raise ValueError(f"action must be 'fwd', 're' or 'bwd', got {action!r}")
         with self._lock:
-            return self._estimate_locked(layer, action)
+            return self._timings.estimate(_INDEX[action], layer)
 
     def profile(self, forward_bytes: Sequence[int], backward_bytes: Sequence[int]) -> LayerProfile:
         """Current estimates of every layer, with byte-size stand-ins for untimed ones."""
         self.collect()
         with self._lock:
-            timed = [i for i in range(self.num_layers) if self._records["fwd"][i] > 0]
-            timed_bytes = sum(self._bytes[i] for i in timed)
-            per_byte = (
-                sum(self._estimate_locked(i, "fwd") or 0.0 for i in timed) / timed_bytes
-                if timed_bytes > 0
-                else self.STAND_IN_SECONDS_PER_BYTE
+            timed_forward, timed_recompute, timed_backward = (
+                self._timings.estimates(_INDEX[a]) for a in _ACTIONS
             )
-            forward = [
-                self._estimate_or(i, "fwd", self._bytes[i] * per_byte)
-                for i in range(self.num_layers)
-            ]
-            recompute = [self._estimate_or(i, "re", forward[i]) for i in range(self.num_layers)]
-            backward = [self._estimate_or(i, "bwd", 2 * forward[i]) for i in range(self.num_layers)]
+        timed = [(b, t) for b, t in zip(self._bytes, timed_forward, strict=True) if t is not None]
+        timed_bytes = sum(b for b, _ in timed)
+        per_byte = (
+            sum(t for _, t in timed) / timed_bytes
+            if timed_bytes > 0
+            else self.STAND_IN_SECONDS_PER_BYTE
+        )
+        forward = [
+            b * per_byte if t is None else t
+            for b, t in zip(self._bytes, timed_forward, strict=True)
+        ]
+        recompute = [f if t is None else t for f, t in zip(forward, timed_recompute, strict=True)]
+        backward = [2 * f if t is None else t for f, t in zip(forward, timed_backward, strict=True)]
         return LayerProfile(forward, recompute, backward, list(forward_bytes), list(backward_bytes))
-
-    def _estimate_locked(self, layer: int, action: Action) -> float | None:
-        records = self._records[action][layer]
-        if records == 0:
-            return None
-        return self._average[action][layer] / (1 - self.SMOOTHING**records)
-
-    def _estimate_or(self, layer: int, action: Action, stand_in: float) -> float:
-        estimate = self._estimate_locked(layer, action)
-        return stand_in if estimate is None else estimate
 
 
 __all__ = ["Action", "ModelTimer", "TimingEvent"]
