@@ -21,6 +21,12 @@ docs/guide.md advises for frozen bases). Beside it, the same model trained by th
 per-microbatch loop with ``torch.optim.Adam`` on the adapters, measured the same way: torch's
 own first-use costs (kernel code pages, allocator and thread-pool state) are in both.
 
+``--marginal`` measures every case again at half the size and adds the marginal peak: the
+growth of the peak RSS from the half-size model to the full one per parameter added. The fixed
+costs that any process training with torch pays once (kernel code pages, allocator and
+thread-pool state: about 0.27 bytes per parameter at 200M in plain PyTorch) cancel out of it, so
+it is what decides how many parameters a given host memory holds.
+
     python benchmarks/host_memory.py --params 200M --record
 """
 
@@ -239,15 +245,24 @@ def measure(case: Case, params: int, iters: int, devices: int) -> dict[str, floa
     return json.loads(out.strip().splitlines()[-1])
 
 
+def marginal_peak(full: dict[str, float], half: dict[str, float]) -> float:
+    """Peak RSS growth from the ``half`` model to the ``full`` one, per parameter added."""
+    added = full["params"] - half["params"]
+    return (full["peak"] * full["params"] - half["peak"] * half["params"]) / added
+
+
 def table(results: list[tuple[Case, dict[str, float]]]) -> str:
+    marginal = all("marginal_peak" in r for _, r in results)
     lines = [
-        "| case | floor | construction peak | peak | steady | peak - floor |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| case | floor | construction peak | peak | steady | peak - floor |"
+        + (" marginal peak |" if marginal else ""),
+        "|---|---:|---:|---:|---:|---:|" + ("---:|" if marginal else ""),
     ]
     for case, r in results:
         lines.append(
             f"| {case.name} | {case.floor():.1f} | {r['construction_peak']:.2f} | "
             f"{r['peak']:.2f} | {r['steady']:.2f} | {r['peak'] - case.floor():+.2f} |"
+            + (f" {r['marginal_peak']:.2f} |" if marginal else "")
         )
     lines += [
         "",
@@ -279,6 +294,11 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2, help="virtual CPU devices")
     parser.add_argument("--cases", default="all", help="comma-separated case numbers (1-based)")
     parser.add_argument("--record", action="store_true", help="append the table to RESULTS.md")
+    parser.add_argument(
+        "--marginal",
+        action="store_true",
+        help="also measure each case at half the size and report the marginal peak",
+    )
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     params = parse_count(str(args.params))
@@ -288,9 +308,15 @@ def main() -> None:
 
     chosen = CASES if args.cases == "all" else [CASES[int(i) - 1] for i in args.cases.split(",")]
     results = [(case, measure(case, params, args.iters, args.devices)) for case in chosen]
+    if args.marginal:
+        for case, r in results:
+            half = measure(case, params // 2, args.iters, args.devices)
+            r["marginal_peak"] = marginal_peak(r, half)
     header = (
         f"{results[0][1]['params'] / 1e6:.0f}M parameters, {args.devices} CPU devices, "
-        f"{args.iters} iterations; bytes per parameter (RSS above the post-import baseline)"
+        f"{args.iters} iterations; bytes per parameter (RSS above the post-import baseline"
+        + ("; marginal peak: from half the size to this one" if args.marginal else "")
+        + ")"
     )
     text = f"{header}\n\n{table(results)}"
     print(text)

@@ -18,9 +18,10 @@ from torch.utils._pytree import tree_leaves
 
 
 class LayerCall:
-    """The layer calls of one stage on this thread (used by the runtime around every layer it
-    runs): one object per stage, moved from layer to layer with :meth:`at`, because building one
-    per layer x microbatch is measurable host work at short sequences."""
+    """The layer calls of one stage on this thread (entered by the runtime around the layers it
+    runs): one object per stage, whose ``layer``, ``microbatch`` and ``saved`` the native layer
+    loop (``_C.LayerLoop``) sets before each layer, because building one per layer x microbatch
+    is measurable host work at short sequences."""
 
     __slots__ = ("layer", "microbatch", "recompute", "saved", "saving_enabled", "store")
 
@@ -30,11 +31,6 @@ class LayerCall:
         self.store, self.recompute, self.saving_enabled = store, recompute, saving_enabled
         self.layer = self.microbatch = 0
         self.saved = False
-
-    def at(self, layer: int, microbatch: int) -> LayerCall:
-        """This object, now for ``layer`` on ``microbatch`` (enter it around the call)."""
-        self.layer, self.microbatch, self.saved = layer, microbatch, False
-        return self
 
     def __enter__(self) -> None:
         _state.stack.append(_state.call)

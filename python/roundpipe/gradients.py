@@ -95,8 +95,7 @@ class GradientState:
         memory = self.memory
         memory.wait_writes()
         memory.fold_alias_grads()
-        for slot, view in self._views():
-            slot.param.grad = view
+        _C.set_grads(self._params, [view for _, view in self._views()])
         self.published = True
 
     def _views(self) -> list[tuple[ParamSlot, torch.Tensor]]:
@@ -127,8 +126,11 @@ class GradientState:
             if dirty:
                 for view in cleared:
                     view.zero_()
-            else:  # every gradient cleared (zero_grad(set_to_none=True)): the arena at once
-                clear_arena(self.memory.grads)
+            else:
+                # Every gradient cleared (zero_grad(set_to_none=True)): the arena in one memset
+                # (clear_arena would hand its pages back, and the next backward would fault
+                # every one of them in again).
+                self.memory.grads.zero_()
         self.published = False
         self.dirty = dirty
 

@@ -495,13 +495,16 @@ class _StageClock:
         layers = [layer for run in runs for layer in run]
         if self.stream is None:
             host_times = loop.take_host_times()
-            backward: list[tuple[range, Action, float]] = [
-                (range(a, b), "bwd", t) for a, b, t in loop.take_backward_host_times()
-            ]
+            backward_layers: list[int] = []
+            backward_times: list[float] = []
+            for first, stop, seconds in loop.take_backward_host_times():
+                backward_layers.extend(range(first, stop))
+                backward_times.extend([seconds / (stop - first)] * (stop - first))
             if _full_collections() == self.collections:
                 timer.record_layers(layers, action, host_times)
-                timer.record_spans(self.times)
-                timer.record_spans(backward)
+                timer.record_layers(backward_layers, "bwd", backward_times)
+                if self.times:
+                    timer.record_spans(self.times)
         else:
             marks = loop.take_device_times()
             backward_marks = loop.take_backward_device_times()
@@ -768,8 +771,8 @@ class Call:
     def forward_stage(self, stage: ResidentStage, activations: list[Any]) -> list[Any]:
         outputs, trace = [], stage.trace
         run = _LayerCalls(self, stage, recompute=False)
-        # The layers run between the inputs kept for backward (layer 0's are the user's own,
-        # kept as they came in).
+        # The layers whose inputs backward recomputes from (layer 0's, the user's own, are kept
+        # as they came in, below).
         kept = (
             [i for i in stage.layers if i > 0 and i in self.backward_starts] if self.saving else []
         )
@@ -857,7 +860,8 @@ class Call:
         """Recompute + backward of one backward stage for every microbatch; returns input grads."""
         run = _LayerCalls(self, stage, recompute=True)
         per_layer = self.recompute_grain == "layer"
-        # Layer 0 takes the user's (args, kwargs): always the Python path.
+        # The layers recomputed natively: not layer 0 (it takes the user's (args, kwargs)), and
+        # none while a timeline or NVTX ranges mark each microbatch.
         native = range(max(stage.layers.start, 1), stage.layers.stop)
         if (not per_layer and stage.layers.start == 0) or stage.trace is not None or self.nvtx:
             native = range(0)
@@ -865,8 +869,9 @@ class Call:
             new_grads = []
             for m, grad in enumerate(grads):
                 python = stage.layers
-                if native and self._recompute_backward_natively(native, m, grad, run):
-                    grad = run.loop_grads
+                native_grad = self._recompute_backward_natively(native, m, grad, run)
+                if native_grad is not None:
+                    grad = native_grad
                     python = range(stage.layers.start, native.start)
                 if python and per_layer:
                     for layer in reversed(python):
@@ -933,21 +938,23 @@ class Call:
 
     def _recompute_backward_natively(
         self, layers: range, microbatch: int, grad: list[Any], run: _LayerCalls
-    ) -> bool:
+    ) -> list[Any] | None:
         """:meth:`_recompute_backward` of ``layers`` (each layer on its own with layer grain) in
         one native call (``_C.LayerLoop.recompute_backward``), when every input recomputed from
-        is a lone tensor (what passes between layers nearly always); the input gradients are
-        left in ``run.loop_grads``. False when an input is not: the caller recomputes in Python.
-        Not used while a timeline or NVTX ranges are recorded (those mark each microbatch)."""
+        is a lone tensor (what passes between layers nearly always); returns the input
+        gradients. None when there are no layers or an input is not a lone tensor: the caller
+        recomputes in Python."""
         per_layer = self.recompute_grain == "layer"
-        if len(grad) != 1:
-            return False
+        if not layers or len(grad) != 1:
+            return None
         starts = layers if per_layer else layers[:1]
         saved = [self.saved_inputs[(layer, microbatch)] for layer in starts]
         if any(type(value) is not torch.Tensor for value, _ in saved):
-            return False
+            return None
         device = run.stage.device_index
-        inputs = [to_device(value, device, landed) for value, landed in saved]
+        inputs = [value for value, _ in saved]
+        if self.on_cuda:
+            inputs = [to_device(value, device, landed) for value, landed in saved]
         if per_layer:
             run.runs.extend(range(layer, layer + 1) for layer in reversed(layers))
         else:
@@ -970,8 +977,7 @@ class Call:
             else:
                 where = self._where(range(first, stop), "backward", microbatch)
             raise annotate(error, where) from error
-        run.loop_grads = [result]
-        return True
+        return [result]
 
     def _differentiable_input(
         self, layer: int, microbatch: int, value: Any, device_index: int, landed: Any = None
@@ -1039,7 +1045,6 @@ class _LayerCalls:
             stage.device_index,
         )
         self.runs: list[range] = []  # what ran, in order, for the timings
-        self.loop_grads: list[Any] = []  # the input gradients of the last native recompute
 
     def __enter__(self) -> _LayerCalls:
         return self
