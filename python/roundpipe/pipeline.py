@@ -598,15 +598,10 @@ class LayerRunner:
     data-parallel replica set when it reduces gradients at the end of each backward stage."""
 
     name: str
-    layers: Sequence[torch.nn.Module]
+    layers: list[torch.nn.Module]  # a list: what the native layer loop indexes
     memory: ModelMemory
     timer: ModelTimer | None
     stage_reduce: DataParallel | None = None
-    #: ``layers`` as a list, what the native layer loop indexes.
-    modules: list[torch.nn.Module] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.modules = list(self.layers)
 
 
 @dataclass
@@ -1035,7 +1030,7 @@ class _LayerCalls:
         timing = "off" if self.clock.timer is None else "device" if call.on_cuda else "host"
         mark = functools.partial(_mark_layer, call, self.phase) if call.nvtx else None
         self.loop = _C.LayerLoop(
-            call.runner.modules,
+            call.runner.layers,
             call.rng_seed,
             fresh,
             generators,
