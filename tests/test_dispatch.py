@@ -357,3 +357,41 @@ def test_layer_loop_keeps_private_copies_of_the_inputs_asked_for() -> None:
     assert asked == [(1, 0), (2, 0)]
     with pytest.raises(RuntimeError, match="ascending order"):
         loop.run_keeping(1, 3, 0, torch.ones(3), [2, 1], True, keeper)
+
+
+def test_stage_layout_matches_the_arena_layout_and_stays_bounded() -> None:
+    """A stage's cached layout says what the per-layer layout says, and a plan that changes on
+    every call cannot make the cache grow without bound."""
+    from roundpipe.memory import ModelMemory
+
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    layers: list[nn.Module] = [
+        nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)),
+        nn.Linear(4, 4, bias=False).requires_grad_(False),
+        shared,
+        shared,  # an alias of the parameters of layer 2
+    ]
+    memory = ModelMemory(layers, "off")
+    layout = memory.stage_layout(range(1, 4))
+    assert layout is memory.stage_layout(range(1, 4))
+    slots = [slot for index in range(1, 4) for slot in memory.layers[index].slots]
+    assert list(layout.slots) == slots
+    assert layout.offsets == [slot.offset for slot in slots]
+    assert layout.param_begin == memory.layers[1].begin and layout.param_end == memory.layers[3].end
+    assert [layout.slots[i] for i in layout.trained] == [
+        s for s in slots if s.grad_offset is not None
+    ]
+    assert layout.frozen() == (0,)  # layer 1's weight
+    assert layout.grad_runs == tuple(memory.grad_runs(range(1, 4)))
+    assert layout.buffers == ()
+    assert len(memory.stage_layout(range(0, 1)).buffers) == 3  # BatchNorm1d's
+    # Unfreezing is seen at once (requires_grad is asked per upload, not cached).
+    layers[1].weight.requires_grad_(True)
+    assert layout.frozen() == ()
+    deep = ModelMemory([nn.Linear(2, 2) for _ in range(8)], "off")
+    for start in range(8):  # 36 ranges, more than the 32 kept
+        for stop in range(start + 1, 9):
+            deep.stage_layout(range(start, stop))
+            assert len(deep._stage_layouts) <= 32
+    assert deep.stage_layout(range(7, 8)).layers == range(7, 8)

@@ -233,10 +233,14 @@ class ModelMemory:
         return typed_view(self.params, alias.offset, alias.param)
 
     def stage_layout(self, layers: range) -> StageLayout:
-        """The layout of a stage over ``layers`` (worked out on first use, then cached)."""
+        """The layout of a stage over ``layers`` (worked out on first use, then cached). Plans
+        that keep changing (timings near a boundary) could ask for a different range each call:
+        the cache holds at most ``4 x layers`` of them and starts over beyond that."""
         key = (layers.start, layers.stop)
         layout = self._stage_layouts.get(key)
         if layout is None:
+            if len(self._stage_layouts) >= 4 * len(self.layers):
+                self._stage_layouts.clear()
             layout = self._stage_layouts[key] = self._new_stage_layout(layers)
         return layout
 
