@@ -161,9 +161,7 @@ class LayerLoop {
   // 0 takes `value` as (args, kwargs). The context's `layer` names the layer that raised, if one
   // did.
   py::object run(std::int64_t first, std::int64_t stop, std::int64_t microbatch, py::object value) {
-    const auto size = static_cast<std::int64_t>(modules_.size());
-    TORCH_CHECK(0 <= first && first <= stop && stop <= size, "LayerLoop.run: layers [", first, ", ",
-                stop, ") are not within the ", size, " layers");
+    check_layers("run", first, stop);
     const py::int_ mb(microbatch);
     for (std::int64_t layer = first; layer < stop; ++layer)
       value = step(layer, microbatch, mb, value);
@@ -176,9 +174,7 @@ class LayerLoop {
   py::tuple run_keeping(std::int64_t first, std::int64_t stop, std::int64_t microbatch,
                         py::object value, const std::vector<std::int64_t>& keep, bool copy_tensors,
                         const py::object& keeper) {
-    const auto size = static_cast<std::int64_t>(modules_.size());
-    TORCH_CHECK(0 <= first && first <= stop && stop <= size, "LayerLoop.run_keeping: layers [",
-                first, ", ", stop, ") are not within the ", size, " layers");
+    check_layers("run_keeping", first, stop);
     const py::int_ mb(microbatch);
     py::list kept;
     auto next = keep.begin();
@@ -298,6 +294,12 @@ class LayerLoop {
 
  private:
   enum class Timing { kOff, kHost, kDevice };
+
+  void check_layers(const char* method, std::int64_t first, std::int64_t stop) const {
+    const auto size = static_cast<std::int64_t>(modules_.size());
+    TORCH_CHECK(0 <= first && first <= stop && stop <= size, "LayerLoop.", method, ": layers [",
+                first, ", ", stop, ") are not within the ", size, " layers");
+  }
 
   static bool shares_memory(const at::Tensor& a, const at::Tensor& b) {
     return a.device() == b.device() && a.numel() > 0 && a.data_ptr() == b.data_ptr();

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from roundpipe._native import _C
-from roundpipe.memory import ModelMemory, ParamSlot, clear_arena
+from roundpipe.memory import ModelMemory, clear_arena
 
 if TYPE_CHECKING:
     from roundpipe.pipeline import Call
@@ -95,15 +95,14 @@ class GradientState:
         memory = self.memory
         memory.wait_writes()
         memory.fold_alias_grads()
-        _C.set_grads(self._params, [view for _, view in self._views()])
+        _C.set_grads(self._params, self._views())
         self.published = True
 
-    def _views(self) -> list[tuple[ParamSlot, torch.Tensor]]:
-        """Every trained parameter's gradient in the current arena (``memory.grad_view`` of each,
-        cut by one native call: publishing and taking back make one per parameter per
-        iteration)."""
-        views = _C.typed_views(self.memory.grads, 0, self._offsets, self._params)
-        return list(zip(self._slots, views, strict=True))
+    def _views(self) -> list[torch.Tensor]:
+        """Every trained parameter's gradient in the current arena, in ``_slots`` order
+        (``memory.grad_view`` of each, cut by one native call: publishing and taking back make
+        one per parameter per iteration)."""
+        return _C.typed_views(self.memory.grads, 0, self._offsets, self._params)
 
     def _absorb_user_grads(self) -> None:
         """Gradients published by ``synchronize()`` go back into the arena as the user left them:
@@ -113,7 +112,7 @@ class GradientState:
         dirty = False
         cleared = []
         with torch.no_grad():
-            for slot, view in self._views():
+            for slot, view in zip(self._slots, self._views(), strict=True):
                 grad = slot.param.grad
                 if grad is None:
                     cleared.append(view)

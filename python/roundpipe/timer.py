@@ -2,10 +2,11 @@
 
 The runtime measures every layer's forward (``"fwd"``), recompute (``"re"``) and backward
 (``"bwd"``) time of each microbatch: with the host clock on virtual CPU devices, handed over
-once per stage with :meth:`ModelTimer.record_spans` (the same as :meth:`ModelTimer.record` of each
-in order); on GPUs with timing CUDA events on the compute stream, handed over with
-:meth:`ModelTimer.record_later` and read once they completed (never waiting for the GPU) when the
-timer is next asked for its ``version`` or ``profile``.
+once per stage with :meth:`ModelTimer.record_layers` and :meth:`ModelTimer.record_spans` (the same
+as :meth:`ModelTimer.record` of each in order); the moving averages themselves are native
+(``_C.LayerTimings``, csrc/planner/layer_timings.h); on GPUs with timing CUDA events on the
+compute stream, handed over with :meth:`ModelTimer.record_later` and read once they completed
+(never waiting for the GPU) when the timer is next asked for its ``version`` or ``profile``.
 
 Estimates are exponential moving averages with bias correction (as in Adam): after ``t`` records
 ``x_1..x_t`` the estimate is ``sum(beta**(t-i) * (1-beta) * x_i) / (1 - beta**t)``, so the first
@@ -139,10 +140,7 @@ class ModelTimer:
             raise ValueError(f"action must be 'fwd', 're' or 'bwd', got {action!r}")
         if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"seconds must be a finite non-negative number, got {seconds!r}")
-        with self._lock:
-            moved, (estimate,) = self._timings.fold_reporting(_INDEX[action], [layer], [seconds])
-            self._version += moved
-        self._report(layer, action, seconds, estimate)
+        self._fold(action, [layer], [seconds])
 
     def record_spans(self, spans: Sequence[tuple[range, Action, float]]) -> None:
         """:meth:`record` of host-clock times, in order: each ``(layers, action, seconds)`` split
