@@ -9,6 +9,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -20,6 +21,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -119,6 +121,36 @@ class TimingMark {
   c10::Event event_;
 };
 
+// The autograd node behind a recomputed segment's input: it keeps the gradient that reaches it and
+// ends the pass there. The input is then not a leaf, as a layer's input is in plain PyTorch: a
+// layer may change it in place without a copy first, and the pass runs one node for it where a
+// leaf that requires grad behind a clone would run two (CloneBackward and AccumulateGrad).
+class InputGrad final : public torch::autograd::Node {
+ public:
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    grad_ = std::move(grads.at(0));
+    return {};
+  }
+  std::string name() const override { return "roundpipe::InputGrad"; }
+  // The gradient that reached the input; undefined when none did.
+  at::Tensor take() { return std::exchange(grad_, {}); }
+
+ private:
+  at::Tensor grad_;
+};
+
+// Autograd holds its nodes in c10::intrusive_ptr from torch 2.13 on, in std::shared_ptr before.
+using NodeRef = decltype(torch::autograd::Edge::function);
+
+template <class T>
+NodeRef make_node() {
+  if constexpr (std::is_same_v<NodeRef, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<T>();
+  } else {
+    return c10::make_intrusive<T>();
+  }
+}
+
 // splitmix64's finaliser of (call, layer, microbatch): every random draw of layer l for microbatch
 // m comes from generators seeded with it, the same whatever the plan, stage boundaries or device;
 // `fresh` gives recompute a stream of its own when it must not replay the forward's draws.
@@ -197,8 +229,9 @@ class LayerLoop {
   // Recompute + backward, in grad mode, of layers [first, stop) (first > 0) for `microbatch`, from
   // saved inputs: one segment over all of them from inputs[0] (stage grain), or with `per_layer`
   // one per layer, last layer first, from inputs[i], the input of layer first + i (layer grain).
-  // saved[i] is what inputs[i] was uploaded from: an input leaf that shares its memory is cloned,
-  // so that a layer changing its input in place cannot change what a later recompute starts from.
+  // saved[i] is what inputs[i] was uploaded from: an input that shares its memory is copied, so
+  // that a layer changing its input in place cannot change what a later recompute starts from. A
+  // floating-point input gets an InputGrad node, which collects the input's gradient.
   // `grad` is the gradient of the last output (None: none reached it); an output that is not a
   // tensor is backpropagated by `fallback(output, [grad])`. Returns the gradient of layer first's
   // input, or None. On an error, `failure` tells the phase and the layers of the failing segment.
@@ -218,14 +251,17 @@ class LayerLoop {
     for (std::int64_t end = stop; end > first;) {
       const std::int64_t begin = per_layer ? end - 1 : first;
       const auto index = static_cast<std::size_t>(begin - first);
-      at::Tensor leaf = inputs[index].detach();
-      if (leaf.is_floating_point()) leaf.requires_grad_(true);
+      at::Tensor input = inputs[index].detach();
+      if (shares_memory(input, saved[index])) input = input.clone();
+      NodeRef input_grad;
+      if (input.is_floating_point()) {
+        input_grad = make_node<InputGrad>();
+        torch::autograd::create_gradient_edge(input, input_grad);
+      }
       failure_ = {"recompute", begin, end};
-      py::object output;
+      py::object output = py::cast(input);
       {
         at::AutoGradMode grad_mode(true);
-        const bool copy = leaf.requires_grad() || shares_memory(leaf, saved[index]);
-        output = py::cast(copy ? leaf.clone() : leaf);
         context_.attr("__enter__")();
         try {
           for (std::int64_t layer = begin; layer < end; ++layer) {
@@ -261,7 +297,8 @@ class LayerLoop {
         backward_device_.emplace_back(begin, end, std::move(start_mark),
                                       std::make_shared<TimingMark>(*stream_));
       }
-      grad = leaf.requires_grad() ? std::optional<at::Tensor>(leaf.grad()) : std::nullopt;
+      grad = input_grad ? std::optional<at::Tensor>(static_cast<InputGrad&>(*input_grad).take())
+                        : std::nullopt;
       end = begin;
     }
     if (!grad.has_value() || !grad->defined()) return py::none();
