@@ -279,6 +279,40 @@ def test_retain_graph_allows_a_second_backward_through_a_loss_that_saves(
     assert_same_grads(model.model, reference)
 
 
+class ShiftsThenSquares(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(1).pow(2)  # in place on its input; the gradient depends on the input
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_a_retained_graph_recomputes_in_place_layers_from_their_own_inputs(
+    num_devices: int, grain: str
+) -> None:
+    """The second backward recomputes from the saved inputs again: layers that changed their
+    inputs in place during the first recompute must not have changed what it starts from."""
+    torch.manual_seed(0)
+    layers = [
+        nn.Linear(6, 6),
+        ShiftsThenSquares(),
+        nn.Linear(6, 6),
+        nn.ReLU(inplace=True),
+        nn.Linear(6, 6),
+    ]
+    reference = nn.Sequential(*layers)
+    model = RoundPipe(copy.deepcopy(reference))
+    plan = make_plan([range(0, 1), range(1, 5)], [range(3, 5), range(1, 3), range(0, 1)])
+    config = RoundPipeRunConfig(num_microbatch=2, recompute_grain=grain, execute_plan=plan)
+    x = torch.randn(4, 6)
+    loss = model(x, roundpipe_run_config=config).pow(2).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    plain = torch.cat([reference(chunk) for chunk in x.tensor_split(2)]).pow(2).sum()
+    plain.backward(retain_graph=True)
+    plain.backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference, exact=True)
+
+
 # --------------------------------------------------------------------------------------------
 # 6: batch-size mismatches
 # --------------------------------------------------------------------------------------------

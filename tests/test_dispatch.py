@@ -241,9 +241,9 @@ def test_layer_loop_reseeds_and_calls_each_layer_as_python_would() -> None:
     hook.remove()
     assert torch.equal(got, expected)
     assert seen == [(2, 2, True)]
-    times = loop.take_host_times()
-    assert len(times) == 4 and all(t >= 0 for t in times)
-    assert loop.take_host_times() == []
+    layers_run, times = loop.take_host_times()
+    assert layers_run == [0, 1, 2, 3] and all(t >= 0 for t in times) and len(times) == 4
+    assert loop.take_host_times() == ([], [])
     # fresh draws differ from the replayed ones
     assert _C.layer_seed(99, 1, 2, True) != _C.layer_seed(99, 1, 2, False)
     assert len({_C.layer_seed(99, layer, m, False) for layer in range(4) for m in range(4)}) == 16
@@ -350,13 +350,64 @@ def test_layer_loop_keeps_private_copies_of_the_inputs_asked_for() -> None:
     assert torch.equal(first[0], torch.ones(3)) and first[1] is None  # before layer 1 doubled it
     assert third == ("kept by Python", None) and asked == [(3, 7)]  # a tuple: Python keeps it
     assert torch.equal(fourth[0], torch.full((3,), 6.0))
-    assert len(loop.take_host_times()) == 4
+    assert loop.take_host_times()[0] == [1, 2, 3, 4]
     # Without copy_tensors every input goes to the keeper.
     asked.clear()
     loop.run_keeping(1, 3, 0, torch.ones(3), [1, 2], False, keeper)
     assert asked == [(1, 0), (2, 0)]
     with pytest.raises(RuntimeError, match="ascending order"):
         loop.run_keeping(1, 3, 0, torch.ones(3), [2, 1], True, keeper)
+
+
+class _Doubles(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2)  # in place, on its input
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["stage", "layer"])
+@pytest.mark.parametrize("reused", [False, True], ids=["once", "reused"])
+def test_layer_loop_recompute_backward_matches_autograd(per_layer: bool, reused: bool) -> None:
+    """Recompute + backward of layers 1-4 (two of them change their input in place) from saved
+    inputs: the gradients are plain autograd's to the bit, the timings name the layers, and the
+    saved inputs stay as they were when a later recompute may start from them again."""
+    from roundpipe.context import LayerCall
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Identity(), _Doubles(), nn.Linear(8, 8), _Doubles(), nn.Tanh()]
+    x, grad = torch.randn(4, 8), torch.randn(4, 8)
+
+    # Plain PyTorch: the input of layer 1 is a non-leaf, as the output of a layer before it.
+    leaf = x.clone().requires_grad_(True)
+    h = leaf * 1
+    for layer in layers[1:]:
+        h = layer(h)
+    h.backward(grad)
+    expected_weight = layers[2].weight.grad.clone()  # type: ignore[union-attr]
+    expected_input = leaf.grad
+    layers[2].zero_grad(set_to_none=True)
+
+    # The inputs a forward pass keeps: each layer's (layer grain) or the first one's.
+    with torch.no_grad():
+        kept, h = [], x.clone()
+        for layer in layers[1:]:
+            kept.append(h.clone())
+            h = layer(h)
+    inputs = kept if per_layer else kept[:1]
+    before = [t.clone() for t in inputs]
+    loop = _C.LayerLoop(layers, 0, False, [], LayerCall({}, True, True), None, "host", 0)
+    got = loop.recompute_backward(
+        1, 5, 0, inputs, inputs if reused else [], grad, per_layer, lambda *_: None
+    )
+    assert got is not None and torch.equal(got, expected_input)
+    assert torch.equal(layers[2].weight.grad, expected_weight)  # type: ignore[union-attr,arg-type]
+    # Layers 1 and 3 double their inputs in place: the saved ones only when not copied first.
+    assert all(torch.equal(a, b) for a, b in zip(inputs, before, strict=True)) == reused
+    backward_layers, seconds = loop.take_backward_host_times()
+    assert backward_layers == ([4, 3, 2, 1] if per_layer else [1, 2, 3, 4])
+    assert len(seconds) == 4 and all(s >= 0 for s in seconds)
+    if not per_layer:  # one segment, its time split evenly
+        assert len(set(seconds)) == 1
+    assert loop.take_host_times()[0] == ([4, 3, 2, 1] if per_layer else [1, 2, 3, 4])
 
 
 def test_stage_layout_matches_the_arena_layout_and_stays_bounded() -> None:

@@ -151,6 +151,20 @@ NodeRef make_node() {
   }
 }
 
+// Host-clock layer times as the model's timer folds them: the layers, and the seconds of each.
+class HostTimes {
+ public:
+  using Taken = std::pair<std::vector<std::int64_t>, std::vector<double>>;
+  void add(std::int64_t layer, double seconds) {
+    taken_.first.push_back(layer);
+    taken_.second.push_back(seconds);
+  }
+  Taken take() { return std::exchange(taken_, {}); }
+
+ private:
+  Taken taken_;
+};
+
 // splitmix64's finaliser of (call, layer, microbatch): every random draw of layer l for microbatch
 // m comes from generators seeded with it, the same whatever the plan, stage boundaries or device;
 // `fresh` gives recompute a stream of its own when it must not replay the forward's draws.
@@ -178,7 +192,9 @@ class LayerLoop {
         fresh_(fresh),
         generators_(std::move(generators)),
         context_(std::move(context)),
-        mark_(std::move(mark)) {
+        mark_(std::move(mark)),
+        enter_(context_.attr("__enter__")),
+        exit_(context_.attr("__exit__")) {
     TORCH_CHECK(timing == "off" || timing == "host" || timing == "device",
                 "LayerLoop: timing must be 'off', 'host' or 'device', got '", timing, "'");
     if (timing == "host") timing_ = Timing::kHost;
@@ -229,8 +245,9 @@ class LayerLoop {
   // Recompute + backward, in grad mode, of layers [first, stop) (first > 0) for `microbatch`, from
   // saved inputs: one segment over all of them from inputs[0] (stage grain), or with `per_layer`
   // one per layer, last layer first, from inputs[i], the input of layer first + i (layer grain).
-  // saved[i] is what inputs[i] was uploaded from: an input that shares its memory is copied, so
-  // that a layer changing its input in place cannot change what a later recompute starts from. A
+  // saved[i] is what inputs[i] was uploaded from, given when a later recompute may start from it
+  // again (a retained graph; empty otherwise): an input that shares its memory is then copied, so
+  // that a layer changing its input in place cannot change what that recompute starts from. A
   // floating-point input gets an InputGrad node, which collects the input's gradient.
   // `grad` is the gradient of the last output (None: none reached it); an output that is not a
   // tensor is backpropagated by `fallback(output, [grad])`. Returns the gradient of layer first's
@@ -244,7 +261,7 @@ class LayerLoop {
     TORCH_CHECK(0 < first && first < stop && stop <= size, "LayerLoop.recompute_backward: layers [",
                 first, ", ", stop, ") are not within layers 1 to ", size - 1);
     const std::size_t segments = per_layer ? static_cast<std::size_t>(stop - first) : 1;
-    TORCH_CHECK(inputs.size() == segments && saved.size() == segments,
+    TORCH_CHECK(inputs.size() == segments && (saved.empty() || saved.size() == segments),
                 "LayerLoop.recompute_backward: got ", inputs.size(), " inputs and ", saved.size(),
                 " saved values for ", segments, " segments");
     const py::int_ mb(microbatch);
@@ -252,7 +269,7 @@ class LayerLoop {
       const std::int64_t begin = per_layer ? end - 1 : first;
       const auto index = static_cast<std::size_t>(begin - first);
       at::Tensor input = inputs[index].detach();
-      if (shares_memory(input, saved[index])) input = input.clone();
+      if (!saved.empty() && shares_memory(input, saved[index])) input = input.clone();
       NodeRef input_grad;
       if (input.is_floating_point()) {
         input_grad = make_node<InputGrad>();
@@ -262,16 +279,16 @@ class LayerLoop {
       py::object output = py::cast(input);
       {
         at::AutoGradMode grad_mode(true);
-        context_.attr("__enter__")();
+        enter_();
         try {
           for (std::int64_t layer = begin; layer < end; ++layer) {
             output = step(layer, microbatch, mb, output);
           }
         } catch (...) {
-          context_.attr("__exit__")(py::none(), py::none(), py::none());
+          exit_(py::none(), py::none(), py::none());
           throw;
         }
-        context_.attr("__exit__")(py::none(), py::none(), py::none());
+        exit_(py::none(), py::none(), py::none());
       }
       failure_ = {"backward", begin, end};
       const bool has_grad = grad.has_value() && grad->defined();
@@ -290,9 +307,11 @@ class LayerLoop {
         fallback(output, grads);
       }
       if (timing_ == Timing::kHost) {
-        backward_host_.emplace_back(
-            begin, end,
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        // Split evenly over the segment's layers.
+        const double share =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
+            static_cast<double>(end - begin);
+        for (std::int64_t layer = begin; layer < end; ++layer) backward_host_.add(layer, share);
       } else if (timing_ == Timing::kDevice) {
         backward_device_.emplace_back(begin, end, std::move(start_mark),
                                       std::make_shared<TimingMark>(*stream_));
@@ -309,11 +328,9 @@ class LayerLoop {
   // recompute_backward was in when it last raised.
   std::tuple<std::string, std::int64_t, std::int64_t> failure() const { return failure_; }
 
-  // The backward times recompute_backward took since the last call: (first, stop, seconds) on the
-  // host clock.
-  std::vector<std::tuple<std::int64_t, std::int64_t, double>> take_backward_host_times() {
-    return std::exchange(backward_host_, {});
-  }
+  // The backward times recompute_backward took since the last call on the host clock, each
+  // segment's split evenly over its layers: (layers, seconds).
+  HostTimes::Taken take_backward_host_times() { return backward_host_.take(); }
   // The same on a device: (first, stop, start, end).
   std::vector<std::tuple<std::int64_t, std::int64_t, std::shared_ptr<TimingMark>,
                          std::shared_ptr<TimingMark>>>
@@ -321,10 +338,11 @@ class LayerLoop {
     return std::exchange(backward_device_, {});
   }
 
-  // The host times taken since the last call, in seconds, one per layer run, in order.
-  std::vector<double> take_host_times() { return std::exchange(host_times_, {}); }
-  // The device timing events recorded since the last call: (start, end) per layer run, in order.
-  std::vector<std::pair<std::shared_ptr<TimingMark>, std::shared_ptr<TimingMark>>>
+  // The host times taken since the last call, one per layer run, in order: (layers, seconds).
+  HostTimes::Taken take_host_times() { return host_times_.take(); }
+  // The device timing events recorded since the last call: (layer, start, end) per layer run, in
+  // order.
+  std::vector<std::tuple<std::int64_t, std::shared_ptr<TimingMark>, std::shared_ptr<TimingMark>>>
   take_device_times() {
     return std::exchange(device_times_, {});
   }
@@ -350,9 +368,9 @@ class LayerLoop {
       std::lock_guard<std::mutex> lock(generator.mutex());
       generator.set_current_seed(seed);
     }
-    context_.attr("layer") = py::int_(layer);
-    context_.attr("microbatch") = mb;
-    context_.attr("saved") = py::bool_(false);
+    context_.attr(layer_key_) = py::int_(layer);
+    context_.attr(microbatch_key_) = mb;
+    context_.attr(saved_key_) = py::bool_(false);
     return call(layer, mb, value);
   }
 
@@ -380,10 +398,11 @@ class LayerLoop {
       throw;
     }
     if (timing_ == Timing::kHost) {
-      host_times_.push_back(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      host_times_.add(
+          layer, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     } else if (timing_ == Timing::kDevice) {
-      device_times_.emplace_back(std::move(start_mark), std::make_shared<TimingMark>(*stream_));
+      device_times_.emplace_back(layer, std::move(start_mark),
+                                 std::make_shared<TimingMark>(*stream_));
     }
     if (range) range.attr("__exit__")(py::none(), py::none(), py::none());
     return result;
@@ -395,15 +414,19 @@ class LayerLoop {
   std::vector<at::Generator> generators_;
   py::object context_;
   py::object mark_;
+  // Bound once: a lookup by C string builds the name's Python string on every call.
+  py::object enter_, exit_;
+  py::str layer_key_{"layer"}, microbatch_key_{"microbatch"}, saved_key_{"saved"};
   Timing timing_ = Timing::kOff;
   std::optional<c10::Stream> stream_;
-  std::vector<double> host_times_;
+  HostTimes host_times_;
   std::tuple<std::string, std::int64_t, std::int64_t> failure_{"", 0, 0};
-  std::vector<std::tuple<std::int64_t, std::int64_t, double>> backward_host_;
+  HostTimes backward_host_;
   std::vector<std::tuple<std::int64_t, std::int64_t, std::shared_ptr<TimingMark>,
                          std::shared_ptr<TimingMark>>>
       backward_device_;
-  std::vector<std::pair<std::shared_ptr<TimingMark>, std::shared_ptr<TimingMark>>> device_times_;
+  std::vector<std::tuple<std::int64_t, std::shared_ptr<TimingMark>, std::shared_ptr<TimingMark>>>
+      device_times_;
 };
 
 }  // namespace
@@ -430,19 +453,21 @@ void bind_dispatch(py::module_& m) {
       .def("recompute_backward", &LayerLoop::recompute_backward, py::arg("first"), py::arg("stop"),
            py::arg("microbatch"), py::arg("inputs"), py::arg("saved"), py::arg("grad"),
            py::arg("per_layer"), py::arg("fallback"),
-           "Recompute + backward of layers [first, stop) from their saved inputs; returns the "
-           "gradient of the first layer's input or None.")
+           "Recompute + backward of layers [first, stop) from their saved inputs (`saved`: what "
+           "they were uploaded from, when a later recompute may start from it again, else []); "
+           "returns the gradient of the first layer's input or None.")
       .def_property_readonly("failure", &LayerLoop::failure,
                              "(phase, first, stop) of the segment recompute_backward last "
                              "raised in.")
       .def("take_backward_host_times", &LayerLoop::take_backward_host_times,
-           "(first, stop, seconds) of each backward since the last call.")
+           "(layers, seconds) of the backwards since the last call, each split evenly over its "
+           "layers.")
       .def("take_backward_device_times", &LayerLoop::take_backward_device_times,
            "(first, stop, start, end) TimingMarks of each backward since the last call.")
       .def("take_host_times", &LayerLoop::take_host_times,
-           "Host seconds of each layer run since the last call, in order.")
+           "(layers, seconds) of the layer runs since the last call, in order.")
       .def("take_device_times", &LayerLoop::take_device_times,
-           "(start, end) TimingMarks of each layer run since the last call, in order.");
+           "(layer, start, end) TimingMarks of each layer run since the last call, in order.");
   m.def("set_grads", &set_grads, py::arg("tensors"), py::arg("grads"),
         "tensors[i].grad = grads[i] (same shape, dtype and device).");
   m.def("layer_seed", &layer_seed, py::arg("call_seed"), py::arg("layer"), py::arg("microbatch"),

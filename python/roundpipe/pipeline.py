@@ -486,30 +486,25 @@ class _StageClock:
         end.record(self.stream)
         self.events.append((layers, action, start, end))
 
-    def flush(self, loop: Any, runs: list[range], action: Action) -> None:
+    def flush(self, loop: Any, action: Action) -> None:
         """Hand the times taken to the timer: the pieces', and those ``loop`` (a
-        ``_C.LayerLoop``) took of the layers of ``runs`` doing ``action``."""
+        ``_C.LayerLoop``) took of its layer runs, which did ``action``, and backward passes."""
         timer = self.timer
         if timer is None:
             return
-        layers = [layer for run in runs for layer in run]
         if self.stream is None:
-            host_times = loop.take_host_times()
-            backward_layers: list[int] = []
-            backward_times: list[float] = []
-            for first, stop, seconds in loop.take_backward_host_times():
-                backward_layers.extend(range(first, stop))
-                backward_times.extend([seconds / (stop - first)] * (stop - first))
+            layers, seconds = loop.take_host_times()
+            backward_layers, backward_seconds = loop.take_backward_host_times()
             if _full_collections() == self.collections:
-                timer.record_layers(layers, action, host_times)
-                timer.record_layers(backward_layers, "bwd", backward_times)
+                timer.record_layers(layers, action, seconds)
+                timer.record_layers(backward_layers, "bwd", backward_seconds)
                 if self.times:
                     timer.record_spans(self.times)
         else:
             marks = loop.take_device_times()
             backward_marks = loop.take_backward_device_times()
             if _full_collections() == self.collections:
-                for layer, (start, end) in zip(layers, marks, strict=True):
+                for layer, start, end in marks:
                     timer.record_later(range(layer, layer + 1), action, start, end)
                 for piece in self.events:
                     timer.record_later(*piece)
@@ -950,17 +945,16 @@ class Call:
         inputs = [value for value, _ in saved]
         if self.on_cuda:
             inputs = [to_device(value, device, landed) for value, landed in saved]
-        if per_layer:
-            run.runs.extend(range(layer, layer + 1) for layer in reversed(layers))
-        else:
-            run.runs.append(layers)
+        # A second backward through a retained graph recomputes from the saved inputs again; the
+        # backward of forward_backward is the only one.
+        reused = [value for value, _ in saved] if self.run_type != "fused" else []
         try:
             result = run.loop.recompute_backward(
                 layers.start,
                 layers.stop,
                 microbatch,
                 inputs,
-                [value for value, _ in saved],
+                reused,
                 grad[0],
                 per_layer,
                 _backward,
@@ -1039,19 +1033,16 @@ class _LayerCalls:
             timing,
             stage.device_index,
         )
-        self.runs: list[range] = []  # what ran, in order, for the timings
 
     def __enter__(self) -> _LayerCalls:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is None:  # a failed stage's timings are incomplete: none are kept
-            self.clock.flush(self.loop, self.runs, self.action)
-        self.runs.clear()
+            self.clock.flush(self.loop, self.action)
 
     def __call__(self, layers: range, microbatch: int, value: Any) -> Any:
         """Run ``layers`` on ``microbatch`` (layer 0 takes ``(args, kwargs)``)."""
-        self.runs.append(layers)
         try:
             with self.context:
                 return self.loop.run(layers.start, layers.stop, microbatch, value)
@@ -1070,7 +1061,6 @@ class _LayerCalls:
     ) -> tuple[Any, list[tuple[Any, Any]]]:
         """Run ``layers`` on ``microbatch``, keeping the inputs of the layers in ``kept`` for
         the backward pass (see ``_C.LayerLoop.run_keeping``); returns the output and those."""
-        self.runs.append(layers)
         try:
             with self.context:
                 output, inputs = self.loop.run_keeping(
