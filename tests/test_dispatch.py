@@ -118,6 +118,43 @@ def test_typed_views_match_typed_view() -> None:
             assert view.data_ptr() == buffer.data_ptr() + offset - 16
 
 
+def test_upload_stage_copies_the_runs_and_attaches_the_gradient_views() -> None:
+    """A stage of bytes [16, end) of an arena: the runs copied in (the skipped bytes not), views
+    typed as the parameters, zeroed gradients attached to the trained ones only."""
+    params = [torch.randn(3, 5, requires_grad=True), torch.randn(4), torch.randn(2, 2).double()]
+    offsets, cursor = [], 16
+    for param in params:
+        offsets.append(cursor)
+        cursor += -(-param.numel() * param.element_size() // 64) * 64
+    arena = torch.zeros(cursor, dtype=torch.uint8)
+    for param, offset in zip(params, offsets, strict=True):
+        typed_view(arena, offset, param).copy_(param.detach())
+    runs = [(offsets[0], offsets[1]), (offsets[2], cursor)]  # the second parameter is skipped
+    buffer, uploaded, views, grads = _C.upload_stage(
+        0, torch.device("cpu"), arena, 16, cursor, runs, None, offsets, params,
+        True, 0, 128, [0, 64], [0, 2],
+    )  # fmt: skip
+    uploaded.synchronize()
+    assert buffer.numel() == cursor - 16 and grads is not None and grads.numel() == 128
+    assert torch.equal(views[0], params[0].detach()) and torch.equal(views[2], params[2])
+    assert views[0].requires_grad and not views[1].requires_grad
+    assert views[0].grad is not None and torch.equal(views[0].grad, torch.zeros(3, 5))
+    assert views[0].grad.data_ptr() == grads.data_ptr() and views[1].grad is None
+    assert views[2].grad is not None and views[2].grad.dtype == torch.float64
+    _, _, _, none = _C.upload_stage(
+        0, torch.device("cpu"), arena, 16, cursor, runs, None, offsets, params,
+        False, 0, 0, [], [],
+    )  # fmt: skip
+    assert none is None
+    with pytest.raises(RuntimeError, match="is not within the stage's bytes"):
+        _C.upload_stage(
+            0, torch.device("cpu"), arena, 16, cursor, [(0, 16)], None, offsets, params,
+            False, 0, 0, [], [],
+        )  # fmt: skip
+    big = _C.stage_buffer(1 << 20, torch.device("cpu"), zero=True)  # an arena of its own
+    assert big.numel() == 1 << 20 and not big.any()
+
+
 def test_typed_views_refuse_what_does_not_fit() -> None:
     buffer = torch.zeros(16, dtype=torch.uint8)
     like = torch.zeros(4)
@@ -441,8 +478,16 @@ def test_stage_layout_matches_the_arena_layout_and_stays_bounded() -> None:
     layers[1].weight.requires_grad_(True)
     assert layout.frozen() == ()
     deep = ModelMemory([nn.Linear(2, 2) for _ in range(8)], "off")
+    hot = deep.stage_layout(range(0, 8))
     for start in range(8):  # 36 ranges, more than the 32 kept
         for stop in range(start + 1, 9):
             deep.stage_layout(range(start, stop))
             assert len(deep._stage_layouts) <= 32
+            assert deep.stage_layout(range(0, 8)) is hot  # used all along: never evicted
     assert deep.stage_layout(range(7, 8)).layers == range(7, 8)
+    cold = deep.stage_layout(range(0, 1))
+    for start in range(8):  # the 35 other ranges: the 4 not kept evict the least recent ones
+        for stop in range(start + 1, 9):
+            if (start, stop) != (0, 1):
+                deep.stage_layout(range(start, stop))
+    assert deep.stage_layout(range(0, 1)) is not cold  # the least recently used went first

@@ -5,6 +5,7 @@
 // At short sequences a device finishes a layer in about a millisecond, so the host's Python work
 // around each layer caps throughput (benchmarks/overhead_cpu.py, the dispatch table). These calls
 // replace a Python entry point that costs more than the native work behind it.
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Exceptions.h>
@@ -26,6 +27,9 @@
 #include <vector>
 
 #include "bindings/bindings.h"
+#include "executor/copy_engine.h"
+#include "executor/event.h"
+#include "memory/host_arena.h"
 
 namespace py = pybind11;
 
@@ -106,6 +110,83 @@ void set_grads(const std::vector<at::Tensor>& tensors, const std::vector<at::Ten
   }
 }
 
+// Below this size a virtual CPU device's stage buffer comes from the C heap: a mapping of its own
+// would cost two system calls and a page fault per page for memory the heap reuses at once.
+constexpr std::int64_t kOwnArenaBytes = std::int64_t{1} << 20;
+
+// A stage's flat uint8 buffer of `bytes` bytes on `device`. A virtual CPU device's is host memory,
+// from kOwnArenaBytes up an arena of its own, returned to the operating system when the stage is
+// done (the C heap would keep a freed buffer of this size resident).
+at::Tensor stage_buffer(std::int64_t bytes, c10::Device device, bool zero) {
+  TORCH_CHECK(bytes >= 0, "stage_buffer: bytes must be >= 0, got ", bytes);
+  if (device.is_cpu() && bytes >= kOwnArenaBytes) {
+    return memory::allocate_host_arena(bytes, memory::PinMode::kOff, zero);
+  }
+  const auto options = at::TensorOptions().dtype(at::kByte).device(device);
+  return zero ? at::zeros({bytes}, options) : at::empty({bytes}, options);
+}
+
+// What roundpipe.pipeline.ResidentStage makes of a stage of the parameter arena `arena`, in one
+// call (per stage, each piece in Python costs more than the work behind it):
+//   - the parameter buffer, bytes [param_begin, param_end) of the arena's layout, its byte `runs`
+//     copied in on device `device_index`'s parameter lane once `fence` completed (`uploaded`:
+//     the last copy's event, which covers them all; a recorded event when there are none);
+//   - the views of `params` in it at byte `offsets` (typed_views, requiring grad as they do);
+//   - with `with_grads`, the zeroed gradient buffer of bytes [grad_begin, grad_end), whose views
+//     at `grad_offsets` become the .grad of the views of params[trained].
+// Returns (buffer, uploaded, views, grad buffer or None).
+py::tuple upload_stage(int device_index, c10::Device device, const at::Tensor& arena,
+                       std::int64_t param_begin, std::int64_t param_end,
+                       const std::vector<std::pair<std::int64_t, std::int64_t>>& runs,
+                       const executor::EventPtr& fence, const std::vector<std::int64_t>& offsets,
+                       const std::vector<at::Tensor>& params, bool with_grads,
+                       std::int64_t grad_begin, std::int64_t grad_end,
+                       const std::vector<std::int64_t>& grad_offsets,
+                       const std::vector<std::int64_t>& trained) {
+  TORCH_CHECK(0 <= param_begin && param_begin <= param_end && param_end <= arena.numel(),
+              "upload_stage: bytes [", param_begin, ", ", param_end,
+              ") are not within the arena of ", arena.numel(), " bytes");
+  TORCH_CHECK(grad_begin <= grad_end, "upload_stage: grad_begin ", grad_begin, " is past grad_end ",
+              grad_end);
+  TORCH_CHECK(grad_offsets.size() == trained.size(), "upload_stage: got ", grad_offsets.size(),
+              " gradient offsets for ", trained.size(), " trained parameters");
+  at::Tensor buffer = stage_buffer(param_end - param_begin, device, /*zero=*/false);
+  executor::EventPtr uploaded;
+  {
+    py::gil_scoped_release no_gil;
+    executor::CopyEngine& engine = executor::copy_engine(device_index);
+    for (const auto& [begin, end] : runs) {
+      TORCH_CHECK(param_begin <= begin && begin <= end && end <= param_end, "upload_stage: run [",
+                  begin, ", ", end, ") is not within the stage's bytes [", param_begin, ", ",
+                  param_end, ")");
+      uploaded = engine.copy(buffer.slice(0, begin - param_begin, end - param_begin),
+                             arena.slice(0, begin, end), executor::Lane::kParameter, fence);
+    }
+    if (!uploaded) uploaded = executor::record_event(device_index);
+  }
+  std::vector<at::Tensor> views = typed_views(buffer, param_begin, offsets, params, true);
+  py::object grad_buffer = py::none();
+  if (with_grads) {
+    at::Tensor grads = stage_buffer(grad_end - grad_begin, device, /*zero=*/true);
+    if (!trained.empty()) {
+      std::vector<at::Tensor> likes;
+      std::vector<at::Tensor> targets;
+      likes.reserve(trained.size());
+      targets.reserve(trained.size());
+      for (const std::int64_t i : trained) {
+        TORCH_CHECK(0 <= i && i < static_cast<std::int64_t>(views.size()),
+                    "upload_stage: trained index ", i, " is not one of the ", views.size(),
+                    " parameters");
+        likes.push_back(params[static_cast<std::size_t>(i)]);
+        targets.push_back(views[static_cast<std::size_t>(i)]);
+      }
+      set_grads(targets, typed_views(grads, grad_begin, grad_offsets, likes, false));
+    }
+    grad_buffer = py::cast(grads);
+  }
+  return py::make_tuple(buffer, uploaded, views, grad_buffer);
+}
+
 // A timing event recorded on a CUDA device's compute stream, read by the model's timer once it
 // completed (roundpipe.timer.TimingEvent: query() and elapsed_time(end) in milliseconds).
 class TimingMark {
@@ -149,6 +230,13 @@ NodeRef make_node() {
   } else {
     return c10::make_intrusive<T>();
   }
+}
+
+// A copy of `tensor` that autograd does not know of, as tensor.detach().clone() (without the
+// detached alias and the autograd layer of the dispatch in between).
+at::Tensor plain_copy(const at::Tensor& tensor) {
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return tensor.clone();
 }
 
 // Host-clock layer times as the model's timer folds them: the layers, and the seconds of each.
@@ -229,7 +317,7 @@ class LayerLoop {
     for (std::int64_t layer = first; layer < stop; ++layer) {
       if (next != keep.end() && *next == layer) {
         if (copy_tensors && THPVariable_Check(value.ptr())) {
-          kept.append(py::make_tuple(THPVariable_Unpack(value.ptr()).detach().clone(), py::none()));
+          kept.append(py::make_tuple(plain_copy(THPVariable_Unpack(value.ptr())), py::none()));
         } else {
           kept.append(keeper(layer, mb, value));
         }
@@ -268,8 +356,8 @@ class LayerLoop {
     for (std::int64_t end = stop; end > first;) {
       const std::int64_t begin = per_layer ? end - 1 : first;
       const auto index = static_cast<std::size_t>(begin - first);
-      at::Tensor input = inputs[index].detach();
-      if (!saved.empty() && shares_memory(input, saved[index])) input = input.clone();
+      const bool copy = !saved.empty() && shares_memory(inputs[index], saved[index]);
+      at::Tensor input = copy ? plain_copy(inputs[index]) : inputs[index].detach();
       NodeRef input_grad;
       if (input.is_floating_point()) {
         input_grad = make_node<InputGrad>();
@@ -326,7 +414,9 @@ class LayerLoop {
 
   // The phase ("recompute" or "backward") and layers [first, stop) of the segment
   // recompute_backward was in when it last raised.
-  std::tuple<std::string, std::int64_t, std::int64_t> failure() const { return failure_; }
+  std::tuple<std::string, std::int64_t, std::int64_t> failure() const {
+    return {failure_.phase, failure_.first, failure_.stop};
+  }
 
   // The backward times recompute_backward took since the last call on the host clock, each
   // segment's split evenly over its layers: (layers, seconds).
@@ -420,7 +510,11 @@ class LayerLoop {
   Timing timing_ = Timing::kOff;
   std::optional<c10::Stream> stream_;
   HostTimes host_times_;
-  std::tuple<std::string, std::int64_t, std::int64_t> failure_{"", 0, 0};
+  struct Failure {
+    const char* phase = "";
+    std::int64_t first = 0;
+    std::int64_t stop = 0;
+  } failure_;
   HostTimes backward_host_;
   std::vector<std::tuple<std::int64_t, std::int64_t, std::shared_ptr<TimingMark>,
                          std::shared_ptr<TimingMark>>>
@@ -477,6 +571,15 @@ void bind_dispatch(py::module_& m) {
         "torch.autograd.backward(outputs, grads) through the engine directly, without the GIL: "
         "one defined gradient per output; errors are raised as torch.autograd.backward raises "
         "them.");
+  m.def("stage_buffer", &stage_buffer, py::arg("bytes"), py::arg("device"), py::arg("zero"),
+        "A stage's flat uint8 buffer on `device` (zeroed with `zero`); a virtual CPU device's from "
+        "1 MiB up in an arena of its own, returned to the operating system when freed.");
+  m.def("upload_stage", &upload_stage, py::arg("device_index"), py::arg("device"), py::arg("arena"),
+        py::arg("param_begin"), py::arg("param_end"), py::arg("runs"), py::arg("fence"),
+        py::arg("offsets"), py::arg("params"), py::arg("with_grads"), py::arg("grad_begin"),
+        py::arg("grad_end"), py::arg("grad_offsets"), py::arg("trained"),
+        "A stage's buffers from the parameter arena: (buffer, uploaded event, parameter views, "
+        "gradient buffer or None); the gradient views become the trained views' .grad.");
   m.def("typed_views", &typed_views, py::arg("buffer"), py::arg("first_byte"), py::arg("offsets"),
         py::arg("likes"), py::arg("like_requires_grad") = false,
         "Views of the uint8 buffer at byte offsets[i] - first_byte, laid out like likes[i] "

@@ -4,6 +4,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, overload
 
+import torch
 from torch import Generator, Tensor
 from torch.nn import Module
 
@@ -152,6 +153,23 @@ def typed_views(
     likes: Sequence[Tensor],
     like_requires_grad: bool = False,
 ) -> list[Tensor]: ...
+def stage_buffer(bytes: int, device: torch.device, zero: bool) -> Tensor: ...
+def upload_stage(
+    device_index: int,
+    device: torch.device,
+    arena: Tensor,
+    param_begin: int,
+    param_end: int,
+    runs: Sequence[tuple[int, int]],
+    fence: Event | None,
+    offsets: Sequence[int],
+    params: Sequence[Tensor],
+    with_grads: bool,
+    grad_begin: int,
+    grad_end: int,
+    grad_offsets: Sequence[int],
+    trained: Sequence[int],
+) -> tuple[Tensor, Event, list[Tensor], Tensor | None]: ...
 
 # A timing event on a CUDA device's compute stream (the model timer's TimingEvent).
 class TimingMark:

@@ -235,13 +235,15 @@ class ModelMemory:
     def stage_layout(self, layers: range) -> StageLayout:
         """The layout of a stage over ``layers`` (worked out on first use, then cached). Plans
         that keep changing (timings near a boundary) could ask for a different range each call:
-        the cache holds at most ``4 x layers`` of them and starts over beyond that."""
+        the cache holds at most ``4 x layers`` of them, the least recently used going first."""
         key = (layers.start, layers.stop)
-        layout = self._stage_layouts.get(key)
+        layouts = self._stage_layouts
+        layout = layouts.pop(key, None)
         if layout is None:
-            if len(self._stage_layouts) >= 4 * len(self.layers):
-                self._stage_layouts.clear()
-            layout = self._stage_layouts[key] = self._new_stage_layout(layers)
+            if len(layouts) >= 4 * len(self.layers):
+                del layouts[next(iter(layouts))]
+            layout = self._new_stage_layout(layers)
+        layouts[key] = layout  # the most recently used last (dicts keep insertion order)
         return layout
 
     def _new_stage_layout(self, layers: range) -> StageLayout:

@@ -224,20 +224,6 @@ def _buffer_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return staging.to(device, non_blocking=True)
 
 
-# Below this size a CPU stage buffer comes from the C heap: a mapping of its own would cost two
-# system calls and a page fault per page for memory the heap reuses at once.
-_OWN_ARENA_BYTES = 1 << 20
-
-
-def _stage_buffer(nbytes: int, device: torch.device, zero: bool) -> torch.Tensor:
-    """A stage's flat uint8 buffer on ``device``. A virtual CPU device's is host memory, from
-    ``_OWN_ARENA_BYTES`` up a native arena of its own, returned to the operating system when the
-    stage is done (the C heap would keep a freed buffer of this size resident)."""
-    if device.type == "cpu" and nbytes >= _OWN_ARENA_BYTES:
-        return _C.allocate_host_arena(nbytes, "off", zero=zero)
-    return (torch.zeros if zero else torch.empty)(nbytes, dtype=torch.uint8, device=device)
-
-
 class ResidentStage:
     """A stage's parameters (and gradient buffer, for backward) resident on one device.
 
@@ -249,6 +235,11 @@ class ResidentStage:
 
     ``model``: the model's name, for errors; ``nvtx_model``: the model's name when its upload
     and download are marked as NVTX ranges."""
+
+    buffer: torch.Tensor  # the parameters, as laid out in the arena
+    uploaded: Any  # the event of the upload
+    views: list[torch.Tensor]  # one per parameter, in the arena's order
+    grad_buffer: torch.Tensor | None  # backward stages: the gradients, as laid out in the arena
 
     def __init__(
         self,
@@ -268,49 +259,32 @@ class ResidentStage:
         # On a virtual CPU device the frozen parameters are bound in host memory: their pages of
         # the buffer are never written, so they cost no memory.
         frozen = layout.frozen() if in_host else ()
-        begin = layout.param_begin
-        self.buffer = _stage_buffer(layout.param_end - begin, device, zero=False)
         fence = memory.fence(layers)
         with _marked(nvtx_model, "upload", layers):
             if memory.params is not None:
-                # The copies of one stage run in order on the parameter lane: the last one's
-                # event covers the stage.
-                runs = layout.param_runs(frozen)
-                if not runs:  # every parameter is bound in host memory
-                    self.uploaded = _C.record_event(device_index)
-                for run_begin, run_end in runs:
-                    self.uploaded = _C.copy_async(
-                        device_index,
-                        self.buffer[run_begin - begin : run_end - begin],
-                        memory.params[run_begin:run_end],
-                        "parameter",
-                        fence,
-                    )
-            elif device.type == "cuda":
-                # Pageable sources: the engine's worker stages them through its page-locked
-                # bounce buffers, so this thread goes on issuing compute meanwhile.
-                sources = memory.param_sources(layers, skip_frozen=False)
-                targets = [self.buffer[o - begin : o - begin + s.numel()] for o, s in sources]
-                self.uploaded = _C.upload_pageable(
-                    device_index, targets, [source for _, source in sources], fence
+                # One native call: the buffers, the copies of the stage's byte runs (in order on
+                # the parameter lane: the last one's event covers the stage), the parameters'
+                # views and the gradient views attached to those that train. The views require
+                # grad as the parameters do, also in forward stages (run without grad): a layer
+                # that checks `p.requires_grad` sees what it would see on the parameter itself.
+                self.buffer, self.uploaded, self.views, self.grad_buffer = _C.upload_stage(
+                    device_index,
+                    device,
+                    memory.params,
+                    layout.param_begin,
+                    layout.param_end,
+                    layout.param_runs(frozen),
+                    fence,
+                    layout.offsets,
+                    layout.params,
+                    with_grads,
+                    layout.grad_begin,
+                    layout.grad_end,
+                    layout.grad_offsets,
+                    layout.trained,
                 )
             else:
-                # One copy per parameter from its own storage, in order as above.
-                self.uploaded = _C.record_event(device_index)
-                for offset, source in memory.param_sources(layers, skip_frozen=True):
-                    target = self.buffer[offset - begin : offset - begin + source.numel()]
-                    self.uploaded = _C.copy_async(device_index, target, source, "parameter", fence)
-        self.grad_buffer: torch.Tensor | None = None
-        if with_grads:
-            size = layout.grad_end - layout.grad_begin
-            self.grad_buffer = _stage_buffer(size, device, zero=True)
-        # One native call per buffer cuts every parameter's view (a Python `as_strided` per
-        # parameter cost several times more). They require grad as the parameters do, also in
-        # forward stages (run without grad): a layer that checks `p.requires_grad` sees what it
-        # would see on the parameter itself.
-        self.views = _C.typed_views(
-            self.buffer, begin, layout.offsets, layout.params, like_requires_grad=True
-        )
+                self._upload_from_sources(fence, device, with_grads)
         # The frozen parameters bound in host memory, each a `.data` alias with a version counter
         # of its own, so an in-place change by the layer shows (see `bound`): (slot index, the
         # tensor bound).
@@ -318,14 +292,42 @@ class ResidentStage:
         for i in frozen:
             self.views[i] = layout.params[i].data
             self.in_host.append((i, self.views[i]))
-        if self.grad_buffer is not None and layout.trained:
-            grads = _C.typed_views(
-                self.grad_buffer,
-                layout.grad_begin,
-                layout.grad_offsets,
-                [layout.params[i] for i in layout.trained],
+
+    def _upload_from_sources(self, fence: Any, device: torch.device, with_grads: bool) -> None:
+        """The stage's buffers without a parameter arena: each parameter copied from its own
+        storage (frozen ones too on CUDA; on a virtual CPU device those are bound in place)."""
+        layout, memory, device_index = self.layout, self.memory, self.device_index
+        begin = layout.param_begin
+        self.buffer = _C.stage_buffer(layout.param_end - begin, device, zero=False)
+        if device.type == "cuda":
+            # Pageable sources: the engine's worker stages them through its page-locked bounce
+            # buffers, so this thread goes on issuing compute meanwhile.
+            sources = memory.param_sources(self.layers, skip_frozen=False)
+            targets = [self.buffer[o - begin : o - begin + s.numel()] for o, s in sources]
+            self.uploaded = _C.upload_pageable(
+                device_index, targets, [source for _, source in sources], fence
             )
-            _C.set_grads([self.views[i] for i in layout.trained], grads)
+        else:
+            # One copy per parameter, in order on the parameter lane as from the arena.
+            self.uploaded = _C.record_event(device_index)
+            for offset, source in memory.param_sources(self.layers, skip_frozen=True):
+                target = self.buffer[offset - begin : offset - begin + source.numel()]
+                self.uploaded = _C.copy_async(device_index, target, source, "parameter", fence)
+        self.views = _C.typed_views(
+            self.buffer, begin, layout.offsets, layout.params, like_requires_grad=True
+        )
+        self.grad_buffer = None
+        if with_grads:
+            size = layout.grad_end - layout.grad_begin
+            self.grad_buffer = _C.stage_buffer(size, device, zero=True)
+            if layout.trained:
+                grads = _C.typed_views(
+                    self.grad_buffer,
+                    layout.grad_begin,
+                    layout.grad_offsets,
+                    [layout.params[i] for i in layout.trained],
+                )
+                _C.set_grads([self.views[i] for i in layout.trained], grads)
 
     @contextmanager
     def bound(self, keep_buffer_updates: bool, recomputed: bool) -> Iterator[None]:
