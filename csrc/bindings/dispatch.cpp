@@ -357,7 +357,8 @@ class LayerLoop {
       const std::int64_t begin = per_layer ? end - 1 : first;
       const auto index = static_cast<std::size_t>(begin - first);
       const bool copy = !saved.empty() && shares_memory(inputs[index], saved[index]);
-      at::Tensor input = copy ? plain_copy(inputs[index]) : inputs[index].detach();
+      // Either way a tensor of its own for autograd: the same bytes, none of the input's history.
+      at::Tensor input = copy ? plain_copy(inputs[index]) : inputs[index].variable_data();
       NodeRef input_grad;
       if (input.is_floating_point()) {
         input_grad = make_node<InputGrad>();
@@ -367,16 +368,16 @@ class LayerLoop {
       py::object output = py::cast(input);
       {
         at::AutoGradMode grad_mode(true);
-        enter_();
+        call_python(enter_);
         try {
           for (std::int64_t layer = begin; layer < end; ++layer) {
             output = step(layer, microbatch, mb, output);
           }
         } catch (...) {
-          exit_(py::none(), py::none(), py::none());
+          leave_context();
           throw;
         }
-        exit_(py::none(), py::none(), py::none());
+        leave_context();
       }
       failure_ = {"backward", begin, end};
       const bool has_grad = grad.has_value() && grad->defined();
@@ -446,6 +447,18 @@ class LayerLoop {
                 first, ", ", stop, ") are not within the ", size, " layers");
   }
 
+  // callable(*args) through the vectorcall protocol (pybind's call packs a tuple first).
+  template <class... Args>
+  static py::object call_python(const py::handle& callable, const Args&... args) {
+    PyObject* argv[] = {nullptr, args.ptr()...};
+    PyObject* result = PyObject_Vectorcall(
+        callable.ptr(), argv + 1, sizeof...(Args) | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+    if (result == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(result);
+  }
+
+  void leave_context() const { call_python(exit_, py::none(), py::none(), py::none()); }
+
   static bool shares_memory(const at::Tensor& a, const at::Tensor& b) {
     return a.device() == b.device() && a.numel() > 0 && a.data_ptr() == b.data_ptr();
   }
@@ -481,7 +494,7 @@ class LayerLoop {
         TORCH_CHECK(pair.size() == 2, "LayerLoop.run: layer 0 takes (args, kwargs)");
         result = module(*pair[0], **pair[1]);
       } else {
-        result = module(value);
+        result = call_python(module, value);
       }
     } catch (...) {
       if (range) range.attr("__exit__")(py::none(), py::none(), py::none());

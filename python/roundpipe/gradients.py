@@ -109,27 +109,21 @@ class GradientState:
         cleared (``None``) means zero, a replaced tensor is copied in, views are kept."""
         if not self.published:
             return
-        dirty = False
-        cleared = []
+        grads = [slot.param.grad for slot in self._slots]
+        dirty = any(grad is not None for grad in grads)
         with torch.no_grad():
-            for slot, view in zip(self._slots, self._views(), strict=True):
-                grad = slot.param.grad
-                if grad is None:
-                    cleared.append(view)
-                elif grad.data_ptr() != view.data_ptr():
-                    view.copy_(grad)
-                    dirty = True
-                else:
-                    dirty = True
-                slot.param.grad = None
-            if dirty:
-                for view in cleared:
-                    view.zero_()
-            else:
+            if not dirty:
                 # Every gradient cleared (zero_grad(set_to_none=True)): the arena in one memset
                 # (clear_arena would hand its pages back, and the next backward would fault
-                # every one of them in again).
+                # every one of them in again), and no view of it cut.
                 self.memory.grads.zero_()
+            else:
+                for slot, view, grad in zip(self._slots, self._views(), grads, strict=True):
+                    if grad is None:
+                        view.zero_()
+                    elif grad.data_ptr() != view.data_ptr():
+                        view.copy_(grad)
+                    slot.param.grad = None
         self.published = False
         self.dirty = dirty
 
