@@ -155,6 +155,22 @@ def test_upload_stage_copies_the_runs_and_attaches_the_gradient_views() -> None:
     assert big.numel() == 1 << 20 and not big.any()
 
 
+def test_download_grads_accumulates_each_run_as_its_dtype() -> None:
+    arena = torch.zeros(64, dtype=torch.uint8)
+    arena[16:32].view(torch.float32).fill_(1.0)
+    grads = torch.zeros(48, dtype=torch.uint8)  # the stage's bytes [16, 64) of the arena
+    grads[0:16].view(torch.float32).fill_(2.0)
+    grads[16:48].view(torch.float64).fill_(3.0)
+    runs = [(16, 32, torch.float32), (32, 64, torch.float64)]
+    for event in _C.download_grads(0, arena, grads, 16, runs, None):
+        event.synchronize()
+    assert torch.equal(arena[16:32].view(torch.float32), torch.full((4,), 3.0))  # 1 + 2
+    assert torch.equal(arena[32:64].view(torch.float64), torch.full((4,), 3.0))
+    assert not arena[:16].any()
+    with pytest.raises(RuntimeError, match="is not within the stage's bytes"):
+        _C.download_grads(0, arena, grads, 16, [(8, 16, torch.float32)], None)
+
+
 def test_typed_views_refuse_what_does_not_fit() -> None:
     buffer = torch.zeros(16, dtype=torch.uint8)
     like = torch.zeros(4)

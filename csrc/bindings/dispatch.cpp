@@ -187,6 +187,35 @@ py::tuple upload_stage(int device_index, c10::Device device, const at::Tensor& a
   return py::make_tuple(buffer, uploaded, views, grad_buffer);
 }
 
+// What roundpipe.pipeline.ResidentStage.download_grads issues: for each byte run
+// (begin, end, dtype) of the gradient arena `arena`, the stage's gradients at those bytes of its
+// buffer `grads` (which starts at arena byte `first_byte`) accumulated into the arena, as `dtype`,
+// on device `device_index`'s copy engine once the work issued to the device so far completed;
+// through the same bytes of `staging` when given (CUDA). Returns the events, one per run.
+std::vector<executor::EventPtr> download_grads(
+    int device_index, const at::Tensor& arena, const at::Tensor& grads, std::int64_t first_byte,
+    const std::vector<std::tuple<std::int64_t, std::int64_t, at::ScalarType>>& runs,
+    const std::optional<at::Tensor>& staging) {
+  std::vector<executor::EventPtr> events;
+  events.reserve(runs.size());
+  py::gil_scoped_release no_gil;
+  executor::CopyEngine& engine = executor::copy_engine(device_index);
+  const executor::EventPtr after = executor::record_event(device_index);
+  for (const auto& [begin, end, dtype] : runs) {
+    TORCH_CHECK(first_byte <= begin && begin <= end && end - first_byte <= grads.numel() &&
+                    end <= arena.numel(),
+                "download_grads: run [", begin, ", ", end, ") is not within the stage's bytes [",
+                first_byte, ", ", first_byte + grads.numel(), ") of the arena of ", arena.numel(),
+                " bytes");
+    std::optional<at::Tensor> through;
+    if (staging) through = staging->slice(0, begin, end).view(dtype);
+    events.push_back(engine.accumulate(
+        arena.slice(0, begin, end).view(dtype),
+        grads.slice(0, begin - first_byte, end - first_byte).view(dtype), after, through));
+  }
+  return events;
+}
+
 // A timing event recorded on a CUDA device's compute stream, read by the model's timer once it
 // completed (roundpipe.timer.TimingEvent: query() and elapsed_time(end) in milliseconds).
 class TimingMark {
@@ -593,6 +622,10 @@ void bind_dispatch(py::module_& m) {
         py::arg("grad_end"), py::arg("grad_offsets"), py::arg("trained"),
         "A stage's buffers from the parameter arena: (buffer, uploaded event, parameter views, "
         "gradient buffer or None); the gradient views become the trained views' .grad.");
+  m.def("download_grads", &download_grads, py::arg("device_index"), py::arg("arena"),
+        py::arg("grads"), py::arg("first_byte"), py::arg("runs"), py::arg("staging"),
+        "Accumulate a stage's gradient buffer into the gradient arena, one (begin, end, dtype) "
+        "byte run at a time on the device's copy engine; returns the events.");
   m.def("typed_views", &typed_views, py::arg("buffer"), py::arg("first_byte"), py::arg("offsets"),
         py::arg("likes"), py::arg("like_requires_grad") = false,
         "Views of the uint8 buffer at byte offsets[i] - first_byte, laid out like likes[i] "

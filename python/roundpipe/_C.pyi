@@ -154,6 +154,14 @@ def typed_views(
     like_requires_grad: bool = False,
 ) -> list[Tensor]: ...
 def stage_buffer(bytes: int, device: torch.device, zero: bool) -> Tensor: ...
+def download_grads(
+    device_index: int,
+    arena: Tensor,
+    grads: Tensor,
+    first_byte: int,
+    runs: Sequence[tuple[int, int, torch.dtype]],
+    staging: Tensor | None,
+) -> list[Event]: ...
 def upload_stage(
     device_index: int,
     device: torch.device,

@@ -420,22 +420,20 @@ class ResidentStage:
         On CUDA the downloads go through the model's page-locked staging at the stage's own
         offsets (see :meth:`ModelMemory.download_staging`)."""
         assert self.grad_buffer is not None
-        grad_begin = self.layout.grad_begin
         staging = self.memory.download_staging() if self.grad_buffer.is_cuda else None
-        after = _C.record_event(self.device_index)
-        events = []
         runs: Sequence[tuple[int, int, torch.dtype]] = self.layout.grad_runs
         if only is not None:
             clipped = [(max(b, only[0]), min(e, only[1]), t) for b, e, t in runs]
             runs = [(b, e, t) for b, e, t in clipped if b < e]
         with _marked(self.nvtx_model, "download", self.layers):
-            for begin, end, dtype in runs:
-                host = self.memory.grads[begin:end].view(dtype)
-                local = self.grad_buffer[begin - grad_begin : end - grad_begin].view(dtype)
-                through = None if staging is None else staging[begin:end].view(dtype)
-                events.append(
-                    _C.accumulate_async(self.device_index, host, local, after, staging=through)
-                )
+            events = _C.download_grads(
+                self.device_index,
+                self.memory.grads,
+                self.grad_buffer,
+                self.layout.grad_begin,
+                runs,
+                staging,
+            )
         if self.trace is not None and events:
             self.trace.transfer("grad_download", "gradient download", events[-1])
         return events
