@@ -27,9 +27,10 @@ wrapping never holds the weights twice.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -247,31 +248,51 @@ class ModelMemory:
         return layout
 
     def _new_stage_layout(self, layers: range) -> StageLayout:
-        slots = tuple(slot for index in layers for slot in self.layers[index].slots)
-        trained = tuple(i for i, slot in enumerate(slots) if slot.grad_offset is not None)
+        # One pass over the slots (a plan that keeps changing asks for new ranges every call).
+        slots: list[ParamSlot] = []
+        layer_of: list[int] = []
+        trained: list[int] = []
+        grad_offsets: list[int] = []
+        maybe_frozen: list[int] = []
+        owners: list[tuple[nn.Module, str, int]] = []
+        buffers: list[tuple[int, nn.Module, str]] = []
+        for index in layers:
+            layer = self.layers[index]
+            for slot in layer.slots:
+                i = len(slots)
+                slots.append(slot)
+                layer_of.append(index)
+                if slot.grad_offset is None:
+                    maybe_frozen.append(i)
+                else:
+                    trained.append(i)
+                    grad_offsets.append(slot.grad_offset)
+                owners.extend((owner, name, i) for owner, name in slot.owners)
+            buffers.extend((index, owner, name) for owner, name in layer.buffers)
         return StageLayout(
             layers=layers,
             param_begin=self.layers[layers.start].begin,
             param_end=self.layers[layers.stop - 1].end,
             grad_begin=self.layers[layers.start].grad_begin,
             grad_end=self.layers[layers.stop - 1].grad_end,
-            slots=slots,
+            slots=tuple(slots),
             offsets=[slot.offset for slot in slots],
             params=[slot.param for slot in slots],
-            layer_of=tuple(index for index in layers for _ in self.layers[index].slots),
-            trained=trained,
-            grad_offsets=[cast(int, slots[i].grad_offset) for i in trained],
-            owners=tuple(
-                (owner, name, i) for i, slot in enumerate(slots) for owner, name in slot.owners
+            layer_of=tuple(layer_of),
+            trained=tuple(trained),
+            grad_offsets=grad_offsets,
+            owners=tuple(owners),
+            buffers=tuple(buffers),
+            grad_runs=tuple(
+                _coalesced(run for index in layers for run in self._layer_grad_runs[index])
             ),
-            buffers=tuple(
-                (index, owner, name)
-                for index in layers
-                for owner, name in self.layers[index].buffers
-            ),
-            grad_runs=tuple(self.grad_runs(layers)),
-            maybe_frozen=tuple(i for i, slot in enumerate(slots) if slot.grad_offset is None),
+            maybe_frozen=tuple(maybe_frozen),
         )
+
+    @functools.cached_property
+    def _layer_grad_runs(self) -> list[list[tuple[int, int, torch.dtype]]]:
+        """:meth:`grad_runs` of each layer on its own (stage layouts join them)."""
+        return [self.grad_runs(range(index, index + 1)) for index in range(len(self.layers))]
 
     def param_sources(self, layers: range, skip_frozen: bool) -> list[tuple[int, torch.Tensor]]:
         """Without an arena: ``(byte offset in the arena layout, bytes)`` of every parameter of
