@@ -10,12 +10,14 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Iterator
+from typing import ClassVar
 
 import pytest
 import roundpipe
 import torch
 from reference import assert_same_grads, make_plan, mlp
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe.context import RecomputeDataError
 from torch import nn
 
 
@@ -311,6 +313,54 @@ def test_a_retained_graph_recomputes_in_place_layers_from_their_own_inputs(
     plain.backward()
     model.synchronize()
     assert_same_grads(model.model, reference, exact=True)
+
+
+class _SeesRecompute(torch.autograd.Function):
+    """Identity whose backward records what a layer's code sees while backward runs."""
+
+    seen: ClassVar[list[bool]] = []
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        _SeesRecompute.seen.append(roundpipe.doing_recompute())
+        with pytest.raises(RecomputeDataError):
+            roundpipe.get_recompute_data()
+        return grad
+
+
+class _RecordsRecompute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.during_recompute: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.during_recompute.append(roundpipe.doing_recompute())
+        return _SeesRecompute.apply(self.linear(x))
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_code_run_by_backward_is_outside_the_recomputed_layers(
+    num_devices: int, grain: str
+) -> None:
+    """A layer's own code sees doing_recompute() in its recompute, and not in the backward pass
+    between recomputes (plain PyTorch runs that code outside any layer call)."""
+    torch.manual_seed(0)
+    layers = [_RecordsRecompute() for _ in range(4)]
+    model = RoundPipe(nn.Sequential(*layers))
+    plan = make_plan([range(0, 1), range(1, 3)], [range(3, 4), range(1, 3), range(0, 1)])
+    config = RoundPipeRunConfig(num_microbatch=2, recompute_grain=grain, execute_plan=plan)
+    _SeesRecompute.seen.clear()
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    model.synchronize()
+    assert _SeesRecompute.seen and not any(_SeesRecompute.seen)
+    # Layers 1 and 2: forward, then recompute, per microbatch.
+    assert layers[1].during_recompute == [False, False, True, True]
 
 
 # --------------------------------------------------------------------------------------------

@@ -382,62 +382,24 @@ class LayerLoop {
                 "LayerLoop.recompute_backward: got ", inputs.size(), " inputs and ", saved.size(),
                 " saved values for ", segments, " segments");
     const py::int_ mb(microbatch);
-    for (std::int64_t end = stop; end > first;) {
-      const std::int64_t begin = per_layer ? end - 1 : first;
-      const auto index = static_cast<std::size_t>(begin - first);
-      const bool copy = !saved.empty() && shares_memory(inputs[index], saved[index]);
-      // Either way a tensor of its own for autograd: the same bytes, none of the input's history.
-      at::Tensor input = copy ? plain_copy(inputs[index]) : inputs[index].variable_data();
-      NodeRef input_grad;
-      if (input.is_floating_point()) {
-        input_grad = make_node<InputGrad>();
-        torch::autograd::create_gradient_edge(input, input_grad);
+    // Entered once: between the segments the context is only marked not running (LayerCall).
+    call_python(enter_);
+    try {
+      for (std::int64_t end = stop; end > first;) {
+        const std::int64_t begin = per_layer ? end - 1 : first;
+        const auto index = static_cast<std::size_t>(begin - first);
+        grad = segment(begin, end, microbatch, mb, inputs[index],
+                       saved.empty() ? nullptr : &saved[index], grad, fallback);
+        end = begin;
       }
-      failure_ = {"recompute", begin, end};
-      py::object output = py::cast(input);
-      {
-        at::AutoGradMode grad_mode(true);
-        call_python(enter_);
-        try {
-          for (std::int64_t layer = begin; layer < end; ++layer) {
-            output = step(layer, microbatch, mb, output);
-          }
-        } catch (...) {
-          leave_context();
-          throw;
-        }
-        leave_context();
-      }
-      failure_ = {"backward", begin, end};
-      const bool has_grad = grad.has_value() && grad->defined();
-      const auto start = std::chrono::steady_clock::now();
-      std::shared_ptr<TimingMark> start_mark;
-      if (timing_ == Timing::kDevice) start_mark = std::make_shared<TimingMark>(*stream_);
-      if (THPVariable_Check(output.ptr())) {
-        const at::Tensor result = THPVariable_Unpack(output.ptr());
-        if (result.requires_grad() && has_grad) {
-          py::gil_scoped_release no_gil;
-          torch::autograd::backward({result}, {*grad});
-        }
-      } else {
-        py::list grads;
-        grads.append(has_grad ? py::cast(*grad) : py::none());
-        fallback(output, grads);
-      }
-      if (timing_ == Timing::kHost) {
-        // Split evenly over the segment's layers.
-        const double share =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
-            static_cast<double>(end - begin);
-        for (std::int64_t layer = begin; layer < end; ++layer) backward_host_.add(layer, share);
-      } else if (timing_ == Timing::kDevice) {
-        backward_device_.emplace_back(begin, end, std::move(start_mark),
-                                      std::make_shared<TimingMark>(*stream_));
-      }
-      grad = input_grad ? std::optional<at::Tensor>(static_cast<InputGrad&>(*input_grad).take())
-                        : std::nullopt;
-      end = begin;
+    } catch (...) {
+      // The engine may rethrow with the Python error still set: keep it aside meanwhile.
+      const py::error_scope pending;
+      set_running(true);
+      leave_context();
+      throw;
     }
+    leave_context();
     if (!grad.has_value() || !grad->defined()) return py::none();
     return py::cast(*grad);
   }
@@ -475,6 +437,63 @@ class LayerLoop {
     TORCH_CHECK(0 <= first && first <= stop && stop <= size, "LayerLoop.", method, ": layers [",
                 first, ", ", stop, ") are not within the ", size, " layers");
   }
+
+  // One segment of recompute_backward: layers [begin, end) recomputed in grad mode from
+  // `saved_input` (copied first when `saved` is given and shares its memory), then backpropagated
+  // from `grad`. Returns the gradient of the input, or nullopt when none reached it.
+  std::optional<at::Tensor> segment(std::int64_t begin, std::int64_t end, std::int64_t microbatch,
+                                    const py::int_& mb, const at::Tensor& saved_input,
+                                    const at::Tensor* saved, std::optional<at::Tensor> grad,
+                                    const py::object& fallback) {
+    const bool copy = saved != nullptr && shares_memory(saved_input, *saved);
+    // Either way a tensor of its own for autograd: the same bytes, none of the input's history.
+    at::Tensor input = copy ? plain_copy(saved_input) : saved_input.variable_data();
+    NodeRef input_grad;
+    if (input.is_floating_point()) {
+      input_grad = make_node<InputGrad>();
+      torch::autograd::create_gradient_edge(input, input_grad);
+    }
+    failure_ = {"recompute", begin, end};
+    py::object output = py::cast(input);
+    {
+      at::AutoGradMode grad_mode(true);
+      for (std::int64_t layer = begin; layer < end; ++layer) {
+        output = step(layer, microbatch, mb, output);
+      }
+    }
+    failure_ = {"backward", begin, end};
+    const bool has_grad = grad.has_value() && grad->defined();
+    const auto start = std::chrono::steady_clock::now();
+    std::shared_ptr<TimingMark> start_mark;
+    if (timing_ == Timing::kDevice) start_mark = std::make_shared<TimingMark>(*stream_);
+    set_running(false);
+    if (THPVariable_Check(output.ptr())) {
+      const at::Tensor result = THPVariable_Unpack(output.ptr());
+      if (result.requires_grad() && has_grad) {
+        py::gil_scoped_release no_gil;
+        torch::autograd::backward({result}, {*grad});
+      }
+    } else {
+      py::list grads;
+      grads.append(has_grad ? py::cast(*grad) : py::none());
+      fallback(output, grads);
+    }
+    set_running(true);
+    if (timing_ == Timing::kHost) {
+      // Split evenly over the segment's layers.
+      const double share =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
+          static_cast<double>(end - begin);
+      for (std::int64_t layer = begin; layer < end; ++layer) backward_host_.add(layer, share);
+    } else if (timing_ == Timing::kDevice) {
+      backward_device_.emplace_back(begin, end, std::move(start_mark),
+                                    std::make_shared<TimingMark>(*stream_));
+    }
+    if (!input_grad) return std::nullopt;
+    return static_cast<InputGrad&>(*input_grad).take();
+  }
+
+  void set_running(bool running) { context_.attr(running_key_) = py::bool_(running); }
 
   // callable(*args) through the vectorcall protocol (pybind's call packs a tuple first).
   template <class... Args>
@@ -548,7 +567,8 @@ class LayerLoop {
   py::object mark_;
   // Bound once: a lookup by C string builds the name's Python string on every call.
   py::object enter_, exit_;
-  py::str layer_key_{"layer"}, microbatch_key_{"microbatch"}, saved_key_{"saved"};
+  py::str layer_key_{"layer"}, microbatch_key_{"microbatch"}, saved_key_{"saved"},
+      running_key_{"running"};
   Timing timing_ = Timing::kOff;
   std::optional<c10::Stream> stream_;
   HostTimes host_times_;

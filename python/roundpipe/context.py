@@ -21,9 +21,11 @@ class LayerCall:
     """The layer calls of one stage on this thread (entered by the runtime around the layers it
     runs): one object per stage, whose ``layer``, ``microbatch`` and ``saved`` the native layer
     loop (``_C.LayerLoop``) sets before each layer, because building one per layer x microbatch
-    is measurable host work at short sequences."""
+    is measurable host work at short sequences. ``running`` is cleared while the loop runs a
+    backward pass between the layers it recomputes: the call stays entered, but what runs then
+    (hooks, autograd functions) is outside every layer of it, as if it had been left."""
 
-    __slots__ = ("layer", "microbatch", "recompute", "saved", "saving_enabled", "store")
+    __slots__ = ("layer", "microbatch", "recompute", "running", "saved", "saving_enabled", "store")
 
     def __init__(
         self, store: dict[tuple[int, int], tuple[Any, ...]], recompute: bool, saving_enabled: bool
@@ -31,6 +33,7 @@ class LayerCall:
         self.store, self.recompute, self.saving_enabled = store, recompute, saving_enabled
         self.layer = self.microbatch = 0
         self.saved = False
+        self.running = True
 
     def __enter__(self) -> None:
         _state.stack.append(_state.call)
@@ -48,6 +51,14 @@ class _State(threading.local):
 
 
 _state = _State()
+
+
+def _current() -> LayerCall | None:
+    """The layer call running on this thread, if any: the innermost entered one that runs."""
+    call = _state.call
+    if call is None or call.running:
+        return call
+    return next((outer for outer in reversed(_state.stack) if outer and outer.running), None)
 
 
 class RecomputeDataError(RuntimeError, AssertionError):
@@ -75,7 +86,7 @@ def save_for_recompute(*data: Any) -> None:
         RecomputeDataValueError: a tensor that requires grad (recompute rebuilds the graph;
             save ``tensor.detach()``).
     """
-    call = _state.call
+    call = _current()
     if call is None or call.recompute or not call.saving_enabled:
         return
     if call.saved:
@@ -95,7 +106,8 @@ def save_for_recompute(*data: Any) -> None:
 
 def doing_recompute() -> bool:
     """True while RoundPipe recomputes a layer's forward pass for the backward pass."""
-    return _state.call is not None and _state.call.recompute
+    call = _current()
+    return call is not None and call.recompute
 
 
 def get_recompute_data() -> tuple[Any, ...]:
@@ -104,7 +116,7 @@ def get_recompute_data() -> tuple[Any, ...]:
     Raises:
         RecomputeDataError: outside a recompute, or when the forward pass saved nothing.
     """
-    call = _state.call
+    call = _current()
     if call is None or not call.recompute:
         raise RecomputeDataError(
             "get_recompute_data() is only available during recompute; check doing_recompute() first"
