@@ -303,6 +303,45 @@ def test_layer_loop_reseeds_and_calls_each_layer_as_python_would() -> None:
     assert all(0 <= _C.layer_seed(s, 3, 1, False) < 2**63 for s in (0, 1, 2**62 - 1))
 
 
+class _Draws(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand(3) + torch.randn(1) + torch.empty(2).normal_()[:1]
+
+
+def test_recompute_replays_the_kept_generator_states_exactly() -> None:
+    """A forward loop keeps the CPU generator's seeded state per (layer, microbatch); a recompute
+    loop starting from it draws what reseeding draws, and reseeds where nothing was kept."""
+    from roundpipe.context import LayerCall
+
+    layers: list[nn.Module] = [_Draws() for _ in range(4)]
+    x = torch.zeros(3)
+    states = _C.RngStates(4, 2)
+    forward = _C.LayerLoop(
+        layers, 7, False, [torch.default_generator], LayerCall({}, False, True), None, "off",
+        0, states, False,
+    )  # fmt: skip
+    expected = [forward.run(1, 4, m, x) for m in range(2)]
+    assert states.kept == 6
+    torch.manual_seed(123)  # whatever the generator did in between
+    replaying = _C.LayerLoop(
+        layers, 7, False, [torch.default_generator], LayerCall({}, True, True), None, "off",
+        0, states, True,
+    )  # fmt: skip
+    plain = _C.LayerLoop(
+        layers, 7, False, [torch.default_generator], LayerCall({}, True, True), None, "off", 0
+    )
+    for m in range(2):
+        assert torch.equal(replaying.run(1, 4, m, x), expected[m])
+        assert torch.equal(plain.run(1, 4, m, x), expected[m])
+    empty = _C.LayerLoop(
+        layers, 7, False, [torch.default_generator], LayerCall({}, True, True), None, "off",
+        0, _C.RngStates(4, 2), True,
+    )  # fmt: skip
+    assert torch.equal(empty.run(1, 4, 1, x), expected[1])  # nothing kept: reseeded
+    with pytest.raises(RuntimeError, match="replay needs"):
+        _C.LayerLoop(layers, 7, True, [], LayerCall({}, True, True), None, "off", 0, states, True)
+
+
 def test_layer_loop_names_the_failing_layer_and_keeps_the_exception() -> None:
     from roundpipe.context import LayerCall
 

@@ -5,6 +5,7 @@
 // At short sequences a device finishes a layer in about a millisecond, so the host's Python work
 // around each layer caps throughput (benchmarks/overhead_cpu.py, the dispatch table). These calls
 // replace a Python entry point that costs more than the native work behind it.
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -295,6 +296,47 @@ std::uint64_t layer_seed(std::uint64_t call_seed, std::int64_t layer, std::int64
   return (x ^ (x >> 31)) >> 1;
 }
 
+// The CPU generator states of one call's forward layers, kept for their recompute: seeding the
+// CPU generator (a Mersenne Twister) computes its 624 words one after another, about a
+// microsecond, paid again in recompute for the same (layer, microbatch), where a copy of the
+// state the forward started from costs a tenth of that. At most kMaxStates (10 MB) are kept; a
+// recompute whose state was not kept reseeds, which gives the same state.
+class RngStates {
+ public:
+  static constexpr std::size_t kMaxStates = 4096;
+
+  RngStates(std::int64_t layers, std::int64_t microbatches)
+      : microbatches_(microbatches),
+        states_(static_cast<std::size_t>(std::max<std::int64_t>(layers, 0) *
+                                         std::max<std::int64_t>(microbatches, 0))) {
+    TORCH_CHECK(layers >= 0 && microbatches >= 0, "RngStates: layers (", layers,
+                ") and microbatches (", microbatches, ") must be >= 0");
+  }
+
+  void keep(std::int64_t layer, std::int64_t microbatch, const at::mt19937& state) {
+    const auto i = index(layer, microbatch);
+    if (i >= states_.size() || (!states_[i] && kept_ >= kMaxStates)) return;
+    if (!states_[i]) ++kept_;
+    states_[i] = std::make_unique<at::mt19937>(state);
+  }
+  // The state kept for (layer, microbatch), or null.
+  const at::mt19937* find(std::int64_t layer, std::int64_t microbatch) const {
+    const auto i = index(layer, microbatch);
+    return i < states_.size() ? states_[i].get() : nullptr;
+  }
+  std::size_t kept() const { return kept_; }
+
+ private:
+  std::size_t index(std::int64_t layer, std::int64_t microbatch) const {
+    if (layer < 0 || microbatch < 0 || microbatch >= microbatches_) return states_.size();
+    return static_cast<std::size_t>(layer * microbatches_ + microbatch);
+  }
+
+  std::int64_t microbatches_;
+  std::vector<std::unique_ptr<at::mt19937>> states_;
+  std::size_t kept_ = 0;
+};
+
 // The layer calls of one stage of one pipelined call (roundpipe.pipeline._LayerCalls): for each
 // layer of a run, reseed the generators, point the recompute context at the layer, call the module
 // (inside its NVTX range, when ranges are marked) and time it. What is the same for every layer x
@@ -303,17 +345,21 @@ class LayerLoop {
  public:
   LayerLoop(py::list modules, std::uint64_t call_seed, bool fresh,
             std::vector<at::Generator> generators, py::object context, py::object mark,
-            const std::string& timing, std::int64_t device_index)
+            const std::string& timing, std::int64_t device_index,
+            std::shared_ptr<RngStates> rng_states, bool replay)
       : modules_(std::move(modules)),
         call_seed_(call_seed),
         fresh_(fresh),
         generators_(std::move(generators)),
         context_(std::move(context)),
         mark_(std::move(mark)),
+        rng_states_(std::move(rng_states)),
+        replay_(replay),
         enter_(context_.attr("__enter__")),
         exit_(context_.attr("__exit__")) {
     TORCH_CHECK(timing == "off" || timing == "host" || timing == "device",
                 "LayerLoop: timing must be 'off', 'host' or 'device', got '", timing, "'");
+    TORCH_CHECK(!(replay && fresh), "LayerLoop: replay needs the forward's stream (fresh=False)");
     if (timing == "host") timing_ = Timing::kHost;
     if (timing == "device") {
       timing_ = Timing::kDevice;
@@ -517,6 +563,23 @@ class LayerLoop {
     const std::uint64_t seed = layer_seed(call_seed_, layer, microbatch, fresh_);
     for (at::Generator& generator : generators_) {
       std::lock_guard<std::mutex> lock(generator.mutex());
+      if (rng_states_ && generator.device().is_cpu()) {
+        auto* cpu = at::check_generator<at::CPUGeneratorImpl>(generator);
+        if (replay_) {
+          if (const at::mt19937* state = rng_states_->find(layer, microbatch)) {
+            // What set_current_seed(seed) makes: that engine, no cached normal sample.
+            cpu->set_engine(*state);
+            cpu->set_next_float_normal_sample(std::nullopt);
+            cpu->set_next_double_normal_sample(std::nullopt);
+            continue;
+          }
+          generator.set_current_seed(seed);
+        } else {
+          generator.set_current_seed(seed);
+          rng_states_->keep(layer, microbatch, cpu->engine());
+        }
+        continue;
+      }
       generator.set_current_seed(seed);
     }
     context_.attr(layer_key_) = py::int_(layer);
@@ -565,6 +628,10 @@ class LayerLoop {
   std::vector<at::Generator> generators_;
   py::object context_;
   py::object mark_;
+  // Forward loops keep the CPU generator's seeded states in rng_states_; recompute loops
+  // (replay_) start from them.
+  std::shared_ptr<RngStates> rng_states_;
+  bool replay_;
   // Bound once: a lookup by C string builds the name's Python string on every call.
   py::object enter_, exit_;
   py::str layer_key_{"layer"}, microbatch_key_{"microbatch"}, saved_key_{"saved"},
@@ -593,13 +660,21 @@ void bind_dispatch(py::module_& m) {
       .def("query", &TimingMark::query, "Whether the event completed.")
       .def("elapsed_time", &TimingMark::elapsed_time, py::arg("end"),
            "Milliseconds from this event to `end` (both completed).");
+  py::class_<RngStates, std::shared_ptr<RngStates>>(
+      m, "RngStates",
+      "The CPU generator states a call's forward layers were seeded with, kept for their "
+      "recompute (at most 4096).")
+      .def(py::init<std::int64_t, std::int64_t>(), py::arg("layers"), py::arg("microbatches"))
+      .def_property_readonly("kept", &RngStates::kept, "How many states are kept.");
   py::class_<LayerLoop>(m, "LayerLoop",
                         "The layer calls of one stage: reseed, recompute context, NVTX range, "
                         "module call and timing per layer, in one native loop.")
       .def(py::init<py::list, std::uint64_t, bool, std::vector<at::Generator>, py::object,
-                    py::object, const std::string&, std::int64_t>(),
+                    py::object, const std::string&, std::int64_t, std::shared_ptr<RngStates>,
+                    bool>(),
            py::arg("modules"), py::arg("call_seed"), py::arg("fresh"), py::arg("generators"),
-           py::arg("context"), py::arg("mark"), py::arg("timing"), py::arg("device_index"))
+           py::arg("context"), py::arg("mark"), py::arg("timing"), py::arg("device_index"),
+           py::arg("rng_states") = nullptr, py::arg("replay") = false)
       .def("run", &LayerLoop::run, py::arg("first"), py::arg("stop"), py::arg("microbatch"),
            py::arg("value"), "Runs layers [first, stop) on value; returns the last output.")
       .def("run_keeping", &LayerLoop::run_keeping, py::arg("first"), py::arg("stop"),

@@ -184,6 +184,13 @@ class TimingMark:
     def query(self) -> bool: ...
     def elapsed_time(self, end: TimingMark) -> float: ...
 
+# The CPU generator states a call's forward layers were seeded with, kept (at most 4096) so that
+# their recompute starts from a copy instead of seeding again.
+class RngStates:
+    def __init__(self, layers: int, microbatches: int) -> None: ...
+    @property
+    def kept(self) -> int: ...
+
 # The layer calls of one stage: per layer, reseed `generators` with layer_seed(call_seed, layer,
 # microbatch, fresh), point `context` (roundpipe.context.LayerCall) at the layer, enter
 # mark(layer, microbatch) if given (NVTX), call the module and time it (timing: off | host |
@@ -199,6 +206,8 @@ class LayerLoop:
         mark: Callable[[int, int], AbstractContextManager[object]] | None,
         timing: str,
         device_index: int,
+        rng_states: RngStates | None = None,
+        replay: bool = False,
     ) -> None: ...
     def run(self, first: int, stop: int, microbatch: int, value: object) -> Any: ...
     def run_keeping(

@@ -631,9 +631,13 @@ class Call:
     on_cuda: bool = field(init=False, default_factory=_on_cuda)
     # Whether the data-parallel ranks agreed on this call's backward stages (stage reduces).
     reduce_agreed: bool = field(init=False, default=False)
+    # The CPU generator states the forward stages' layers were seeded with, for their recompute.
+    rng_states: Any = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.saving = self.run_type != "infer"
+        if self.saving and self.preserve_rng_state:
+            self.rng_states = _C.RngStates(len(self.runner.layers), self.num_microbatch)
         if self.run_type == "train":
             self._plan_saving(self.plan.bwd_plan)
         elif self.run_type == "fused":
@@ -760,7 +764,7 @@ class Call:
 
     def forward_stage(self, stage: ResidentStage, activations: list[Any]) -> list[Any]:
         outputs, trace = [], stage.trace
-        run = _LayerCalls(self, stage, recompute=False)
+        run = _LayerCalls(self, stage, recompute=False, recomputed=self.saving)
         # The layers whose inputs backward recomputes from (layer 0's, the user's own, are kept
         # as they came in, below).
         kept = (
@@ -939,15 +943,16 @@ class Call:
             return None
         starts = layers if per_layer else layers[:1]
         saved = [self.saved_inputs[(layer, microbatch)] for layer in starts]
-        if any(type(value) is not torch.Tensor for value, _ in saved):
+        values = [value for value, _ in saved]
+        if not all(type(value) is torch.Tensor for value in values):
             return None
-        device = run.stage.device_index
-        inputs = [value for value, _ in saved]
+        inputs = values
         if self.on_cuda:
+            device = run.stage.device_index
             inputs = [to_device(value, device, landed) for value, landed in saved]
         # A second backward through a retained graph recomputes from the saved inputs again; the
         # backward of forward_backward is the only one.
-        reused = [value for value, _ in saved] if self.run_type != "fused" else []
+        reused = values if self.run_type != "fused" else []
         try:
             result = run.loop.recompute_backward(
                 layers.start,
@@ -1007,7 +1012,11 @@ class _LayerCalls:
     context (one object moved from layer to layer), the NVTX marking, the timing. The message
     naming layer, phase and microbatch is built only when a layer fails."""
 
-    def __init__(self, call: Call, stage: ResidentStage, recompute: bool) -> None:
+    def __init__(
+        self, call: Call, stage: ResidentStage, recompute: bool, recomputed: bool = False
+    ) -> None:
+        """``recomputed``: a forward stage whose layers backward recomputes (it keeps the CPU
+        generator's seeded states for the recompute, see ``_C.RngStates``)."""
         self.call, self.stage = call, stage
         self.phase: Phase = "recompute" if recompute else "forward"
         self.action: Action = "re" if recompute else "fwd"
@@ -1023,6 +1032,7 @@ class _LayerCalls:
         self.clock = _StageClock(call.runner.timer, stage.device_index, call.on_cuda)
         timing = "off" if self.clock.timer is None else "device" if call.on_cuda else "host"
         mark = functools.partial(_mark_layer, call, self.phase) if call.nvtx else None
+        replay = recompute and not fresh
         self.loop = _C.LayerLoop(
             call.runner.layers,
             call.rng_seed,
@@ -1032,6 +1042,8 @@ class _LayerCalls:
             mark,
             timing,
             stage.device_index,
+            call.rng_states if replay or recomputed else None,
+            replay,
         )
 
     def __enter__(self) -> _LayerCalls:
