@@ -151,15 +151,17 @@ py::tuple upload_stage(int device_index, c10::Device device, const at::Tensor& a
               grad_end);
   TORCH_CHECK(grad_offsets.size() == trained.size(), "upload_stage: got ", grad_offsets.size(),
               " gradient offsets for ", trained.size(), " trained parameters");
+  for (const auto& [begin, end] : runs) {
+    TORCH_CHECK(param_begin <= begin && begin <= end && end <= param_end, "upload_stage: run [",
+                begin, ", ", end, ") is not within the stage's bytes [", param_begin, ", ",
+                param_end, ")");
+  }
   at::Tensor buffer = stage_buffer(param_end - param_begin, device, /*zero=*/false);
   executor::EventPtr uploaded;
   {
     py::gil_scoped_release no_gil;
     executor::CopyEngine& engine = executor::copy_engine(device_index);
     for (const auto& [begin, end] : runs) {
-      TORCH_CHECK(param_begin <= begin && begin <= end && end <= param_end, "upload_stage: run [",
-                  begin, ", ", end, ") is not within the stage's bytes [", param_begin, ", ",
-                  param_end, ")");
       uploaded = engine.copy(buffer.slice(0, begin - param_begin, end - param_begin),
                              arena.slice(0, begin, end), executor::Lane::kParameter, fence);
     }
@@ -197,17 +199,19 @@ std::vector<executor::EventPtr> download_grads(
     int device_index, const at::Tensor& arena, const at::Tensor& grads, std::int64_t first_byte,
     const std::vector<std::tuple<std::int64_t, std::int64_t, at::ScalarType>>& runs,
     const std::optional<at::Tensor>& staging) {
-  std::vector<executor::EventPtr> events;
-  events.reserve(runs.size());
-  py::gil_scoped_release no_gil;
-  executor::CopyEngine& engine = executor::copy_engine(device_index);
-  const executor::EventPtr after = executor::record_event(device_index);
   for (const auto& [begin, end, dtype] : runs) {
     TORCH_CHECK(first_byte <= begin && begin <= end && end - first_byte <= grads.numel() &&
                     end <= arena.numel(),
                 "download_grads: run [", begin, ", ", end, ") is not within the stage's bytes [",
                 first_byte, ", ", first_byte + grads.numel(), ") of the arena of ", arena.numel(),
                 " bytes");
+  }
+  std::vector<executor::EventPtr> events;
+  events.reserve(runs.size());
+  py::gil_scoped_release no_gil;
+  executor::CopyEngine& engine = executor::copy_engine(device_index);
+  const executor::EventPtr after = executor::record_event(device_index);
+  for (const auto& [begin, end, dtype] : runs) {
     std::optional<at::Tensor> through;
     if (staging) through = staging->slice(0, begin, end).view(dtype);
     events.push_back(engine.accumulate(
@@ -250,7 +254,8 @@ class InputGrad final : public torch::autograd::Node {
   at::Tensor grad_;
 };
 
-// Autograd holds its nodes in c10::intrusive_ptr from torch 2.13 on, in std::shared_ptr before.
+// Autograd holds its nodes in c10::intrusive_ptr in recent torch (2.13 here), in std::shared_ptr
+// in earlier releases: make_node<T>() builds whichever Edge takes.
 using NodeRef = decltype(torch::autograd::Edge::function);
 
 template <class T>
@@ -484,16 +489,39 @@ class LayerLoop {
                 first, ", ", stop, ") are not within the ", size, " layers");
   }
 
+  // Seeds `generator` with `seed` for (layer, microbatch). A CPU generator replaying a forward
+  // takes the state that forward kept instead (what seeding makes: that engine, no cached normal
+  // sample); recording one, it keeps the seeded state.
+  void reseed(at::Generator& generator, std::uint64_t seed, std::int64_t layer,
+              std::int64_t microbatch) {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    if (!rng_states_ || !generator.device().is_cpu()) {
+      generator.set_current_seed(seed);
+      return;
+    }
+    auto* cpu = at::check_generator<at::CPUGeneratorImpl>(generator);
+    const at::mt19937* kept = replay_ ? rng_states_->find(layer, microbatch) : nullptr;
+    if (kept != nullptr) {
+      cpu->set_engine(*kept);
+      cpu->set_next_float_normal_sample(std::nullopt);
+      cpu->set_next_double_normal_sample(std::nullopt);
+      return;
+    }
+    generator.set_current_seed(seed);
+    if (!replay_) rng_states_->keep(layer, microbatch, cpu->engine());
+  }
+
   // One segment of recompute_backward: layers [begin, end) recomputed in grad mode from
-  // `saved_input` (copied first when `saved` is given and shares its memory), then backpropagated
-  // from `grad`. Returns the gradient of the input, or nullopt when none reached it.
+  // `stage_input` (copied first when `saved`, what it was uploaded from, is given and shares its
+  // memory), then backpropagated from `grad`. Returns the gradient of the input, or nullopt when
+  // none reached it.
   std::optional<at::Tensor> segment(std::int64_t begin, std::int64_t end, std::int64_t microbatch,
-                                    const py::int_& mb, const at::Tensor& saved_input,
+                                    const py::int_& mb, const at::Tensor& stage_input,
                                     const at::Tensor* saved, std::optional<at::Tensor> grad,
                                     const py::object& fallback) {
-    const bool copy = saved != nullptr && shares_memory(saved_input, *saved);
+    const bool copy = saved != nullptr && shares_memory(stage_input, *saved);
     // Either way a tensor of its own for autograd: the same bytes, none of the input's history.
-    at::Tensor input = copy ? plain_copy(saved_input) : saved_input.variable_data();
+    at::Tensor input = copy ? plain_copy(stage_input) : stage_input.variable_data();
     NodeRef input_grad;
     if (input.is_floating_point()) {
       input_grad = make_node<InputGrad>();
@@ -561,27 +589,7 @@ class LayerLoop {
   py::object step(std::int64_t layer, std::int64_t microbatch, const py::int_& mb,
                   const py::object& value) {
     const std::uint64_t seed = layer_seed(call_seed_, layer, microbatch, fresh_);
-    for (at::Generator& generator : generators_) {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      if (rng_states_ && generator.device().is_cpu()) {
-        auto* cpu = at::check_generator<at::CPUGeneratorImpl>(generator);
-        if (replay_) {
-          if (const at::mt19937* state = rng_states_->find(layer, microbatch)) {
-            // What set_current_seed(seed) makes: that engine, no cached normal sample.
-            cpu->set_engine(*state);
-            cpu->set_next_float_normal_sample(std::nullopt);
-            cpu->set_next_double_normal_sample(std::nullopt);
-            continue;
-          }
-          generator.set_current_seed(seed);
-        } else {
-          generator.set_current_seed(seed);
-          rng_states_->keep(layer, microbatch, cpu->engine());
-        }
-        continue;
-      }
-      generator.set_current_seed(seed);
-    }
+    for (at::Generator& generator : generators_) reseed(generator, seed, layer, microbatch);
     context_.attr(layer_key_) = py::int_(layer);
     context_.attr(microbatch_key_) = mb;
     context_.attr(saved_key_) = py::bool_(false);
