@@ -109,9 +109,11 @@ def test_wrapping_does_not_hold_the_weights_twice() -> None:
     # Wrapping adds little over the plain model it replaces (it added 2.0 copies of the weights
     # before the originals were released as they moved and the gradient arena stayed untouched
     # zero pages). Measured against the built model, not against the weights alone: torch's
-    # first-use slack while building (0.0 to 0.4 of the weights here) varies between machines.
+    # first-use slack while building (0.0 to 0.4 of the weights here) varies between machines,
+    # and so does what the C heap keeps of the freed originals afterwards (-0.3 to +0.27 of the
+    # weights in CI runs of the same code). A second copy would add 1.0.
     assert result["peak"] - result["built"] < 0.4, result
-    assert result["after"] - result["built"] < 0.25, result
+    assert result["after"] - result["built"] < 0.5, result
 
 
 @needs_vmhwm
