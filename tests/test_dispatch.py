@@ -151,8 +151,16 @@ def test_upload_stage_copies_the_runs_and_attaches_the_gradient_views() -> None:
             0, torch.device("cpu"), arena, 16, cursor, [(0, 16)], None, offsets, params,
             False, 0, 0, [], [],
         )  # fmt: skip
-    big = _C.stage_buffer(1 << 20, torch.device("cpu"), zero=True)  # an arena of its own
+    # Without an arena the caller copies; from 1 MiB up a buffer is an arena of its own.
+    _, uploaded, _, big = _C.upload_stage(
+        0, torch.device("cpu"), None, 0, 0, [], None, [], [], True, 0, 1 << 20, [], []
+    )
+    assert uploaded is None and big is not None
     assert big.numel() == 1 << 20 and not big.any()
+    with pytest.raises(RuntimeError, match="need the arena"):
+        _C.upload_stage(
+            0, torch.device("cpu"), None, 0, 64, [(0, 64)], None, [], [], False, 0, 0, [], []
+        )
 
 
 def test_download_grads_accumulates_each_run_as_its_dtype() -> None:

@@ -127,16 +127,18 @@ at::Tensor stage_buffer(std::int64_t bytes, c10::Device device, bool zero) {
   return zero ? at::zeros({bytes}, options) : at::empty({bytes}, options);
 }
 
-// What roundpipe.pipeline.ResidentStage makes of a stage of the parameter arena `arena`, in one
-// call (per stage, each piece in Python costs more than the work behind it):
-//   - the parameter buffer, bytes [param_begin, param_end) of the arena's layout, its byte `runs`
-//     copied in on device `device_index`'s parameter lane once `fence` completed (`uploaded`:
-//     the last copy's event, which covers them all; a recorded event when there are none);
+// What roundpipe.pipeline.ResidentStage makes of a stage, in one call (per stage, each piece in
+// Python costs more than the work behind it):
+//   - the parameter buffer, bytes [param_begin, param_end) of the parameter arena's layout; with
+//     the `arena` given, its byte `runs` copied in on device `device_index`'s parameter lane once
+//     `fence` completed (`uploaded`: the last copy's event, which covers them all; a recorded
+//     event when there are none). Without it (parameters in storages of their own) the caller
+//     copies them in and `uploaded` is None;
 //   - the views of `params` in it at byte `offsets` (typed_views, requiring grad as they do);
 //   - with `with_grads`, the zeroed gradient buffer of bytes [grad_begin, grad_end), whose views
 //     at `grad_offsets` become the .grad of the views of params[trained].
 // Returns (buffer, uploaded, views, grad buffer or None).
-py::tuple upload_stage(int device_index, c10::Device device, const at::Tensor& arena,
+py::tuple upload_stage(int device_index, c10::Device device, const std::optional<at::Tensor>& arena,
                        std::int64_t param_begin, std::int64_t param_end,
                        const std::vector<std::pair<std::int64_t, std::int64_t>>& runs,
                        const executor::EventPtr& fence, const std::vector<std::int64_t>& offsets,
@@ -144,9 +146,11 @@ py::tuple upload_stage(int device_index, c10::Device device, const at::Tensor& a
                        std::int64_t grad_begin, std::int64_t grad_end,
                        const std::vector<std::int64_t>& grad_offsets,
                        const std::vector<std::int64_t>& trained) {
-  TORCH_CHECK(0 <= param_begin && param_begin <= param_end && param_end <= arena.numel(),
-              "upload_stage: bytes [", param_begin, ", ", param_end,
-              ") are not within the arena of ", arena.numel(), " bytes");
+  TORCH_CHECK(
+      0 <= param_begin && param_begin <= param_end && (!arena || param_end <= arena->numel()),
+      "upload_stage: bytes [", param_begin, ", ", param_end, ") are not within the arena of ",
+      arena ? arena->numel() : 0, " bytes");
+  TORCH_CHECK(arena || runs.empty(), "upload_stage: runs to copy need the arena they are in");
   TORCH_CHECK(grad_begin <= grad_end, "upload_stage: grad_begin ", grad_begin, " is past grad_end ",
               grad_end);
   TORCH_CHECK(grad_offsets.size() == trained.size(), "upload_stage: got ", grad_offsets.size(),
@@ -158,12 +162,12 @@ py::tuple upload_stage(int device_index, c10::Device device, const at::Tensor& a
   }
   at::Tensor buffer = stage_buffer(param_end - param_begin, device, /*zero=*/false);
   executor::EventPtr uploaded;
-  {
+  if (arena) {
     py::gil_scoped_release no_gil;
     executor::CopyEngine& engine = executor::copy_engine(device_index);
     for (const auto& [begin, end] : runs) {
       uploaded = engine.copy(buffer.slice(0, begin - param_begin, end - param_begin),
-                             arena.slice(0, begin, end), executor::Lane::kParameter, fence);
+                             arena->slice(0, begin, end), executor::Lane::kParameter, fence);
     }
     if (!uploaded) uploaded = executor::record_event(device_index);
   }
@@ -716,15 +720,13 @@ void bind_dispatch(py::module_& m) {
         "torch.autograd.backward(outputs, grads) through the engine directly, without the GIL: "
         "one defined gradient per output; errors are raised as torch.autograd.backward raises "
         "them.");
-  m.def("stage_buffer", &stage_buffer, py::arg("bytes"), py::arg("device"), py::arg("zero"),
-        "A stage's flat uint8 buffer on `device` (zeroed with `zero`); a virtual CPU device's from "
-        "1 MiB up in an arena of its own, returned to the operating system when freed.");
   m.def("upload_stage", &upload_stage, py::arg("device_index"), py::arg("device"), py::arg("arena"),
         py::arg("param_begin"), py::arg("param_end"), py::arg("runs"), py::arg("fence"),
         py::arg("offsets"), py::arg("params"), py::arg("with_grads"), py::arg("grad_begin"),
         py::arg("grad_end"), py::arg("grad_offsets"), py::arg("trained"),
-        "A stage's buffers from the parameter arena: (buffer, uploaded event, parameter views, "
-        "gradient buffer or None); the gradient views become the trained views' .grad.");
+        "A stage's buffers, filled from the parameter arena when given: (buffer, uploaded event "
+        "or None, parameter views, gradient buffer or None); the gradient views become the "
+        "trained views' .grad.");
   m.def("download_grads", &download_grads, py::arg("device_index"), py::arg("arena"),
         py::arg("grads"), py::arg("first_byte"), py::arg("runs"), py::arg("staging"),
         "Accumulate a stage's gradient buffer into the gradient arena, one (begin, end, dtype) "

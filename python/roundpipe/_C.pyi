@@ -153,7 +153,6 @@ def typed_views(
     likes: Sequence[Tensor],
     like_requires_grad: bool = False,
 ) -> list[Tensor]: ...
-def stage_buffer(bytes: int, device: torch.device, zero: bool) -> Tensor: ...
 def download_grads(
     device_index: int,
     arena: Tensor,
@@ -165,7 +164,7 @@ def download_grads(
 def upload_stage(
     device_index: int,
     device: torch.device,
-    arena: Tensor,
+    arena: Tensor | None,
     param_begin: int,
     param_end: int,
     runs: Sequence[tuple[int, int]],
@@ -177,7 +176,7 @@ def upload_stage(
     grad_end: int,
     grad_offsets: Sequence[int],
     trained: Sequence[int],
-) -> tuple[Tensor, Event, list[Tensor], Tensor | None]: ...
+) -> tuple[Tensor, Event | None, list[Tensor], Tensor | None]: ...
 
 # A timing event on a CUDA device's compute stream (the model timer's TimingEvent).
 class TimingMark:

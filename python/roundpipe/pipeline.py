@@ -261,30 +261,28 @@ class ResidentStage:
         frozen = layout.frozen() if in_host else ()
         fence = memory.fence(layers)
         with _marked(nvtx_model, "upload", layers):
-            if memory.params is not None:
-                # One native call: the buffers, the copies of the stage's byte runs (in order on
-                # the parameter lane: the last one's event covers the stage), the parameters'
-                # views and the gradient views attached to those that train. The views require
-                # grad as the parameters do, also in forward stages (run without grad): a layer
-                # that checks `p.requires_grad` sees what it would see on the parameter itself.
-                self.buffer, self.uploaded, self.views, self.grad_buffer = _C.upload_stage(
-                    device_index,
-                    device,
-                    memory.params,
-                    layout.param_begin,
-                    layout.param_end,
-                    layout.param_runs(frozen),
-                    fence,
-                    layout.offsets,
-                    layout.params,
-                    with_grads,
-                    layout.grad_begin,
-                    layout.grad_end,
-                    layout.grad_offsets,
-                    layout.trained,
-                )
-            else:
-                self._upload_from_sources(fence, device, with_grads)
+            # One native call: the buffers, the copies of the stage's byte runs of the arena (in
+            # order on the parameter lane: the last one's event covers the stage), the
+            # parameters' views and the gradient views attached to those that train. The views
+            # require grad as the parameters do, also in forward stages (run without grad): a
+            # layer that checks `p.requires_grad` sees what it would see on the parameter itself.
+            self.buffer, uploaded, self.views, self.grad_buffer = _C.upload_stage(
+                device_index,
+                device,
+                memory.params,
+                layout.param_begin,
+                layout.param_end,
+                layout.param_runs(frozen) if memory.params is not None else [],
+                fence,
+                layout.offsets,
+                layout.params,
+                with_grads,
+                layout.grad_begin,
+                layout.grad_end,
+                layout.grad_offsets,
+                layout.trained,
+            )
+            self.uploaded = uploaded if uploaded is not None else self._upload_sources(fence)
         # The frozen parameters bound in host memory, each a `.data` alias with a version counter
         # of its own, so an in-place change by the layer shows (see `bound`): (slot index, the
         # tensor bound).
@@ -293,41 +291,25 @@ class ResidentStage:
             self.views[i] = layout.params[i].data
             self.in_host.append((i, self.views[i]))
 
-    def _upload_from_sources(self, fence: Any, device: torch.device, with_grads: bool) -> None:
-        """The stage's buffers without a parameter arena: each parameter copied from its own
-        storage (frozen ones too on CUDA; on a virtual CPU device those are bound in place)."""
-        layout, memory, device_index = self.layout, self.memory, self.device_index
-        begin = layout.param_begin
-        self.buffer = _C.stage_buffer(layout.param_end - begin, device, zero=False)
-        if device.type == "cuda":
+    def _upload_sources(self, fence: Any) -> Any:
+        """Without a parameter arena: each parameter copied into the buffer from its own storage
+        (frozen ones too on CUDA; on a virtual CPU device those are bound in place); returns the
+        event of the last copy."""
+        begin, memory, device_index = self.layout.param_begin, self.memory, self.device_index
+        if self.buffer.is_cuda:
             # Pageable sources: the engine's worker stages them through its page-locked bounce
             # buffers, so this thread goes on issuing compute meanwhile.
             sources = memory.param_sources(self.layers, skip_frozen=False)
             targets = [self.buffer[o - begin : o - begin + s.numel()] for o, s in sources]
-            self.uploaded = _C.upload_pageable(
+            return _C.upload_pageable(
                 device_index, targets, [source for _, source in sources], fence
             )
-        else:
-            # One copy per parameter, in order on the parameter lane as from the arena.
-            self.uploaded = _C.record_event(device_index)
-            for offset, source in memory.param_sources(self.layers, skip_frozen=True):
-                target = self.buffer[offset - begin : offset - begin + source.numel()]
-                self.uploaded = _C.copy_async(device_index, target, source, "parameter", fence)
-        self.views = _C.typed_views(
-            self.buffer, begin, layout.offsets, layout.params, like_requires_grad=True
-        )
-        self.grad_buffer = None
-        if with_grads:
-            size = layout.grad_end - layout.grad_begin
-            self.grad_buffer = _C.stage_buffer(size, device, zero=True)
-            if layout.trained:
-                grads = _C.typed_views(
-                    self.grad_buffer,
-                    layout.grad_begin,
-                    layout.grad_offsets,
-                    [layout.params[i] for i in layout.trained],
-                )
-                _C.set_grads([self.views[i] for i in layout.trained], grads)
+        # One copy per parameter, in order on the parameter lane as from the arena.
+        uploaded = _C.record_event(device_index)
+        for offset, source in memory.param_sources(self.layers, skip_frozen=True):
+            target = self.buffer[offset - begin : offset - begin + source.numel()]
+            uploaded = _C.copy_async(device_index, target, source, "parameter", fence)
+        return uploaded
 
     @contextmanager
     def bound(self, keep_buffer_updates: bool, recomputed: bool) -> Iterator[None]:
