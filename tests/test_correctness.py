@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import pytest
 import roundpipe
@@ -358,6 +358,43 @@ def test_code_run_by_backward_is_outside_the_recomputed_layers(
     assert _SeesRecompute.seen and not any(_SeesRecompute.seen)
     # Layers 1 and 2: forward, then recompute, per microbatch.
     assert layers[1].during_recompute == [False, False, True, True]
+
+
+class _InterruptsRecompute(nn.Module):
+    """A layer that raises KeyboardInterrupt (Ctrl-C) in its next recompute once armed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed and roundpipe.doing_recompute():
+            self.armed = False
+            raise KeyboardInterrupt
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_ctrl_c_in_a_recompute_leaves_the_model_usable(num_devices: int, grain: str) -> None:
+    """Ctrl-C inside a recomputed layer stops the call, leaves no layer context behind, and the
+    next call's gradients are plain PyTorch's (the interrupted call's are rolled back)."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(*[_InterruptsRecompute() for _ in range(4)])
+    model = RoundPipe(copy.deepcopy(reference))
+    plan = make_plan([range(0, 1), range(1, 3)], [range(3, 4), range(1, 3), range(0, 1)])
+    config = RoundPipeRunConfig(num_microbatch=2, recompute_grain=grain, execute_plan=plan)
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    cast(_InterruptsRecompute, model.model[2]).armed = True
+    with pytest.raises(KeyboardInterrupt):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    assert not roundpipe.doing_recompute()
+    with pytest.raises(RecomputeDataError):
+        roundpipe.get_recompute_data()  # outside every layer again
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    plain_forward_backward(reference, x, y, 2)
+    model.synchronize()
+    assert_same_grads(model.model, reference, exact=True)
 
 
 # --------------------------------------------------------------------------------------------
