@@ -2,8 +2,10 @@
 
 Each case runs in a fresh subprocess (RSS is per process) on virtual CPU devices:
 
-1. the RSS after imports (torch's lazy ones that a training call triggers included) is the zero
-   point; the kernel's peak-RSS mark is reset there;
+1. the RSS after ``import roundpipe`` is the zero point; the kernel's peak-RSS mark is reset
+   there. What a training call imports or sets up on first use counts (``torch._dynamo``, which
+   the first ``torch.optim.Optimizer.add_param_group`` imports: 27 MB; kernel code and thread
+   state of the first matmul: about 10 MB), as it does for any process that trains;
 2. the plain model is built (its weights count: wrapping must not double them) and wrapped;
 3. the optimizer is built and ``--iters`` training iterations run (``forward_backward`` + ``step``).
 

@@ -354,6 +354,14 @@ def test_auto_merge_concatenates_and_averages() -> None:
     assert merge_output(outputs, True)["name"] == "block"
 
 
+def test_tensors_that_do_not_concatenate_are_a_value_error_naming_the_leaf() -> None:
+    concatenate = r": cannot concatenate the microbatches' tensors"
+    with pytest.raises(ValueError, match=r"output\['h'\]" + concatenate + r".* \(2, 4\)"):
+        merge_output([{"h": torch.zeros(2, 3)}, {"h": torch.zeros(2, 4)}], None)
+    with pytest.raises(ValueError, match=r"output\[0\]" + concatenate + " along dim 1"):
+        merge_output([(torch.zeros(2, 3),), (torch.zeros(3, 3),)], (TensorChunkSpec(1),))
+
+
 def test_auto_merge_averages_integer_scalars_in_floating_point() -> None:
     merged = merge_output([torch.tensor(1), torch.tensor(2)], None)
     assert merged.is_floating_point() and merged.item() == 1.5

@@ -730,3 +730,57 @@ def test_loss_fn_must_return_tensors(loss: object) -> None:
     model = RoundPipe(mlp(), name="lossy")
     with pytest.raises(TypeError, match=r"'lossy': loss_fn must return a tensor"):
         model.forward_backward(input_args=(torch.randn(4, 6),), loss_fn=lambda out, label: loss)
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "torch_message", "ours"),
+    [
+        (
+            lambda out, label: out - label,
+            "only for scalar outputs",
+            r"result .* has shape \(2, 6\)",
+        ),
+        (
+            lambda out, label: [(out - label).sum(), out - label],
+            "only for scalar outputs",
+            r"result\[1\] .* has shape \(2, 6\)",
+        ),
+        (
+            lambda out, label: (out - label).sum().detach(),
+            "does not require grad",
+            "result .* does not require grad",
+        ),
+    ],
+    ids=["not-scalar", "not-scalar-in-list", "detached"],
+)
+def test_a_loss_backward_cannot_take_names_loss_fn_and_the_model_trains_on(
+    num_devices: int, loss_fn: Callable[..., object], torch_message: str, ours: str
+) -> None:
+    """PyTorch's backward() raises RuntimeError for such a loss; ours raises it naming loss_fn
+    (not the layers), before any gradient of the call lands, and the next call is exact."""
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference), name="lossy")
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    with pytest.raises(RuntimeError, match=torch_message):
+        for xm, ym in zip(x.tensor_split(2), y.tensor_split(2), strict=True):
+            torch.autograd.backward(loss_fn(copy.deepcopy(reference)(xm), ym))
+    config = RoundPipeRunConfig(num_microbatch=2)
+    with pytest.raises(RuntimeError, match=r"'lossy': loss_fn's " + ours) as raised:
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=config)
+    assert "microbatch 0" in str(raised.value) and "layer" not in str(raised.value)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    plain_forward_backward(reference, x, y, 2)
+    model.synchronize()
+    assert_same_grads(model.model, reference, exact=True)
+
+
+def test_run_config_passed_under_another_name_is_a_type_error_naming_it() -> None:
+    model = RoundPipe(mlp(), name="named")
+    x = torch.randn(4, 6)
+    config = RoundPipeRunConfig(num_microbatch=2)
+    with pytest.raises(TypeError, match=r"roundpipe_run_config=\.\.\., got run_config="):
+        model(x, run_config=config)
+    with pytest.raises(TypeError, match="roundpipe_run_config must be a RoundPipeRunConfig"):
+        model(x, roundpipe_run_config={"num_microbatch": 2})
+    with pytest.raises(TypeError, match="run_config must be a RoundPipeRunConfig"):
+        model.forward_backward(input_args=(x,), run_config=3)

@@ -135,8 +135,13 @@ at::Tensor stage_buffer(std::int64_t bytes, c10::Device device, bool zero) {
 //     event when there are none). Without it (parameters in storages of their own) the caller
 //     copies them in and `uploaded` is None;
 //   - the views of `params` in it at byte `offsets` (typed_views, requiring grad as they do);
-//   - with `with_grads`, the zeroed gradient buffer of bytes [grad_begin, grad_end), whose views
-//     at `grad_offsets` become the .grad of the views of params[trained].
+//   - with `with_grads`, the gradient buffer of bytes [grad_begin, grad_end), whose views at
+//     `grad_offsets` become the .grad of the views of params[trained]: zeroed, or with
+//     `grad_arena` given, a copy of those bytes of it, made on the parameter lane after the
+//     parameters' (the gradients that earlier calls accumulated: the stage's layers add theirs
+//     to them one microbatch after the other, as plain PyTorch adds each backward's into .grad;
+//     `uploaded` then covers the copy too). On CUDA the pageable arena is copied through the
+//     engine's page-locked bounce buffers.
 // Returns (buffer, uploaded, views, grad buffer or None).
 py::tuple upload_stage(int device_index, c10::Device device, const std::optional<at::Tensor>& arena,
                        std::int64_t param_begin, std::int64_t param_end,
@@ -145,7 +150,8 @@ py::tuple upload_stage(int device_index, c10::Device device, const std::optional
                        const std::vector<at::Tensor>& params, bool with_grads,
                        std::int64_t grad_begin, std::int64_t grad_end,
                        const std::vector<std::int64_t>& grad_offsets,
-                       const std::vector<std::int64_t>& trained) {
+                       const std::vector<std::int64_t>& trained,
+                       const std::optional<at::Tensor>& grad_arena) {
   TORCH_CHECK(
       0 <= param_begin && param_begin <= param_end && (!arena || param_end <= arena->numel()),
       "upload_stage: bytes [", param_begin, ", ", param_end, ") are not within the arena of ",
@@ -160,6 +166,10 @@ py::tuple upload_stage(int device_index, c10::Device device, const std::optional
                 begin, ", ", end, ") is not within the stage's bytes [", param_begin, ", ",
                 param_end, ")");
   }
+  TORCH_CHECK(!grad_arena || (with_grads && 0 <= grad_begin && grad_end <= grad_arena->numel()),
+              "upload_stage: gradient bytes [", grad_begin, ", ", grad_end,
+              ") to copy need with_grads and must be within the gradient arena of ",
+              grad_arena ? grad_arena->numel() : 0, " bytes");
   at::Tensor buffer = stage_buffer(param_end - param_begin, device, /*zero=*/false);
   executor::EventPtr uploaded;
   if (arena) {
@@ -174,7 +184,7 @@ py::tuple upload_stage(int device_index, c10::Device device, const std::optional
   std::vector<at::Tensor> views = typed_views(buffer, param_begin, offsets, params, true);
   py::object grad_buffer = py::none();
   if (with_grads) {
-    at::Tensor grads = stage_buffer(grad_end - grad_begin, device, /*zero=*/true);
+    at::Tensor grads = stage_buffer(grad_end - grad_begin, device, /*zero=*/!grad_arena);
     if (!trained.empty()) {
       std::vector<at::Tensor> likes;
       std::vector<at::Tensor> targets;
@@ -189,6 +199,17 @@ py::tuple upload_stage(int device_index, c10::Device device, const std::optional
       }
       set_grads(targets, typed_views(grads, grad_begin, grad_offsets, likes, false));
     }
+    if (grad_arena && grads.numel() > 0) {
+      const at::Tensor source = grad_arena->slice(0, grad_begin, grad_end);
+      py::gil_scoped_release no_gil;
+      executor::CopyEngine& engine = executor::copy_engine(device_index);
+      executor::EventPtr copied =
+          grads.is_cuda() ? engine.upload_pageable({grads}, {source}, nullptr)
+                          : engine.copy(grads, source, executor::Lane::kParameter, nullptr);
+      // Without the parameter arena the caller's copies come after this one on the same lane,
+      // and their event covers it.
+      if (arena) uploaded = std::move(copied);
+    }
     grad_buffer = py::cast(grads);
   }
   return py::make_tuple(buffer, uploaded, views, grad_buffer);
@@ -196,13 +217,14 @@ py::tuple upload_stage(int device_index, c10::Device device, const std::optional
 
 // What roundpipe.pipeline.ResidentStage.download_grads issues: for each byte run
 // (begin, end, dtype) of the gradient arena `arena`, the stage's gradients at those bytes of its
-// buffer `grads` (which starts at arena byte `first_byte`) accumulated into the arena, as `dtype`,
-// on device `device_index`'s copy engine once the work issued to the device so far completed;
-// through the same bytes of `staging` when given (CUDA). Returns the events, one per run.
+// buffer `grads` (which starts at arena byte `first_byte`) accumulated into the arena, as `dtype`
+// (or with `replace`, copied over what is there: the buffer started from it), on device
+// `device_index`'s copy engine once the work issued to the device so far completed; through the
+// same bytes of `staging` when given (CUDA). Returns the events, one per run.
 std::vector<executor::EventPtr> download_grads(
     int device_index, const at::Tensor& arena, const at::Tensor& grads, std::int64_t first_byte,
     const std::vector<std::tuple<std::int64_t, std::int64_t, at::ScalarType>>& runs,
-    const std::optional<at::Tensor>& staging) {
+    const std::optional<at::Tensor>& staging, bool replace) {
   for (const auto& [begin, end, dtype] : runs) {
     TORCH_CHECK(first_byte <= begin && begin <= end && end - first_byte <= grads.numel() &&
                     end <= arena.numel(),
@@ -218,9 +240,10 @@ std::vector<executor::EventPtr> download_grads(
   for (const auto& [begin, end, dtype] : runs) {
     std::optional<at::Tensor> through;
     if (staging) through = staging->slice(0, begin, end).view(dtype);
-    events.push_back(engine.accumulate(
-        arena.slice(0, begin, end).view(dtype),
-        grads.slice(0, begin - first_byte, end - first_byte).view(dtype), after, through));
+    const at::Tensor dst = arena.slice(0, begin, end).view(dtype);
+    const at::Tensor src = grads.slice(0, begin - first_byte, end - first_byte).view(dtype);
+    events.push_back(replace ? engine.download(dst, src, after, through)
+                             : engine.accumulate(dst, src, after, through));
   }
   return events;
 }
@@ -724,13 +747,16 @@ void bind_dispatch(py::module_& m) {
         py::arg("param_begin"), py::arg("param_end"), py::arg("runs"), py::arg("fence"),
         py::arg("offsets"), py::arg("params"), py::arg("with_grads"), py::arg("grad_begin"),
         py::arg("grad_end"), py::arg("grad_offsets"), py::arg("trained"),
+        py::arg("grad_arena") = py::none(),
         "A stage's buffers, filled from the parameter arena when given: (buffer, uploaded event "
         "or None, parameter views, gradient buffer or None); the gradient views become the "
-        "trained views' .grad.");
+        "trained views' .grad, and start from grad_arena's bytes when given (else zero).");
   m.def("download_grads", &download_grads, py::arg("device_index"), py::arg("arena"),
         py::arg("grads"), py::arg("first_byte"), py::arg("runs"), py::arg("staging"),
-        "Accumulate a stage's gradient buffer into the gradient arena, one (begin, end, dtype) "
-        "byte run at a time on the device's copy engine; returns the events.");
+        py::arg("replace") = false,
+        "Accumulate a stage's gradient buffer into the gradient arena (with replace: copy it "
+        "over), one (begin, end, dtype) byte run at a time on the device's copy engine; returns "
+        "the events.");
   m.def("typed_views", &typed_views, py::arg("buffer"), py::arg("first_byte"), py::arg("offsets"),
         py::arg("likes"), py::arg("like_requires_grad") = false,
         "Views of the uint8 buffer at byte offsets[i] - first_byte, laid out like likes[i] "

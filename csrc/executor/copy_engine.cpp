@@ -141,22 +141,23 @@ EventPtr CopyEngine::copy(const at::Tensor& dst, const at::Tensor& src, Lane lan
   return done;
 }
 
-EventPtr CopyEngine::accumulate(const at::Tensor& dst, const at::Tensor& src, const EventPtr& after,
-                                const std::optional<at::Tensor>& staging) {
-  TORCH_CHECK(dst.device().is_cpu(), "CopyEngine.accumulate: dst must be a host tensor");
-  TORCH_CHECK(dst.numel() == src.numel(), "CopyEngine.accumulate: dst has ", dst.numel(),
-              " elements but src has ", src.numel());
+EventPtr CopyEngine::land(const at::Tensor& dst, const at::Tensor& src, const EventPtr& after,
+                          const std::optional<at::Tensor>& staging, bool add) {
+  const char* what = add ? "CopyEngine.accumulate" : "CopyEngine.download";
+  TORCH_CHECK(dst.device().is_cpu(), what, ": dst must be a host tensor");
+  TORCH_CHECK(dst.numel() == src.numel(), what, ": dst has ", dst.numel(), " elements but src has ",
+              src.numel());
   if (staging) {
     TORCH_CHECK(staging->device().is_cpu() && staging->numel() == src.numel() &&
                     staging->scalar_type() == src.scalar_type(),
-                "CopyEngine.accumulate: staging must be a host tensor of src's dtype (",
-                src.scalar_type(), ") with ", src.numel(), " elements, got ",
-                staging->scalar_type(), " on ", staging->device(), " with ", staging->numel());
+                what, ": staging must be a host tensor of src's dtype (", src.scalar_type(),
+                ") with ", src.numel(), " elements, got ", staging->scalar_type(), " on ",
+                staging->device(), " with ", staging->numel());
   }
   const int queue_lane = static_cast<int>(Lane::kGradient);
   if (!on_cuda()) {
     return host_work(Lane::kGradient, static_cast<std::int64_t>(src.nbytes()), after,
-                     [dst, src] { dst.add_(src); });
+                     [dst, src, add] { add ? dst.add_(src) : dst.copy_(src); });
   }
   c10::Stream stream = lane_stream(Lane::kGradient);
   at::Tensor host;
@@ -169,9 +170,9 @@ EventPtr CopyEngine::accumulate(const at::Tensor& dst, const at::Tensor& src, co
     record_use(src, stream);
   }
   EventPtr downloaded = Event::recorded_on(stream);
-  return submit_job(worker_, queue_lane, [dst, host, downloaded](Event&) {
+  return submit_job(worker_, queue_lane, [dst, host, downloaded, add](Event&) {
     downloaded->synchronize();
-    dst.add_(host);
+    add ? dst.add_(host) : dst.copy_(host);
   });
 }
 

@@ -48,7 +48,15 @@ class CopyEngine {
   // size, not reused by the caller before the returned event completed) or, without it, into a
   // buffer of torch's caching host allocator.
   EventPtr accumulate(const at::Tensor& dst, const at::Tensor& src, const EventPtr& after,
-                      const std::optional<at::Tensor>& staging = std::nullopt);
+                      const std::optional<at::Tensor>& staging = std::nullopt) {
+    return land(dst, src, after, staging, /*add=*/true);
+  }
+  // dst.copy_(src) the same way: through `staging` on CUDA, so the calling thread never waits for
+  // a download into pageable memory.
+  EventPtr download(const at::Tensor& dst, const at::Tensor& src, const EventPtr& after,
+                    const std::optional<at::Tensor>& staging = std::nullopt) {
+    return land(dst, src, after, staging, /*add=*/false);
+  }
 
   // dsts[i].copy_(srcs[i]) for every i, on the parameter lane once `after` has completed: byte
   // (uint8) tensors, contiguous, each dst in device memory of this (CUDA) engine and each src in
@@ -69,6 +77,9 @@ class CopyEngine {
 
  private:
   bool on_cuda() const { return device_.is_cuda(); }
+  // accumulate (add) or download (replace).
+  EventPtr land(const at::Tensor& dst, const at::Tensor& src, const EventPtr& after,
+                const std::optional<at::Tensor>& staging, bool add);
   c10::Stream lane_stream(Lane lane) const;
   // work() on a virtual CPU device's `lane` once `after` has completed: on the calling thread
   // when it moves at most inline_copy_bytes() bytes, `after` is done and the worker idle, else on

@@ -448,7 +448,12 @@ std::optional<Breakpoints> sweep_breakpoints(const Phase& phase, const Probe& fi
 }
 
 PhaseSolution solve_phase(const Phase& phase, const PlanOptions& options) {
-  const double lowest = lowest_bound(phase);
+  // Stage times are differences of prefix sums, which round: layers that add up to exactly the
+  // slowest one, or to exactly upper_threshold times it, may come out a few ulps above. Both
+  // bounds get a slack far below any timing's precision (and above the rounding of a sum of up
+  // to millions of layers), so such a stage fits as its layers' sum says it does.
+  constexpr double kRoundingSlack = 1e-9;
+  const double lowest = lowest_bound(phase) * (1.0 + kRoundingSlack);
   const Probe first = probe(phase, lowest);
   const double upper = options.upper_threshold * lowest;
   const Probe at_threshold = probe(phase, upper);

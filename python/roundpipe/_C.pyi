@@ -160,6 +160,7 @@ def download_grads(
     first_byte: int,
     runs: Sequence[tuple[int, int, torch.dtype]],
     staging: Tensor | None,
+    replace: bool = False,
 ) -> list[Event]: ...
 def upload_stage(
     device_index: int,
@@ -176,6 +177,7 @@ def upload_stage(
     grad_end: int,
     grad_offsets: Sequence[int],
     trained: Sequence[int],
+    grad_arena: Tensor | None = None,
 ) -> tuple[Tensor, Event | None, list[Tensor], Tensor | None]: ...
 
 # A timing event on a CUDA device's compute stream (the model timer's TimingEvent).

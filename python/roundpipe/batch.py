@@ -477,7 +477,7 @@ def _merge_leaf(values: list[Any], spec: Any, path: str) -> Any:
         return _require_equal(values, path)
     if kind == "chunk":
         tensors = _require_tensors(values, path, "TensorChunkSpec")
-        return torch.cat(tensors, dim=spec.split_dim)
+        return _concatenated(tensors, spec.split_dim, path)
     if not any(isinstance(value, torch.Tensor) for value in values):
         return _require_equal(values, path)
     tensors = _require_tensors(values, path, "automatic merge")
@@ -490,7 +490,20 @@ def _merge_leaf(values: list[Any], spec: Any, path: str) -> Any:
         raise ValueError(
             f"{path}: some microbatches returned 0-d tensors and others did not; cannot merge"
         )
-    return torch.cat(tensors, dim=0)
+    return _concatenated(tensors, 0, path)
+
+
+def _concatenated(tensors: list[torch.Tensor], dim: int, path: str) -> torch.Tensor:
+    """``torch.cat(tensors, dim)``; what torch rejects (sizes that differ beyond ``dim``, dtypes
+    or devices it cannot mix) is a ``ValueError`` naming the leaf."""
+    try:
+        return torch.cat(tensors, dim=dim)
+    except RuntimeError as error:
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        raise ValueError(
+            f"{path}: cannot concatenate the microbatches' tensors along dim {dim} (shapes "
+            f"{shapes}): {str(error).rstrip('.')}; give merge_output a spec or a function for it"
+        ) from error
 
 
 def _combine(

@@ -63,6 +63,7 @@ class GradientState:
         transfers become pending; on failure they are waited for and the gradients it already
         accumulated are rolled back, so the next call trains as if the failed one never ran."""
         self.begin_call()
+        call.grads_in_arena = self.dirty
         backup = self.memory.grads.clone() if self.dirty else None
         try:
             yield

@@ -233,6 +233,11 @@ class ResidentStage:
     model (LoRA) then costs no stage memory at all. Parameters that train are copied: the weight
     writer may be writing the next step's values into the arena while the stage computes.
 
+    A backward stage's gradient buffer starts from zero, or, with ``grads_from_arena``, from the
+    gradients that earlier calls accumulated in the host arena, which its download then replaces:
+    each microbatch's gradients are then added to them in turn, as plain PyTorch adds each
+    backward's into ``.grad`` (adding the call's sum instead would round differently).
+
     ``model``: the model's name, for errors; ``nvtx_model``: the model's name when its upload
     and download are marked as NVTX ranges."""
 
@@ -249,9 +254,11 @@ class ResidentStage:
         with_grads: bool,
         model: str,
         nvtx_model: str | None = None,
+        grads_from_arena: bool = False,
     ) -> None:
         self.memory, self.layers, self.device_index = memory, layers, device_index
         self.model, self.nvtx_model = model, nvtx_model
+        self.grads_from_arena = grads_from_arena and with_grads
         self.trace: StageTrace | None = None  # set while a timeline trace is recorded
         self.layout = layout = memory.stage_layout(layers)
         device = device_at(device_index)
@@ -281,6 +288,7 @@ class ResidentStage:
                 layout.grad_end,
                 layout.grad_offsets,
                 layout.trained,
+                memory.grads if self.grads_from_arena else None,
             )
             self.uploaded = uploaded if uploaded is not None else self._upload_sources(fence)
         # The frozen parameters bound in host memory, each a `.data` alias with a version counter
@@ -397,7 +405,8 @@ class ResidentStage:
 
     def download_grads(self, only: tuple[int, int] | None = None) -> list[Any]:
         """Accumulate this stage's device gradients into the host arena (``only``: just the
-        bytes in this range of the gradient arena); returns the events.
+        bytes in this range of the gradient arena), or copy them there when the buffer started
+        from the arena's; returns the events.
 
         On CUDA the downloads go through the model's page-locked staging at the stage's own
         offsets (see :meth:`ModelMemory.download_staging`)."""
@@ -415,6 +424,7 @@ class ResidentStage:
                 self.layout.grad_begin,
                 runs,
                 staging,
+                self.grads_from_arena,
             )
         if self.trace is not None and events:
             self.trace.transfer("grad_download", "gradient download", events[-1])
@@ -613,6 +623,9 @@ class Call:
     on_cuda: bool = field(init=False, default_factory=_on_cuda)
     # Whether the data-parallel ranks agreed on this call's backward stages (stage reduces).
     reduce_agreed: bool = field(init=False, default=False)
+    # Whether the host arena holds gradients of earlier calls when this call's backward stages
+    # run (set by roundpipe.gradients.GradientState.accumulating).
+    grads_in_arena: bool = field(init=False, default=False)
     # The CPU generator states the forward stages' layers were seeded with, for their recompute.
     rng_states: Any = field(init=False, default=None)
 
@@ -665,7 +678,16 @@ class Call:
         out of a freed buffer is left in flight, and the layers' buffers hold their new values.
         """
         memory = self.runner.memory
-        with _rng_scope(), _Uploads(memory, stages, self.runner.name, self.nvtx) as uploads:
+        # forward_backward is the per-microbatch loop, one backward per microbatch: its gradient
+        # buffers start from the arena's gradients, so that the layers add each microbatch's to
+        # them in turn, as plain PyTorch adds each backward's into .grad. (The backward of a
+        # forward() is one backward pass: plain PyTorch adds its sum once, and so do we. Stage
+        # reduces sum the call's own gradients over the ranks.)
+        from_arena = (
+            self.grads_in_arena and self.run_type == "fused" and self.runner.stage_reduce is None
+        )
+        uploads = _Uploads(memory, stages, self.runner.name, self.nvtx, from_arena)
+        with _rng_scope(), uploads:
             try:
                 for stage in stages:
                     # No reference to a stage outlives its turn: its device buffers are freed
@@ -812,7 +834,7 @@ class Call:
                         f"of layer {stage.layers.stop - 1} for microbatch {m}"
                     )
                     raise annotate(error, where) from error
-                _check_loss(loss, self.runner.name)
+                _check_loss(loss, self.runner.name, m)
                 start = run.clock.start()
                 try:
                     with self._mark("backward", stage.layers, m):
@@ -841,9 +863,16 @@ class Call:
         native = range(max(stage.layers.start, 1), stage.layers.stop)
         if (not per_layer and stage.layers.start == 0) or stage.trace is not None or self.nvtx:
             native = range(0)
+        # The backward of a forward() is one backward pass over every microbatch's graph, whose
+        # gradients plain PyTorch's engine sums last microbatch first (its nodes came last); the
+        # backward of forward_backward is one pass per microbatch, in order.
+        order = range(len(grads))
+        if self.run_type == "train":
+            order = order[::-1]
         with stage.bound(keep_buffer_updates=False, recomputed=True), run:
-            new_grads = []
-            for m, grad in enumerate(grads):
+            new_grads: list[Any] = [None] * len(grads)
+            for m in order:
+                grad = grads[m]
                 python = stage.layers
                 native_grad = self._recompute_backward_natively(native, m, grad, run)
                 if native_grad is not None:
@@ -854,7 +883,7 @@ class Call:
                         grad = self._recompute_backward(range(layer, layer + 1), m, grad, run)
                 elif python:
                     grad = self._recompute_backward(python, m, grad, run)
-                new_grads.append(grad)
+                new_grads[m] = grad
         self.pending.extend(self._download_grads(stage))
         return new_grads
 
@@ -1072,15 +1101,33 @@ def _mark_layer(call: Call, phase: Phase, layer: int, microbatch: int) -> Any:
     return call._mark(phase, range(layer, layer + 1), microbatch)
 
 
-def _check_loss(loss: Any, name: str) -> None:
-    if isinstance(loss, torch.Tensor):
-        return
-    if isinstance(loss, (list, tuple)) and loss and all(isinstance(x, torch.Tensor) for x in loss):
-        return
-    raise TypeError(
-        f"RoundPipe model '{name}': loss_fn must return a tensor or a non-empty sequence of "
-        f"tensors to backpropagate, got {type(loss).__name__}"
-    )
+def _check_loss(loss: Any, name: str, microbatch: int) -> None:
+    """What ``loss_fn`` returned can be backpropagated as PyTorch's ``backward()`` would: a
+    tensor, or a non-empty sequence of them, each a scalar that requires grad. PyTorch's own
+    errors for the others (``RuntimeError``) name ``loss_fn`` here, not the layers."""
+    losses = [loss] if isinstance(loss, torch.Tensor) else loss
+    if not (
+        isinstance(losses, (list, tuple))
+        and losses
+        and all(isinstance(x, torch.Tensor) for x in losses)
+    ):
+        raise TypeError(
+            f"RoundPipe model '{name}': loss_fn must return a tensor or a non-empty sequence of "
+            f"tensors to backpropagate, got {type(loss).__name__}"
+        )
+    for i, value in enumerate(losses):
+        which = "loss_fn's result" if value is loss else f"loss_fn's result[{i}]"
+        if value.numel() != 1:
+            raise RuntimeError(
+                f"RoundPipe model '{name}': {which} for microbatch {microbatch} has shape "
+                f"{tuple(value.shape)}; backward needs a scalar loss (grad can be implicitly "
+                f"created only for scalar outputs): reduce it, e.g. with .sum() or .mean()"
+            )
+        if not value.requires_grad:
+            raise RuntimeError(
+                f"RoundPipe model '{name}': {which} for microbatch {microbatch} does not require "
+                f"grad and has no grad_fn: compute it from the model's output"
+            )
 
 
 def _detach_leaf(value: Any) -> Any:
@@ -1188,10 +1235,16 @@ class _Uploads:
     theirs, and the host arena must not change or go away while one still reads it)."""
 
     def __init__(
-        self, memory: ModelMemory, stages: Sequence[Stage], model: str, nvtx: bool
+        self,
+        memory: ModelMemory,
+        stages: Sequence[Stage],
+        model: str,
+        nvtx: bool,
+        grads_from_arena: bool,
     ) -> None:
         self.memory, self.stages, self.model = memory, stages, model
         self.nvtx_model = model if nvtx else None
+        self.grads_from_arena = grads_from_arena
         self.issued: list[ResidentStage] = []
         self.uploads: list[Any] = []
         self.index = 0
@@ -1212,6 +1265,7 @@ class _Uploads:
             stage.kind != "forward",
             self.model,
             self.nvtx_model,
+            self.grads_from_arena,
         )
         resident.trace = stage_trace(self.model, resident.device_index, index, stage.layers)
         if resident.trace is not None:

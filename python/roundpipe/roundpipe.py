@@ -286,7 +286,14 @@ class RoundPipe(ForwardingModule):
         With gradients enabled the output is connected to autograd: a later ``.backward()`` runs
         the pipelined recompute + backward, accumulating parameter gradients in host memory.
         """
-        config = self._resolve(roundpipe_run_config)
+        misplaced = [key for key, value in kwargs.items() if isinstance(value, RoundPipeRunConfig)]
+        if misplaced:
+            raise TypeError(
+                f"forward() takes the run config as roundpipe_run_config=..., got "
+                f"{misplaced[0]}=RoundPipeRunConfig(...), which would be passed to layer 0 as a "
+                f"keyword argument (other keyword arguments go to layer 0 as they are)"
+            )
+        config = self._resolve(roundpipe_run_config, "roundpipe_run_config")
         runtime = self._runtime
         runtime.steps.raise_if_failed()
         n = config.num_microbatch
@@ -337,7 +344,7 @@ class RoundPipe(ForwardingModule):
             raise TypeError(f"input_kwargs must be a dict, got {type(input_kwargs).__name__}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        config = self._resolve(run_config)
+        config = self._resolve(run_config, "run_config")
         runtime = self._runtime
         runtime.steps.raise_if_failed()
         if not config.requires_grad:
@@ -558,12 +565,14 @@ class RoundPipe(ForwardingModule):
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _resolve(self, call_config: RoundPipeRunConfig | None) -> ResolvedRunConfig:
+    def _resolve(self, call_config: RoundPipeRunConfig | None, argument: str) -> ResolvedRunConfig:
+        """The call's run config (passed as ``argument``) resolved over the model's."""
         if call_config is None:
             call_config = RoundPipeRunConfig()
         if not isinstance(call_config, RoundPipeRunConfig):
             raise TypeError(
-                f"run config must be a RoundPipeRunConfig, got {type(call_config).__name__}"
+                f"{argument} must be a RoundPipeRunConfig (or None), got "
+                f"{type(call_config).__name__}"
             )
         return resolve_run_config(call_config, self.model_run_config)
 

@@ -428,10 +428,11 @@ def _fit_memory_limit(
     needed = 2 * largest / GIB
     if needed <= limit:
         return limit
+    # Significant digits, not decimals: a test model's layers are millionths of a GB.
     warnings.warn(
-        f"{where} needs {largest / GIB:.3f} GB of device memory, more than half of "
-        f"model_memory_limit={limit:.3f} GB (one stage plus the prefetched next one must fit); "
-        f"raising model_memory_limit to {needed:.3f} GB (+{needed - limit:.3f} GB)",
+        f"{where} needs {largest / GIB:.4g} GB of device memory, more than half of "
+        f"model_memory_limit={limit:.4g} GB (one stage plus the prefetched next one must fit); "
+        f"raising model_memory_limit to {needed:.4g} GB (+{needed - limit:.4g} GB)",
         stacklevel=3,
     )
     return needed

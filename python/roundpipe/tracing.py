@@ -786,9 +786,11 @@ def predict_trace(
     next device of the round-robin. Stage ``s`` of the first call runs on device
     ``s mod num_devices``. Each (stage, microbatch) run becomes a compute event of the kind the
     runtime records: forward, fused, or a backward stage's recompute followed by its backward,
-    split in proportion to their estimates. Uploads and transfers are not predicted (the
-    simulator does not report them), though upload time delays compute when
-    ``upload_bytes_per_second > 0``.
+    split in proportion to their estimates. A call of backward stages only (the backward of a
+    ``forward()``) runs the last microbatch first, as the runtime does: all of them are there
+    when it starts, so its schedule is the in-order one with the microbatches renamed. Uploads
+    and transfers are not predicted (the simulator does not report them), though upload time
+    delays compute when ``upload_bytes_per_second > 0``.
     """
 
     def parts(kind: str, layers: range) -> list[tuple[str, float]]:
@@ -813,7 +815,9 @@ def predict_trace(
             for _, layers in steps
         ]
         makespan, runs = _C.simulate_schedule(seconds, num_devices, num_microbatch, uploads)
-        for stage, microbatch, device, start, end in runs:
+        last_first = all(kind == "backward" for kind, _ in steps)
+        for stage, run, device, start, end in runs:
+            microbatch = num_microbatch - 1 - run if last_first else run
             at = offset_s + start
             total = seconds[stage]
             for phase, share in stage_parts[stage]:
