@@ -855,6 +855,18 @@ def loss_of(output: torch.Tensor) -> torch.Tensor:
     return output.float().pow(2).sum()
 
 
+def train_both(
+    model: RoundPipe, reference: nn.Module, x: torch.Tensor, config: RoundPipeRunConfig
+) -> None:
+    """One forward_backward call of ``model`` on ``x``, the per-microbatch loop on
+    ``reference``."""
+    model.forward_backward(
+        input_args=(x,), label=x, loss_fn=lambda out, _: loss_of(out), run_config=config
+    )
+    for chunk in x.tensor_split(cast(int, config.num_microbatch)):
+        loss_of(reference(chunk)).backward()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grain", ["stage", "layer"])
 def test_forward_backward_calls_accumulate_as_the_per_microbatch_loop_does(
@@ -867,11 +879,7 @@ def test_forward_backward_calls_accumulate_as_the_per_microbatch_loop_does(
     model = RoundPipe(copy.deepcopy(reference))
     config = RoundPipeRunConfig(num_microbatch=3, recompute_grain=grain)
     for x in batches:
-        model.forward_backward(
-            input_args=(x,), label=x, loss_fn=lambda out, _: loss_of(out), run_config=config
-        )
-        for chunk in x.tensor_split(3):
-            loss_of(reference(chunk)).backward()
+        train_both(model, reference, x, config)
     model.synchronize()
     assert_grads_equal(model.model, reference)
 
@@ -933,5 +941,86 @@ def test_accumulation_goes_on_exactly_after_a_failed_call_and_user_changed_grads
             q.grad.mul_(0.5)
     for chunk in x2.tensor_split(3):
         loss_of(reference(chunk)).backward()
+    model.synchronize()
+    assert_grads_equal(model.model, reference)
+
+
+# --------------------------------------------------------------------------------------------
+# The backward of a forward(): only what the engine asks for, with the forward's weights
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=)"])
+def test_input_only_backward_leaves_the_parameters_gradients_alone(
+    num_devices: int, how: str
+) -> None:
+    """torch.autograd.grad (or backward(inputs=[x])) through a forward() output computes the
+    input's gradient and, as in plain PyTorch, adds nothing to the parameters' gradients."""
+    reference, (x, x2, _) = accumulation_case(torch.float32)
+    model = RoundPipe(copy.deepcopy(reference))
+    config = RoundPipeRunConfig(num_microbatch=3)
+
+    def input_grad(net: nn.Module, forward: object) -> torch.Tensor:
+        leaf = x.clone().requires_grad_()
+        loss = loss_of(forward(leaf))  # type: ignore[operator]
+        if how == "autograd.grad":
+            return torch.autograd.grad(loss, leaf)[0]
+        loss.backward(inputs=[leaf])
+        assert leaf.grad is not None
+        return leaf.grad
+
+    ours = input_grad(model, lambda leaf: model(leaf, roundpipe_run_config=config))
+    expected = input_grad(reference, lambda leaf: torch.cat([reference(c) for c in leaf.split(2)]))
+    assert torch.equal(ours, expected)
+    assert all(q.grad is None for q in reference.parameters())
+    # A training call then accumulates from nothing, as in plain PyTorch.
+    train_both(model, reference, x2, config)
+    model.synchronize()
+    assert_grads_equal(model.model, reference)
+
+
+@pytest.mark.parametrize("change", ["step", "sync step", "in-place edit", "load_state_dict"])
+def test_backward_after_the_weights_changed_raises_like_pytorch(
+    num_devices: int, change: str
+) -> None:
+    """Plain PyTorch refuses to backpropagate through a graph whose saved weights changed in
+    place since its forward; ours would recompute with other weights, so it refuses too (and
+    the model trains on)."""
+    reference, (x, x2, _) = accumulation_case(torch.float32)
+    model = RoundPipe(copy.deepcopy(reference), name="changed")
+    config = RoundPipeRunConfig(num_microbatch=3)
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    out = model(x, roundpipe_run_config=config)
+    if change in ("step", "sync step"):
+        model.forward_backward(
+            input_args=(x2,), label=x2, loss_fn=lambda o, _: loss_of(o), run_config=config
+        )
+        model.step(lambda: (optimizer.step(), optimizer.zero_grad()), change == "sync step")
+        model.step(lambda: None)  # the first step's weights land in the parameters
+    elif change == "in-place edit":
+        with torch.no_grad():
+            model.model[1][0].weight.mul_(0.5)
+    else:
+        model.load_state_dict(copy.deepcopy(model.state_dict()))
+    plain = reference(x)
+    with torch.no_grad():
+        reference[1][0].weight.mul_(0.5)  # saved by its layer's backward (layer 0's is not)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss_of(plain).backward()
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: .* 'changed'"):
+        loss_of(out).backward()
+    model.synchronize()
+    loss_of(model(x, roundpipe_run_config=config)).backward()  # a fresh forward is fine
+
+
+def test_synchronize_between_forward_and_backward_changes_nothing(num_devices: int) -> None:
+    reference, (x, _, _) = accumulation_case(torch.float32)
+    model = RoundPipe(copy.deepcopy(reference))
+    config = RoundPipeRunConfig(num_microbatch=3)
+    out = model(x, roundpipe_run_config=config)
+    model.synchronize()
+    model.state_dict()
+    loss_of(out).backward()
+    loss_of(torch.cat([reference(chunk) for chunk in x.tensor_split(3)])).backward()
     model.synchronize()
     assert_grads_equal(model.model, reference)

@@ -116,6 +116,75 @@ def test_forked_child_after_training_with_a_step_in_flight(case: str) -> None:
         assert len(outputs) == 2 and outputs[0] == outputs[1], result.stdout
 
 
+FORK_DURING_A_CALL_SCRIPT = """
+    import signal
+    torch.set_num_threads(1)
+    model = new_model(0)
+    stop = threading.Event()
+
+    def trainer():
+        while not stop.is_set():
+            model.forward_backward(input_args=(x,), loss_fn=loss_fn, run_config=config)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    time.sleep(0.3)
+    pid = os.fork()  # waits for the call in flight on the trainer thread
+    if pid == 0:
+        signal.alarm(30)  # a hang fails the test instead of hanging it
+        with torch.no_grad():
+            out = model(x, roundpipe_run_config=config)
+        plain = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+        plain.load_state_dict(model.model.state_dict())
+        with torch.no_grad():
+            expected = torch.cat([plain(chunk) for chunk in x.tensor_split(2)])
+        os._exit(0 if torch.equal(out, expected) else 3)
+    _, status = os.waitpid(pid, 0)
+    stop.set()
+    thread.join()
+    print("child_status", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_fork_while_another_thread_is_in_a_call_gives_the_child_a_usable_model() -> None:
+    """fork() waits for calls in flight on other threads: the child does not inherit a model
+    lock held by a thread it does not have (its first call would wait for ever), and computes
+    what plain PyTorch computes with the inherited weights."""
+    result = _run(FORK_DURING_A_CALL_SCRIPT)
+    assert result.returncode == 0, result.stderr
+    assert "child_status 0" in result.stdout.splitlines(), result.stdout + result.stderr
+
+
+CTRL_C_DURING_FORK_SCRIPT = """
+    import signal
+    model = new_model(0)
+    model.forward_backward(input_args=(x,), loss_fn=loss_fn, run_config=config)
+    model.step(lambda: time.sleep(60))  # fork() waits for the step in flight
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    started = time.monotonic()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("fork_returned", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted_after", time.monotonic() - started, flush=True)
+    os._exit(0)  # not waiting for the sleeping step at exit
+"""
+
+
+def test_ctrl_c_while_fork_waits_for_a_step_reaches_the_caller() -> None:
+    """An exception in a fork hook is only printed: the Ctrl-C is raised where fork() returns
+    instead, within the second, not lost while the script carries on."""
+    result = _run(CTRL_C_DURING_FORK_SCRIPT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    interrupted = [float(line.split()[1]) for line in lines if line.startswith("interrupted")]
+    assert interrupted and interrupted[0] < 5.0, result.stdout + result.stderr
+    assert "Exception ignored" not in result.stderr, result.stderr
+
+
 DATALOADER_SCRIPT = """
     from torch.utils.data import DataLoader, TensorDataset
 

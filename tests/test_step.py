@@ -167,6 +167,60 @@ def test_step_fn_failure_surfaces_later_and_training_continues(num_devices: int)
     )
 
 
+@pytest.mark.parametrize("is_async", [True, False])
+def test_no_gradients_since_the_step_publish_none_as_zero_grad_leaves_them(
+    num_devices: int, is_async: bool
+) -> None:
+    """After optimizer.zero_grad() plain PyTorch's .grad is None until the next backward; ours
+    after a step (and before any training call) too, so `if p.grad is not None` code agrees."""
+    model = RoundPipe(mlp())
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    model.synchronize()
+    assert all(p.grad is None for p in model.model.parameters())
+    x, y = batches(1)[0]
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    model.synchronize()
+    assert all(p.grad is not None for p in model.model.parameters())
+    model.step(lambda: (optimizer.step(), optimizer.zero_grad()), is_async=is_async)
+    model.synchronize()
+    assert all(p.grad is None for p in model.model.parameters())
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    model.synchronize()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.model.parameters())
+
+
+@pytest.mark.parametrize("is_async", [True, False])
+@pytest.mark.parametrize("error", [KeyboardInterrupt, GeneratorExit])
+def test_a_step_fn_raising_keyboard_interrupt_fails_that_step_once(
+    num_devices: int, is_async: bool, error: type[BaseException]
+) -> None:
+    """The step's own KeyboardInterrupt is its error, raised once like any other (not taken
+    for a Ctrl-C during the wait, which would leave it pending for ever); training goes on."""
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    ours = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = batches(1)[0]
+
+    def interrupted() -> None:
+        raise error("from step_fn")
+
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    with pytest.raises(error, match="from step_fn"):
+        model.step(interrupted, is_async=is_async)
+        model.synchronize()
+    model.synchronize()  # raised once
+    # The failed step left its gradients in the optimizer's .grad, as a plain optimizer.step()
+    # that raised would: the next step adds this iteration's.
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
+    plain_grads(reference, x, y)
+    plain_grads(reference, x, y)
+    plain.step()
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [

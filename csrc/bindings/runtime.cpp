@@ -1,6 +1,7 @@
 // Bindings of the runtime's native parts: host arenas, events and the per-device copy engines.
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <optional>
@@ -43,6 +44,10 @@ void check_signals() {
 
 // Thrown by a wait's check once its time is up.
 struct WaitTimedOut {};
+
+// A Ctrl-C that interrupted a wait before fork() (roundpipe.step's hooks): an exception in a fork
+// hook is only printed and the fork goes ahead, so the parent raises it once fork() returned.
+std::atomic<bool> fork_interrupted{false};
 
 // drain_workers(timeout_s): true once every native worker ran the jobs queued before the call;
 // false if `timeout_s` passed first. Ctrl-C interrupts it. Called without the GIL.
@@ -165,6 +170,21 @@ void bind_runtime(py::module_& m) {
   m.def("writeback_async", &executor::write_back, py::arg("dsts"), py::arg("srcs"),
         py::call_guard<py::gil_scoped_release>(),
         "dsts[i].copy_(srcs[i]) (casting) on the weight writer, first in first out.");
+  m.def(
+      "note_fork_interrupt", [](bool interrupted) { fork_interrupted.store(interrupted); },
+      py::arg("interrupted"),
+      "Note (True) or forget (False) a Ctrl-C that came during a wait before fork().");
+  m.def(
+      "fork_interrupted", [] { return fork_interrupted.load(); },
+      "Whether a wait before the fork() under way was interrupted by Ctrl-C.");
+  m.def(
+      "raise_fork_interrupt",
+      [] {
+        if (fork_interrupted.exchange(false)) PyErr_SetInterrupt();
+      },
+      "fork()'s after_in_parent hook: the noted Ctrl-C, raised as KeyboardInterrupt in the "
+      "main thread. A native function, so that it runs no Python code that would raise it "
+      "inside the hook (printed and lost there): it surfaces where fork() returns.");
   m.def("drain_workers", &drain_workers, py::arg("timeout_s") = py::none(),
         py::call_guard<py::gil_scoped_release>(),
         "Wait until every native worker ran the jobs submitted so far (called at exit and before "

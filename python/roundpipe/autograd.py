@@ -4,6 +4,13 @@
 the user's tensors that require grad and whose outputs are the per-microbatch output tensors.
 Its backward runs the pipelined recompute + backward stages and returns the input gradients, so
 ``loss.backward()`` on anything built from the output drives the pipeline.
+
+The model's parameters are not in the graph: a view of the model's *anchor* (an empty leaf that
+requires grad) stands for them. A backward that does not reach the anchor
+(``torch.autograd.grad`` or ``backward(inputs=...)`` for the inputs only) leaves the parameters'
+gradients alone, as plain PyTorch does. As PyTorch refuses to backpropagate through tensors
+changed in place since the forward, the backward refuses to run when the parameters changed
+since the forward (a step, a load, an in-place edit): it would recompute with other weights.
 """
 
 from __future__ import annotations
@@ -54,9 +61,13 @@ class PipelineNode:
         lock: threading.RLock,
         inputs: list[Any],
         output_device: torch.device,
+        weights_version: Callable[[], Any],
     ) -> None:
         self.call, self.gradients, self.lock = call, gradients, lock
         self.inputs, self.output_device = inputs, output_device
+        # What the forward ran with; the backward recomputes with the weights of its own time.
+        self.weights_version = weights_version
+        self.forward_weights = weights_version()
         self.output_specs: list[Any] = []
         self.output_leaves: list[list[Any]] = []
 
@@ -87,22 +98,39 @@ class PipelineNode:
             for leaves, spec in zip(self.output_leaves, self.output_specs, strict=True)
         ]
 
-    def run_backward(self, grad_outputs: Sequence[torch.Tensor | None]) -> list[Any]:
-        """The pipelined recompute + backward; returns per-microbatch input gradients."""
+    def run_backward(
+        self, grad_outputs: Sequence[torch.Tensor | None], param_grads: bool
+    ) -> list[Any]:
+        """The pipelined recompute + backward; returns per-microbatch input gradients. The
+        parameters' gradients are accumulated in the host arena with ``param_grads``, else
+        dropped."""
         iterator = iter(grad_outputs)
         grads = [
             [next(iterator) if leaf is _TENSOR else None for leaf in leaves]
             for leaves in self.output_leaves
         ]
-        with self.lock, self.gradients.accumulating(self.call):
-            return self.call.backward(grads)
+        with self.lock:
+            if self.weights_version() != self.forward_weights:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: the parameters of RoundPipe model "
+                    f"'{self.call.runner.name}' changed after the forward() whose output this "
+                    "backward goes through (a step(), a load or an in-place edit); its "
+                    "recompute would use other weights. Call backward before changing them."
+                )
+            if not param_grads:
+                self.call.keep_param_grads = False
+                return self.call.backward(grads)
+            with self.gradients.accumulating(self.call):
+                return self.call.backward(grads)
 
 
 def connect(node: PipelineNode, anchor: torch.Tensor, inputs: list[torch.Tensor]) -> Any:
     """Run ``node``'s forward as one autograd node over ``anchor`` and the user's ``inputs``
     that require grad; returns its flat output tensors."""
     apply: Callable[..., tuple[torch.Tensor, ...]] = PipelineFunction.apply
-    return apply(node, anchor, *inputs)
+    # A view: its node (not a leaf's) tells in backward whether the parameters are wanted.
+    return apply(node, anchor.view_as(anchor), *inputs)
 
 
 class PipelineFunction(torch.autograd.Function):
@@ -113,6 +141,7 @@ class PipelineFunction(torch.autograd.Function):
         ctx: Any, node: PipelineNode, anchor: torch.Tensor, *input_leaves: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.node = node
+        ctx.params_node = anchor.grad_fn
         ctx.set_materialize_grads(False)
         # Saved only to be read in backward: autograd frees it after a backward without
         # retain_graph, so a second backward raises exactly as PyTorch does for its own nodes.
@@ -125,7 +154,8 @@ class PipelineFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
         node: PipelineNode = ctx.node
         ctx.saved_tensors  # noqa: B018  (raises "backward through the graph a second time")
-        grads = node.run_backward(grad_outputs)
+        param_grads = torch._C._will_engine_execute_node(ctx.params_node)
+        grads = node.run_backward(grad_outputs, param_grads)
         return (None, None, *(grad for _, grad in input_grads(node.inputs, grads)))
 
 

@@ -92,11 +92,17 @@ class GradientState:
         self.dirty = False
 
     def publish(self) -> None:
-        """Views of the arena into ``param.grad`` (transfers already waited for)."""
+        """Views of the arena into ``param.grad`` (transfers already waited for); ``None``
+        while it holds no gradients (none accumulated since the last step), as plain PyTorch
+        leaves ``.grad`` after ``zero_grad()``."""
         memory = self.memory
         memory.wait_writes()
         memory.fold_alias_grads()
-        _C.set_grads(self._params, self._views())
+        if self.dirty:
+            _C.set_grads(self._params, self._views())
+        else:
+            for param in self._params:
+                param.grad = None
         self.published = True
 
     def _views(self) -> list[torch.Tensor]:

@@ -626,6 +626,9 @@ class Call:
     # Whether the host arena holds gradients of earlier calls when this call's backward stages
     # run (set by roundpipe.gradients.GradientState.accumulating).
     grads_in_arena: bool = field(init=False, default=False)
+    # False: a backward that wants the inputs' gradients only (torch.autograd.grad), so the
+    # parameters' are not downloaded.
+    keep_param_grads: bool = field(init=False, default=True)
     # The CPU generator states the forward stages' layers were seeded with, for their recompute.
     rng_states: Any = field(init=False, default=None)
 
@@ -884,7 +887,8 @@ class Call:
                 elif python:
                     grad = self._recompute_backward(python, m, grad, run)
                 new_grads[m] = grad
-        self.pending.extend(self._download_grads(stage))
+        if self.keep_param_grads:
+            self.pending.extend(self._download_grads(stage))
         return new_grads
 
     def _download_grads(self, stage: ResidentStage) -> list[Any]:

@@ -6,6 +6,7 @@ import functools
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from roundpipe._native import _C
 from roundpipe.autograd import PipelineNode, backward_into_inputs, connect
 from roundpipe.batch import (
     Batch,
@@ -39,7 +41,7 @@ from roundpipe.memory import ModelMemory
 from roundpipe.pipeline import Call, LayerRunner, LossSpec
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, resolve_run_config
 from roundpipe.scheduler import LayerProfile, ModelExecutePlan, RunType
-from roundpipe.step import StepPipeline, in_step_job
+from roundpipe.step import StepPipeline, fork_interrupted, in_step_job, interrupted_before_fork
 from roundpipe.timer import ModelTimer
 
 _PIN_MODES = ("alloc", "register", "off")
@@ -60,7 +62,7 @@ def _sum_losses(losses: list[Any]) -> Any:
     return [_sum_losses([loss[i] for loss in losses]) for i in range(len(losses[0]))]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the live ones are kept in a WeakSet
 class _Runtime:
     """Everything a RoundPipe keeps behind its public attributes."""
 
@@ -79,8 +81,52 @@ class _Runtime:
     # Calls on the model take turns (see ``serialized``).
     lock: threading.RLock = field(default_factory=threading.RLock)
 
+    def weights_version(self) -> tuple[int, int]:
+        """Changes whenever the parameters' values may have: with each step (its weights land
+        in the parameter arena without touching the parameters' version counters) and with every
+        in-place change of a parameter (a load, the user's own)."""
+        return self.steps.submitted, sum(param._version for _, param in self.param_names)
+
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+
+# Every live model's runtime, for fork() (see _hold_models_for_fork).
+_runtimes: weakref.WeakSet[_Runtime] = weakref.WeakSet()
+_held_for_fork: list[threading.RLock] = []
+
+
+def _hold_models_for_fork() -> None:
+    """Before fork(): wait for the calls in flight on other threads, holding every model's lock
+    until fork() returned. A child then inherits models between calls: not a lock held by a
+    thread it does not have (its first call would wait for ever), nor a stage's device copies
+    bound in place of the parameters. Skipped on the optimizer thread (the main thread may be
+    waiting there for the step, holding its model's lock); a Ctrl-C gives up the wait."""
+    if in_step_job() or fork_interrupted():
+        return
+    try:
+        for runtime in sorted(_runtimes, key=id):  # one order: two forking threads cannot cross
+            runtime.lock.acquire()
+            _held_for_fork.append(runtime.lock)
+    except KeyboardInterrupt:
+        _release_models_after_fork()
+        interrupted_before_fork()
+
+
+def _release_models_after_fork() -> None:
+    while _held_for_fork:
+        _held_for_fork.pop().release()
+
+
+# Registered after roundpipe.step's hooks, so that before fork() the calls in flight end first
+# (they may queue steps), then the optimizer thread drains.
+os.register_at_fork(
+    before=_hold_models_for_fork,
+    after_in_parent=_release_models_after_fork,
+    after_in_child=_release_models_after_fork,
+)
+# Last of the parent's hooks (they run in the order registered): a Ctrl-C noted before fork()
+# surfaces as KeyboardInterrupt where fork() returns, not inside a hook of ours.
+os.register_at_fork(after_in_parent=_C.raise_fork_interrupt)
 
 
 def serialized(method: _Method) -> _Method:
@@ -207,6 +253,7 @@ class RoundPipe(ForwardingModule):
             steps=StepPipeline(memory, optim_dtype, name, data_parallel),
             param_names=list(model.named_parameters(remove_duplicate=False)),
         )
+        _runtimes.add(runtime)
         super().__init__(
             model,
             name=name,
@@ -312,7 +359,14 @@ class RoundPipe(ForwardingModule):
             for leaf in tree_flatten(inputs)[0]
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad
         ]
-        node = PipelineNode(call, runtime.gradients, runtime.lock, inputs, config.output_device)
+        node = PipelineNode(
+            call,
+            runtime.gradients,
+            runtime.lock,
+            inputs,
+            config.output_device,
+            runtime.weights_version,
+        )
         flat_outputs = connect(node, runtime.anchor, input_leaves)
         per_microbatch = node.rebuild_outputs(flat_outputs)
         return _merge_or_pack(per_microbatch, [None] * len(per_microbatch), config)

@@ -101,18 +101,42 @@ def submit_detached(job: Callable[[], None]) -> None:
     _detached.append(submit(job))
 
 
+def wait_for_job(event: Any) -> BaseException | None:
+    """``event.synchronize()`` for a job on the optimizer thread, telling a Ctrl-C during the
+    wait apart from a job that raised ``KeyboardInterrupt`` itself (user code may).
+
+    Raises the job's own error once it ended with one. A Ctrl-C while the job is still queued or
+    running propagates, the job left as it is (the caller waits for it again next time). A
+    Ctrl-C that came as the job ended successfully is returned, for the caller to raise once it
+    has done what follows a successful job."""
+    try:
+        event.synchronize()
+        return None
+    except KeyboardInterrupt as error:
+        if not event.query():
+            raise  # the job is still queued or running
+        interrupt = error
+    event.synchronize()  # it ended: raises its own error again, if it had one
+    return interrupt
+
+
 def raise_detached_errors(wait: bool = False) -> None:
     """Re-raise the first error of the detached jobs (with its own type and ``__cause__``): of
     those that have run, or, with ``wait``, of all queued so far."""
     while _detached and (wait or _detached[0].query()):
         try:
-            _detached[0].synchronize()
+            interrupt = wait_for_job(_detached[0])
         except KeyboardInterrupt:
-            raise  # the job is still queued or running: it stays listed
+            if not _detached[0].query():
+                raise  # the job is still queued or running: it stays listed
+            _detached.pop(0)  # the job's own KeyboardInterrupt
+            raise
         except BaseException:
             _detached.pop(0)
             raise
         _detached.pop(0)
+        if interrupt is not None:
+            raise interrupt
 
 
 def settled_iteration() -> float:
@@ -219,18 +243,36 @@ def _drain_native_workers() -> None:
         _leave_now()
 
 
+def interrupted_before_fork() -> None:
+    """Note a Ctrl-C that came during a wait before ``fork()``: the waits left are skipped, and
+    the parent raises it once ``fork()`` returned (an exception in a fork hook is only printed,
+    and the fork goes ahead)."""
+    _C.note_fork_interrupt(True)
+
+
+def fork_interrupted() -> bool:
+    """Whether a wait before the ``fork()`` under way was interrupted by Ctrl-C."""
+    return _C.fork_interrupted()
+
+
 def _drain_before_fork() -> None:
     """Let the optimizer thread finish its queued steps before ``fork()``, so the child inherits
     finished steps and consistent optimizer copies instead of a step it cannot complete (native
-    threads do not survive fork). Skipped inside a step (the thread would wait for itself)."""
-    if not _used_optimizer_thread or in_step_job():
+    threads do not survive fork; the child's waits for them raise). Skipped inside a step (the
+    thread would wait for itself)."""
+    if fork_interrupted() or not _used_optimizer_thread or in_step_job():
         return
-    _wait_for_optimizer_thread(None)
-    _C.drain_workers()
+    try:
+        _wait_for_optimizer_thread(None)
+        _C.drain_workers()
+    except KeyboardInterrupt:
+        interrupted_before_fork()
 
 
 def _forget_parent_jobs() -> None:
-    """In a forked child: the parent's detached jobs are not the child's to report."""
+    """In a forked child: the parent's detached jobs are not the child's to report, nor its
+    Ctrl-C."""
+    _C.note_fork_interrupt(False)
     _detached.clear()
 
 
@@ -280,6 +322,7 @@ class StepPipeline:
         self._job: Any = None  # the optimizer thread's event of the last step
         self._job_iteration: float = -1  # and the iteration it steps
         self._written: Any = None  # event of the last write-back into the parameter arena
+        self.submitted = 0  # steps queued so far (see _Runtime.weights_version)
         # The optimizer copies whose low-precision weights roundpipe.optim.Adam wrote straight
         # into the parameter arena in the last successful (synchronous) step's update pass.
         self._fused: set[torch.Tensor] = set()
@@ -339,6 +382,7 @@ class StepPipeline:
         slots = [slot for slot in self.memory.slots() if slot.grad_offset is not None]
         global _submitted
         iteration, _submitted = _submitted, _submitted + 1
+        self.submitted += 1
         self._job_iteration = iteration
 
         written = self._written
@@ -455,16 +499,19 @@ class StepPipeline:
             tracer = active_tracer()
             start = tracer.mark() if tracer is not None else None
             try:
-                job.synchronize()  # a failed step raises here; its weights are not written back
-            except KeyboardInterrupt:
-                raise  # the step is still running: the next finish() waits for it again
-            except BaseException:
+                # A failed step raises here; its weights are not written back.
+                interrupt = wait_for_job(job)
+            except BaseException as error:
+                if isinstance(error, KeyboardInterrupt) and not job.query():
+                    raise  # the step is still running: the next finish() waits for it again
                 self._job = None
                 _settle(self._job_iteration)
                 raise
             self._job = None
             _settle(self._job_iteration)
             self._written = self._write_back()
+            if interrupt is not None:
+                raise interrupt  # Ctrl-C came as the step ended: its write-back is queued
             if tracer is not None:
                 tracer.record(
                     "wait",
