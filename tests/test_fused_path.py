@@ -229,3 +229,29 @@ def test_pending_gradient_semantics() -> None:
     torch.optim.SGD([copy_]).zero_grad(set_to_none=False)
     assert torch.equal(copy_.grad, torch.zeros(4))
     assert type(copy.deepcopy(copy_)) is OptimizerCopy
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_changes_step_fn_makes_after_the_fused_pass_reach_the_model(
+    num_devices: int, is_async: bool
+) -> None:
+    """A synchronous fused pass writes the bf16 weights as it updates the copies; a clamp of the
+    copies after optimizer.step() (inside step_fn) must still reach the model: its weights are
+    the copies' values, cast, as after any step."""
+    model = RoundPipe(mlp(torch.bfloat16), optim_dtype=torch.float32)
+    optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=0.05)
+
+    def step_fn() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for copy in model.optim_parameters():
+                copy.clamp_(-0.05, 0.05)
+
+    for x, y in batches(3, torch.bfloat16):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse)
+        model.step(step_fn, is_async=is_async)
+    model.synchronize()
+    for param, master in zip(model.model.parameters(), model.optim_parameters(), strict=True):
+        assert torch.equal(param, master.detach().to(torch.bfloat16))
+        assert param.abs().max() <= 0.05

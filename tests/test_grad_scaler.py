@@ -106,12 +106,17 @@ def test_update_from_the_main_thread_and_state_dict() -> None:
     scaler = GradScaler(init_scale=16.0, growth_factor=4.0, growth_interval=2)
     scaler.update(new_scale=32.0)  # queued on the optimizer thread
     assert scaler.get_scale(up_to_date=True) == 32.0
-    scaler.update(is_async=False)
-    scaler.update(is_async=False)
-    assert scaler.get_scale() == 128.0
+    # Without a step's inf check there is nothing to update from, as in torch.amp.GradScaler.
+    plain = torch.amp.GradScaler("cpu", init_scale=16.0)
+    plain.scale(torch.ones(()))
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
+        plain.update()
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
+        scaler.update(is_async=False)
+    assert scaler.get_scale() == 32.0
     restored = GradScaler()
     restored.load_state_dict(scaler.state_dict())
-    assert restored.get_scale() == 128.0 and restored.get_growth_factor() == 4.0
+    assert restored.get_scale() == 32.0 and restored.get_growth_factor() == 4.0
     assert restored.get_growth_interval() == 2 and restored.get_backoff_factor() == 0.5
     restored.set_growth_interval(5)
     restored.set_growth_factor(3.0)
@@ -186,3 +191,13 @@ def test_an_iterations_scale_does_not_depend_on_when_the_async_step_finished() -
 
     # The step finishes long before the next iteration, or long after it started.
     assert run(step_delay=0.0, main_delay=0.3) == run(step_delay=0.3, main_delay=0.0)
+
+
+def test_the_scale_is_kept_in_float32_as_torch_keeps_it() -> None:
+    ours = GradScaler(init_scale=0.1)
+    plain = torch.amp.GradScaler("cpu", init_scale=0.1)
+    plain.scale(torch.ones(()))
+    assert ours.get_scale() == plain.get_scale() != 0.1
+    ours.update(new_scale=0.3, is_async=False)
+    plain.update(new_scale=0.3)
+    assert ours.get_scale() == plain.get_scale() != 0.3

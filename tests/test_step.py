@@ -289,3 +289,89 @@ def test_exit_right_after_asynchronous_work_is_clean() -> None:
             assert result.returncode == 0, result.stderr
     finally:
         busy.kill()
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+@pytest.mark.parametrize("how", ["copy_", "load_state_dict of the wrapped model"])
+def test_weights_the_user_changes_in_place_are_what_the_next_step_updates(
+    num_devices: int, is_async: bool, how: str
+) -> None:
+    """After synchronize(), an in-place change of the weights (p.copy_, a load into the wrapped
+    model) is what the next step updates, as with plain PyTorch's optimizer: the optimizer
+    copies take it, and no write-back of an older step undoes it."""
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    ours = torch.optim.SGD(model.optim_parameters(), lr=0.05)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.05)
+    data = batches(3)
+
+    def edit(net: nn.Module) -> None:
+        with torch.no_grad():
+            if how == "copy_":
+                net[2].weight.copy_(torch.full_like(net[2].weight, 0.5))
+            else:
+                state = {k: v.clone() for k, v in net.state_dict().items()}
+                state["0.bias"].fill_(-0.25)
+                net.load_state_dict(state)
+
+    x, y = data[0]
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    model.step(lambda: (ours.step(), ours.zero_grad()), is_async=is_async)
+    model.synchronize()
+    plain_grads(reference, x, y)
+    plain.step()
+    plain.zero_grad()
+    edit(model.model)
+    edit(reference)
+    for x, y in data[1:]:
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+        model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
+        plain_grads(reference, x, y)
+        plain.step()
+        plain.zero_grad()
+    model.synchronize()
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_parameter_frozen_after_wrapping_stays_put_as_in_plain_pytorch(
+    num_devices: int, is_async: bool
+) -> None:
+    """requires_grad_(False) between steps: no gradient reaches its copy (.grad stays None), so
+    momentum and weight decay leave it alone, as plain PyTorch's optimizer skips it."""
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    make = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.1)  # noqa: E731
+    ours, plain = make(model.optim_parameters()), make(reference.parameters())
+    for i, (x, y) in enumerate(batches(4)):
+        if i == 2:
+            model.synchronize()
+            model.model[0].requires_grad_(False)
+            reference[0].requires_grad_(False)
+            frozen = reference[0].weight.detach().clone()
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+        model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
+        plain_grads(reference, x, y)
+        plain.step()
+        plain.zero_grad()
+    model.synchronize()
+    assert torch.equal(model.model[0].weight, frozen)
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_unfreezing_a_parameter_frozen_at_wrapping_is_an_error_before_work() -> None:
+    net = mlp()
+    net[0].requires_grad_(False)
+    model = RoundPipe(net, name="thawed")
+    net[0].requires_grad_(True)
+    x, y = batches(1)[0]
+    with pytest.raises(RuntimeError, match=r"'thawed': parameter '0\.weight' was frozen"):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    with pytest.raises(RuntimeError, match="was frozen"):
+        model(x)
+    with torch.no_grad():
+        model(x)  # inference computes no gradient
+    net[0].requires_grad_(False)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)

@@ -125,6 +125,16 @@ class PipelineNode:
                 return self.call.backward(grads)
 
 
+def _wants_param_grads(params_node: Any) -> bool:
+    """Whether the running backward pass reaches the anchor (a plain ``backward()``), rather
+    than only the inputs (``torch.autograd.grad``, ``backward(inputs=...)``). Where the engine
+    cannot tell (not inside one of its passes), the parameters' gradients are kept, as before."""
+    try:
+        return bool(torch._C._will_engine_execute_node(params_node))
+    except RuntimeError:
+        return True
+
+
 def connect(node: PipelineNode, anchor: torch.Tensor, inputs: list[torch.Tensor]) -> Any:
     """Run ``node``'s forward as one autograd node over ``anchor`` and the user's ``inputs``
     that require grad; returns its flat output tensors."""
@@ -154,8 +164,7 @@ class PipelineFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
         node: PipelineNode = ctx.node
         ctx.saved_tensors  # noqa: B018  (raises "backward through the graph a second time")
-        param_grads = torch._C._will_engine_execute_node(ctx.params_node)
-        grads = node.run_backward(grad_outputs, param_grads)
+        grads = node.run_backward(grad_outputs, _wants_param_grads(ctx.params_node))
         return (None, None, *(grad for _, grad in input_grads(node.inputs, grads)))
 
 

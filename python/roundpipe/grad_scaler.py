@@ -91,7 +91,7 @@ class GradScaler:
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-        self._scale = _positive("init_scale", init_scale)
+        self._scale = _float32(_positive("init_scale", init_scale))
         self._growth_factor = _positive("growth_factor", growth_factor, above_one=True)
         backoff_factor = _positive("backoff_factor", backoff_factor)
         if backoff_factor >= 1.0:
@@ -172,6 +172,7 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if isinstance(optimizer, Adam) and id(optimizer) not in self._unscaled:
             grads = [gradient_of(p) for group in optimizer.param_groups for p in group["params"]]
+            _check_some_gradient(grads)
             found_inf = any_rank(not _all_finite([g for g in grads if g is not None]))
             self._unscaled[id(optimizer)] = found_inf
             if found_inf:
@@ -179,6 +180,8 @@ class GradScaler:
             with optimizer.unscaling(1.0 / self._scale_of_gradients()):
                 return optimizer.step(*args, **kwargs)
         if id(optimizer) not in self._unscaled:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            _check_some_gradient([p.grad for p in params])
             self.unscale_(optimizer)
         if self._unscaled[id(optimizer)]:
             return None
@@ -209,17 +212,24 @@ class GradScaler:
                 self._update(scale, iteration, step)
 
     def _update(self, new_scale: float | None, iteration: int, step: float) -> None:
+        if new_scale is None and not self._unscaled:
+            # torch.amp.GradScaler's own check: a step_fn that calls optimizer.step() instead
+            # of scaler.step(optimizer) would otherwise train on scaled gradients unnoticed.
+            raise AssertionError("No inf checks were recorded prior to update.")
         found_inf = any(self._unscaled.values())
         with self._lock:
+            # In float32 as torch.amp.GradScaler keeps it (a growth that overflows is skipped).
             if new_scale is not None:
-                self._scale = new_scale
+                self._scale = _float32(new_scale)
             elif found_inf:
-                self._scale *= self._backoff_factor
+                self._scale = _float32(self._scale * self._backoff_factor)
                 self._growth_tracker = 0
             else:
                 self._growth_tracker += 1
                 if self._growth_tracker == self._growth_interval:
-                    self._scale *= self._growth_factor
+                    grown = _float32(self._scale * self._growth_factor)
+                    if math.isfinite(grown):
+                        self._scale = grown
                     self._growth_tracker = 0
             self._unscaled.clear()
             self._updates.append((step, self._scale))
@@ -296,8 +306,10 @@ class GradScaler:
             return
         if not state_dict:
             raise RuntimeError("the checkpoint holds no scaler state (saved with enabled=False)")
-        scale = _positive("scale", state_dict["scale"])
-        iteration_scale = _positive("_iteration_scale", state_dict.get("_iteration_scale", scale))
+        scale = _float32(_positive("scale", state_dict["scale"]))
+        iteration_scale = _float32(
+            _positive("_iteration_scale", state_dict.get("_iteration_scale", scale))
+        )
         current = state_dict.get("_current_scale")
         if current is not None:
             current = _positive("_current_scale", current)
@@ -317,6 +329,18 @@ class GradScaler:
                 self._updates.append((restored_iteration(), scale))
             self._iteration_scales = {} if current is None else {current_iteration(): current}
             self._unscaled.clear()
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to float32, in which ``torch.amp.GradScaler`` keeps its scale."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def _check_some_gradient(grads: list[torch.Tensor | None]) -> None:
+    """``torch.amp.GradScaler.step``'s check: an optimizer without any gradient records no
+    inf/NaN check, and its step would go unchecked."""
+    if all(grad is None for grad in grads):
+        raise AssertionError("No inf checks were recorded for this optimizer.")
 
 
 __all__ = ["GradScaler"]

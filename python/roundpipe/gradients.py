@@ -25,8 +25,11 @@ if TYPE_CHECKING:
 class GradientState:
     """Pending gradient transfers and the arena's published/dirty flags of one model."""
 
-    def __init__(self, memory: ModelMemory) -> None:
-        self.memory = memory
+    def __init__(
+        self, memory: ModelMemory, name: str = "model", param_names: dict[int, str] | None = None
+    ) -> None:
+        self.memory, self.name = memory, name
+        self._param_names = param_names or {}  # id of a parameter -> its name, for errors
         self.pending: list[Any] = []  # events of gradient transfers into the arena
         # The arena holds gradients not yet stepped (saved in checkpoints).
         self.dirty = False
@@ -36,6 +39,8 @@ class GradientState:
         self._slots = [slot for slot in memory.slots() if slot.grad_offset is not None]
         self._offsets = [cast(int, slot.grad_offset) for slot in self._slots]
         self._params = [slot.param for slot in self._slots]
+        # Frozen when the model was wrapped: no gradient slot (see begin_call).
+        self._untrained = [slot.param for slot in memory.slots() if slot.grad_offset is None]
 
     def wait_pending(self) -> None:
         """Wait for every gradient transfer of earlier calls; the first error is raised and the
@@ -53,7 +58,19 @@ class GradientState:
 
     def begin_call(self) -> None:
         """Before a call that accumulates gradients: finish the previous call's accumulation and
-        take over gradients the user changed after ``synchronize()``."""
+        take over gradients the user changed after ``synchronize()``. A parameter frozen when
+        the model was wrapped and unfrozen since has no place for a gradient: ``RuntimeError``
+        before any work, rather than train without its gradient."""
+        unfrozen = [param for param in self._untrained if param.requires_grad]
+        if unfrozen:
+            name = self._param_names.get(id(unfrozen[0]), "?")
+            raise RuntimeError(
+                f"RoundPipe model '{self.name}': parameter '{name}' "
+                "was frozen (requires_grad=False) when the model was wrapped, so no gradient is "
+                "kept for it, and requires grad now. Wrap the model with every parameter you "
+                "will train trainable, and freeze with requires_grad_(False) after wrapping "
+                "(which can be undone)"
+            )
         self.wait_pending()
         self._absorb_user_grads()
 

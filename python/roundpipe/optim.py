@@ -90,15 +90,17 @@ def _scalar_dtype() -> torch.dtype:
 
 
 @contextmanager
-def fused_writeback(targets: Mapping[Tensor, Tensor]) -> Iterator[set[Tensor]]:
+def fused_writeback(targets: Mapping[Tensor, Tensor]) -> Iterator[dict[Tensor, int]]:
     """Makes :meth:`Adam.step` on this thread also write the new weights into ``targets``.
 
     ``targets`` maps an fp32 parameter (an optimizer master copy) to a bf16/fp16 tensor with the
     same number of elements (a view of the model's flat parameter buffer). The context yields a
-    set that receives every parameter whose low-precision copy was written, so the caller needs
-    to cast back only the others. Contexts nest; the innermost one applies.
+    dict that receives every parameter whose low-precision copy was written, with the
+    parameter's version counter right after, so the caller needs to cast back only the others
+    (and those changed again since, say by a clamp after ``step()``). Contexts nest; the
+    innermost one applies.
     """
-    written: set[Tensor] = set()
+    written: dict[Tensor, int] = {}
     previous = getattr(_writeback, "active", None)
     _writeback.active = (targets, written)
     try:
@@ -273,7 +275,7 @@ class Adam(torch.optim.Optimizer):
         lowp_params: Sequence[Tensor | None] | None,
         check_finite: bool,
     ) -> bool:
-        written: set[Tensor] | None = None
+        written: dict[Tensor, int] | None = None
         active = getattr(_writeback, "active", None)
         if lowp_params is None and active is not None:
             targets, written = active
@@ -287,7 +289,11 @@ class Adam(torch.optim.Optimizer):
             self._update_with_torch(group, params, group_grads, grad_scale_inv, lowp)
         if written is not None:
             for _, params, _, group_lowp in native + other:
-                written.update(p for p, t in zip(params, group_lowp, strict=True) if t is not None)
+                written.update(
+                    (p, p._version)
+                    for p, t in zip(params, group_lowp, strict=True)
+                    if t is not None
+                )
         return True
 
     @staticmethod

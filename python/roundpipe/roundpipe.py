@@ -249,7 +249,9 @@ class RoundPipe(ForwardingModule):
             memory=memory,
             timer=timer,
             runner=LayerRunner(name, layers, memory, timer, stage_reduce),
-            gradients=GradientState(memory),
+            gradients=GradientState(
+                memory, name, {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+            ),
             steps=StepPipeline(memory, optim_dtype, name, data_parallel),
             param_names=list(model.named_parameters(remove_duplicate=False)),
         )
@@ -558,6 +560,7 @@ class RoundPipe(ForwardingModule):
                         saved = saved_copies.get(f"model.{name}")  # shaped as the copy
                         value = saved if saved is not None else steps.piece_of(param, param)
                         copies[id(param)].copy_(value)
+            steps.note_agreement()
         if pending is not None and bool(pending):
             steps.restore_pending_step()
 

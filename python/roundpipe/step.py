@@ -301,6 +301,17 @@ def _hand_over(pairs: list[tuple[OptimizerCopy, torch.Tensor]]) -> None:
         _C.grad_accumulate(dsts, srcs, False)
 
 
+def _without_frozen(
+    pairs: list[tuple[OptimizerCopy, torch.Tensor]], frozen: set[OptimizerCopy]
+) -> list[tuple[OptimizerCopy, torch.Tensor]]:
+    """The pairs to hand over: a parameter frozen after wrapping gets no gradient (``.grad``
+    stays ``None``, so optimizers skip it, as they skip a frozen parameter in plain PyTorch after
+    ``zero_grad()``) unless it had gradients accumulated before it was frozen."""
+    if not frozen:
+        return pairs
+    return [(copy, grad) for copy, grad in pairs if copy not in frozen or bool(grad.any())]
+
+
 class StepPipeline:
     """Optimizer copies and in-flight optimizer work of one model."""
 
@@ -326,6 +337,10 @@ class StepPipeline:
         # The optimizer copies whose low-precision weights roundpipe.optim.Adam wrote straight
         # into the parameter arena in the last successful (synchronous) step's update pass.
         self._fused: set[torch.Tensor] = set()
+        # Each trainable parameter's version counter when it and its copy last agreed. Steps
+        # write the parameters through aliases that leave it alone, so a change means the user
+        # changed the parameter (copy_, fill_, a load of the wrapped model): see take_edits.
+        self._agreed: dict[int, int] = {}
 
     def copies(self) -> dict[int, OptimizerCopy]:
         """Optimizer copies keyed by ``id`` of the model parameter, created on first use."""
@@ -338,7 +353,37 @@ class StepPipeline:
                 )
                 for param in self._stepped_params()
             }
+            self.note_agreement()
         return self._copies
+
+    def note_agreement(self) -> None:
+        """The parameters and their copies agree now (copies made or loaded)."""
+        self._agreed = {id(slot.param): slot.param._version for slot in self._trained_slots()}
+
+    def _trained_slots(self) -> list[Any]:
+        return [s for s in self.memory.slots() if s.primary is None and s.grad_offset is not None]
+
+    def take_edits(self) -> set[int]:
+        """Parameters changed in place since they and their copies last agreed (no step in
+        flight): their copies take the new values, as plain PyTorch's optimizer would step the
+        parameter as edited, and no write-back may undo the edit. Returns their ids."""
+        if self._copies is None:
+            return set()
+        edited = {
+            id(slot.param)
+            for slot in self._trained_slots()
+            if slot.param._version != self._agreed.get(id(slot.param))
+        }
+        if edited:
+            with torch.no_grad():
+                for slot in self._trained_slots():
+                    param = slot.param
+                    if id(param) in edited:
+                        copy = self._copies.get(id(param))  # data parallel: own pieces only
+                        if copy is not None:
+                            copy.copy_(self.piece_of(param, param.detach()))
+                        self._agreed[id(param)] = param._version
+        return edited
 
     def _stepped_params(self) -> list[torch.Tensor]:
         """The parameters this process has optimizer copies of: with data parallelism those
@@ -375,6 +420,7 @@ class StepPipeline:
         """Queue one optimizer step over the gradients accumulated so far (already complete)."""
         self.finish()
         copies = self.copies()
+        self.take_edits()  # after a synchronous step or none: finish() had nothing to write back
         handed_over = self.memory.grads
         if self._spare_grads is None:
             self._spare_grads = self.memory.new_grad_arena()
@@ -394,6 +440,12 @@ class StepPipeline:
         # Asynchronous: the iteration in flight still reads it, and the write-back casts them from
         # the copies. With data parallelism the fused pass writes into the staging shard.
         targets = {} if is_async and dp is None else self._fused_targets(copies, slots)
+        # Copies of parameters frozen now (requires_grad_(False) after wrapping).
+        frozen = {
+            copies[id(slot.param)]
+            for slot in slots
+            if not slot.param.requires_grad and id(slot.param) in copies
+        }
 
         def run_step() -> None:
             if written is not None:  # the previous step's weights must be read out first
@@ -405,10 +457,13 @@ class StepPipeline:
                 ]
             else:
                 pairs = self._reduce_gradients(dp, copies, handed_over)
-            _hand_over(pairs)
+            _hand_over(_without_frozen(pairs, frozen))
             try:
-                with OptimizerCtx(), self._agreeing(), fused_writeback(targets) as fused:
+                with OptimizerCtx(), self._agreeing(), fused_writeback(targets) as in_place:
                     step_fn(*args, **kwargs)
+                # What step_fn changed after the fused pass wrote it (a clamp, a projection) is
+                # written back like the rest.
+                fused = {copy for copy, version in in_place.items() if copy._version == version}
                 self._fused = fused
             except Exception as error:
                 raise annotate(error, f"{self.where} (step_fn)") from error
@@ -509,7 +564,7 @@ class StepPipeline:
                 raise
             self._job = None
             _settle(self._job_iteration)
-            self._written = self._write_back()
+            self._written = self._write_back(skip=self.take_edits())
             if interrupt is not None:
                 raise interrupt  # Ctrl-C came as the step ended: its write-back is queued
             if tracer is not None:
@@ -561,11 +616,12 @@ class StepPipeline:
     ) -> dict[torch.Tensor, torch.Tensor]:
         """fp32 optimizer copy -> where our Adam writes its bf16/fp16 parameter's new weights in
         the same pass as the update: the parameter itself (synchronous steps only: nothing reads
-        the parameter arena meanwhile) or, with data parallelism, the piece's place in the
+        the parameter arena meanwhile; through a ``.data`` alias, which leaves its version
+        counter alone, see ``take_edits``) or, with data parallelism, the piece's place in the
         staging arena that is all-gathered."""
         dp = self.data_parallel
         return {
-            copies[id(slot.param)]: slot.param.detach()
+            copies[id(slot.param)]: slot.param.data
             if dp is None
             else dp.target_of(dp.piece_by_param[id(slot.param)])
             for slot in slots
@@ -574,31 +630,32 @@ class StepPipeline:
             and copies[id(slot.param)].dtype == torch.float32
         }
 
-    def _write_back(self) -> Any:
+    def _write_back(self, skip: set[int]) -> Any:
         """Queue the new weights into the parameter arena, layer by layer: the next iteration's
         uploads wait only for their own layers. Returns the last write's event. They are the
         optimizer copies' values (cast on the way), less those a synchronous fused pass already
-        wrote in place; with data parallelism every trainable parameter's, from the all-gathered
-        staging arena."""
+        wrote in place and the parameters in ``skip`` (ids: changed by the user meanwhile); with
+        data parallelism every other trainable parameter's, from the all-gathered staging arena.
+        The writes go through ``.data`` aliases, which leave the parameters' version counters
+        alone (see ``take_edits``)."""
         copies, done, dp = self.copies(), self._fused, self.data_parallel
         last = None
         for layer in self.memory.layers:
+            slots = [
+                s
+                for s in layer.slots
+                if s.primary is None and s.grad_offset is not None and id(s.param) not in skip
+            ]
             if dp is None:
                 slots = [
-                    s
-                    for s in layer.slots
-                    if s.primary is None
-                    and id(s.param) in copies
-                    and copies[id(s.param)] not in done
+                    s for s in slots if id(s.param) in copies and copies[id(s.param)] not in done
                 ]
                 news = [copies[id(slot.param)].detach() for slot in slots]
             else:
-                slots = [s for s in layer.slots if s.primary is None and s.grad_offset is not None]
                 news = [self.memory.grad_view(slot, dp.staged()) for slot in slots]
             if slots:
-                last = self.memory.write_async(
-                    layer.index, [slot.param.detach() for slot in slots], news
-                )
+                targets = [slot.param.data for slot in slots]
+                last = self.memory.write_async(layer.index, targets, news)
         return last
 
     def raise_if_failed(self) -> None:
