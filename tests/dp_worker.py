@@ -29,7 +29,8 @@ ITERATIONS = 4
 
 
 def build(cfg: dict[str, Any], rank: int) -> nn.Sequential:
-    torch.manual_seed(0)
+    # "seed": rank 1 builds its replica from another seed; rank 0's weights are broadcast.
+    torch.manual_seed(rank if cfg["scenario"] == "seed" else 0)
     hidden = 10 + (1 if cfg["scenario"] == "mismatch" and rank == 1 else 0)
     layers: list[nn.Module] = [
         nn.Linear(6, hidden),

@@ -235,6 +235,35 @@ def test_damaged_file_is_refused_before_the_model_changes(tmp_path: Path, damage
     assert_same(target.snapshot(), source.snapshot())
 
 
+@pytest.mark.parametrize("groups", ["two groups", "fewer parameters"])
+def test_an_optimizer_of_other_groups_is_refused_before_the_model_changes(
+    tmp_path: Path, groups: str
+) -> None:
+    """optimizer.load_state_dict would refuse it only after the model had been replaced."""
+    path = tmp_path / "ckpt.rp"
+    source = Trainer()
+    source.train(range(2))
+    save_checkpoint(path, source.model, source.optimizer, source.scaler)
+    target = Trainer()
+    target.train(range(1))
+    copies = list(target.model.optim_parameters())
+    if groups == "two groups":
+        params: Any = [{"params": copies[:2]}, {"params": copies[2:]}]
+    else:
+        params = copies[:3]
+    target.optimizer = roundpipe.optim.Adam(params, lr=1e-2)
+    before = target.snapshot()
+    with pytest.raises(CheckpointError, match="optimizer parameter group"):
+        load_checkpoint(path, target.model, target.optimizer, target.scaler)
+    assert_same(target.snapshot(), before)
+
+
+def test_a_missing_path_is_file_not_found(tmp_path: Path) -> None:
+    target = Trainer()
+    with pytest.raises(FileNotFoundError, match="no checkpoint file or folder"):
+        load_checkpoint(tmp_path / "nothing-here", target.model, target.optimizer)
+
+
 def test_file_that_would_run_code_is_refused(tmp_path: Path) -> None:
     """A file in the documented format, checksums right, whose payload pickles a call."""
     marker = tmp_path / "code-ran"

@@ -187,6 +187,14 @@ def test_grad_scaler_overflow_on_one_rank_skips_everywhere(tmp_path: Path):
     assert_matches(results, ref, rtol=1e-3, atol=1e-3)
 
 
+def test_replicas_start_from_rank_0s_weights_as_ddp_makes_them(tmp_path: Path):
+    # Rank 1 builds its model from another seed: as DistributedDataParallel broadcasts rank
+    # 0's parameters and buffers at construction, ours does, and training equals one process
+    # that built rank 0's model.
+    results, ref, _ = run(tmp_path, 2, scenario="seed", is_async=False)
+    assert_matches(results, ref, rtol=1e-10, atol=1e-12)
+
+
 def test_world_size_one_group_is_no_group(tmp_path: Path):
     # The same training as without a group (only thread counts differ: rounding-level bounds).
     results, ref, _ = run(tmp_path, 1)

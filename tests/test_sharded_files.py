@@ -110,6 +110,77 @@ class _Unsafe:
         return (print, ("this must never run on load",))
 
 
+class _Touch:
+    """Unpickling it creates the file at ``path`` (what an attacker's payload would run)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (str(self.path), "w"))
+
+
+def _rewrite_manifest(folder: Path, change: object) -> None:
+    """Apply ``change`` to the manifest's body and give it a matching checksum: a deliberate
+    edit, which no checksum catches."""
+    import json
+    import zlib
+
+    path = folder / MANIFEST
+    outer = json.loads(path.read_text())
+    change(outer["manifest"])  # type: ignore[operator]
+    outer["crc32"] = zlib.crc32(json.dumps(outer["manifest"], sort_keys=True).encode())
+    path.write_text(json.dumps(outer))
+
+
+def test_a_tampered_index_of_the_folder_runs_no_code(tmp_path: Path) -> None:
+    """torch.distributed.checkpoint indexes a data folder with a plain pickle (.metadata):
+    one that names anything but checkpoint metadata is a CheckpointError, with its checksum
+    updated in the manifest too, and nothing of it runs."""
+    import pickle
+    import zlib
+
+    folder = tmp_path / "ckpt"
+    save_folder(folder, {"w": torch.randn(3)}, {}, None)
+    index = next(path for path in _data_files(folder) if path.name == ".metadata")
+    marker = tmp_path / "ran"
+    index.write_bytes(pickle.dumps(_Touch(marker)))
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_folder(folder, {"w": torch.zeros(3)}, {}, None)
+    raw = index.read_bytes()
+
+    def described(body: dict) -> None:
+        body["files"][".metadata"] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
+
+    _rewrite_manifest(folder, described)
+    for read in (
+        lambda: load_folder(folder, {"w": torch.zeros(3)}, {}, None),
+        lambda: sharded_files.read_saved_entries(folder),
+    ):
+        with pytest.raises(CheckpointError, match="is not checkpoint metadata"):
+            read()
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda body: body.update(format_version="1"), "format_version"),
+        (lambda body: body.pop("data"), "data is None"),
+        (lambda body: body.update(files={}), "does not list"),
+        (lambda body: body.update(data="../elsewhere"), "not the name of a data folder"),
+    ],
+)
+def test_an_edited_manifest_is_a_checkpoint_error(
+    tmp_path: Path, change: object, match: str
+) -> None:
+    folder = tmp_path / "ckpt"
+    save_folder(folder, {"w": torch.randn(3)}, {}, None)
+    _rewrite_manifest(folder, change)
+    with pytest.raises(CheckpointError, match=match):
+        load_folder(folder, {"w": torch.zeros(3)}, {}, None)
+
+
 def test_a_failed_save_keeps_the_previous_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -291,6 +291,23 @@ def test_exit_right_after_asynchronous_work_is_clean() -> None:
         busy.kill()
 
 
+def train_both(
+    model: RoundPipe,
+    ours: torch.optim.Optimizer,
+    reference: nn.Module,
+    plain: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    is_async: bool = False,
+) -> None:
+    """One iteration (forward_backward, step) of ``model`` and of the plain ``reference``."""
+    x, y = batch
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    model.step(lambda: (ours.step(), ours.zero_grad()), is_async=is_async)
+    plain_grads(reference, x, y)
+    plain.step()
+    plain.zero_grad()
+
+
 @pytest.mark.parametrize("is_async", [False, True])
 @pytest.mark.parametrize("how", ["copy_", "load_state_dict of the wrapped model"])
 def test_weights_the_user_changes_in_place_are_what_the_next_step_updates(
@@ -314,21 +331,12 @@ def test_weights_the_user_changes_in_place_are_what_the_next_step_updates(
                 state["0.bias"].fill_(-0.25)
                 net.load_state_dict(state)
 
-    x, y = data[0]
-    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
-    model.step(lambda: (ours.step(), ours.zero_grad()), is_async=is_async)
+    train_both(model, ours, reference, plain, data[0], is_async)
     model.synchronize()
-    plain_grads(reference, x, y)
-    plain.step()
-    plain.zero_grad()
     edit(model.model)
     edit(reference)
-    for x, y in data[1:]:
-        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
-        model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
-        plain_grads(reference, x, y)
-        plain.step()
-        plain.zero_grad()
+    for batch in data[1:]:
+        train_both(model, ours, reference, plain, batch)
     model.synchronize()
     for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p, q)
@@ -344,17 +352,15 @@ def test_a_parameter_frozen_after_wrapping_stays_put_as_in_plain_pytorch(
     model = RoundPipe(copy.deepcopy(reference))
     make = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.1)  # noqa: E731
     ours, plain = make(model.optim_parameters()), make(reference.parameters())
-    for i, (x, y) in enumerate(batches(4)):
+    for i, batch in enumerate(batches(4)):
         if i == 2:
             model.synchronize()
             model.model[0].requires_grad_(False)
             reference[0].requires_grad_(False)
             frozen = reference[0].weight.detach().clone()
-        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
-        model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
-        plain_grads(reference, x, y)
-        plain.step()
-        plain.zero_grad()
+        train_both(model, ours, reference, plain, batch, is_async)
+        if is_async:  # the weights of plain PyTorch's step: no staleness to model here
+            model.synchronize()
     model.synchronize()
     assert torch.equal(model.model[0].weight, frozen)
     for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):

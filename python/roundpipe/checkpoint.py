@@ -45,8 +45,14 @@ import torch
 from torch import nn
 
 from roundpipe._native import BUILD_INFO
-from roundpipe.checkpoint_sharded import is_sharded, load_sharded, save_sharded
+from roundpipe.checkpoint_sharded import (
+    check_optimizer_groups,
+    is_sharded,
+    load_sharded,
+    save_sharded,
+)
 from roundpipe.sharded_files import CheckpointError
+from roundpipe.step import drain_optimizer_thread
 
 FORMAT = "roundpipe.checkpoint"
 FORMAT_VERSION = 1
@@ -206,6 +212,14 @@ def load_checkpoint(
     _check_parts(model, optimizer, scaler)
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    if not target.exists():
+        raise FileNotFoundError(f"no checkpoint file or folder at {str(target)!r}")
+    # The step in flight ends first: it would change the optimizer state being replaced, and
+    # with data parallelism its collectives would interleave with the load's.
+    drain = getattr(model, "drain", None)
+    if callable(drain):
+        drain()
+    drain_optimizer_thread()
     if target.is_dir():
         return load_sharded(target, model, optimizer, scaler, strict)
     if is_sharded(model):
@@ -238,6 +252,10 @@ def load_checkpoint(
         raise CheckpointError(
             f"checkpoint {str(target)!r} holds no {' or '.join(missing)} state "
             f"(it holds: {', '.join(manifest['entries'])})"
+        )
+    if optimizer is not None:
+        check_optimizer_groups(
+            optimizer, state["optimizer"].get("param_groups"), f"checkpoint {str(target)!r}"
         )
     model.load_state_dict(state["model"], strict=strict)
     if optimizer is not None:

@@ -145,6 +145,9 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, st
     for name, piece in by_name.items():
         if f"{_COPY}{name}" in model_state:
             model_state[f"{_COPY}{name}"] = model_state[f"{_COPY}{name}"].view(piece.copy.shape)
+    groups: Any = entries.get("optimizer/param_groups")
+    if optimizer is not None:
+        check_optimizer_groups(optimizer, groups, f"checkpoint {str(folder)!r}", sizes=False)
     model.load_state_dict(model_state, strict=strict)
     if optimizer is not None:
         state: dict[int, dict[str, Any]] = {}
@@ -158,12 +161,6 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, st
             }
             if own:
                 state[index] = own
-        groups = entries["optimizer/param_groups"]
-        if len(groups) != len(optimizer.param_groups):
-            raise CheckpointError(
-                f"checkpoint {str(folder)!r} has {len(groups)} optimizer parameter groups; "
-                f"the optimizer has {len(optimizer.param_groups)}"
-            )
         optimizer.load_state_dict(
             {
                 "state": state,
@@ -178,6 +175,28 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, st
     if scaler is not None:
         scaler.load_state_dict(entries["scaler"])
     return entries["extra"]
+
+
+def check_optimizer_groups(optimizer: Any, saved: Any, where: str, sizes: bool = True) -> None:
+    """``CheckpointError`` before anything is loaded when the saved parameter groups cannot go
+    into ``optimizer`` (``optimizer.load_state_dict`` would raise only after the model had been
+    replaced): another number of groups, or, with ``sizes``, a group of another size (a sharded
+    checkpoint's groups list every rank's pieces, so only their number is compared)."""
+    groups = optimizer.param_groups
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(groups):
+        count = len(saved) if isinstance(saved, (list, tuple)) else "no"
+        raise CheckpointError(
+            f"{where} has {count} optimizer parameter groups; the optimizer has {len(groups)}"
+        )
+    for index, (own, theirs) in enumerate(zip(groups, list(saved), strict=True)):
+        params = theirs.get("params") if isinstance(theirs, dict) else None
+        if sizes and (not isinstance(params, (list, tuple)) or len(params) != len(own["params"])):
+            got = len(params) if isinstance(params, (list, tuple)) else "no"
+            raise CheckpointError(
+                f"{where}: optimizer parameter group {index} has {got} parameters; the "
+                f"optimizer's has {len(own['params'])} (build it on the same parameters, in the "
+                "same groups, as the one saved)"
+            )
 
 
 def _numel(piece: ShardPiece) -> int:

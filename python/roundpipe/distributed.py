@@ -228,6 +228,7 @@ class DataParallel:
                     f"RoundPipe model {name!r}: the data-parallel ranks must build the same model "
                     f"with the same settings, but on rank {rank} {difference}"
                 )
+        self._broadcast_initial_state(memory)
         self.reduce_mode = reduce_mode
         # Stage reduces: the calling thread's group, and one NCCL group per GPU of the pool (in
         # the order of their indices: a GPU's ordinal pairs it with the others' same ordinal).
@@ -274,6 +275,27 @@ class DataParallel:
         self.shard_grads = torch.zeros(self.shard_bytes, dtype=torch.uint8)
         # New weights in the gradient arena's layout, padded to world_size shards.
         self.staging = torch.zeros(self.world_size * self.shard_bytes, dtype=torch.uint8)
+
+    def _broadcast_initial_state(self, memory: ModelMemory) -> None:
+        """Every rank starts from rank 0's parameters and buffers, as DistributedDataParallel
+        makes it at construction: replicas built from different seeds would otherwise train
+        apart without a word. The parameter arena goes in one broadcast (parameters kept in
+        storages of their own one by one); aliases follow their parameters before each call."""
+        source = self.ranks[0]
+        tensors: list[torch.Tensor] = []
+        if memory.params is not None:
+            tensors.append(memory.params)
+        else:
+            tensors.extend(slot.param.data for slot in memory.slots())
+        for layer in memory.layers:
+            for owner, name in layer.buffers:
+                buffer = getattr(owner, name, None)
+                if isinstance(buffer, torch.Tensor):
+                    tensors.append(buffer.data)
+        with torch.no_grad():
+            for tensor in tensors:
+                if tensor.numel() > 0:
+                    dist.broadcast(tensor, src=source, group=self.group)
 
     # -- layout ------------------------------------------------------------------------------
 

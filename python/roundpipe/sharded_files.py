@@ -22,9 +22,12 @@ holds alike (written once); other objects are pickled with ``torch.save`` and re
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import os
+import pathlib
+import pickle
 import shutil
 import uuid
 import warnings
@@ -145,7 +148,7 @@ def load_folder(
     for part in ranks.gather(errors):
         if part:
             raise CheckpointError(part[0])
-    reader = FileSystemReader(data)
+    reader = _SafeReader(data)
     saved = reader.read_metadata().state_dict_metadata
     _check_against(folder, entries, pieces, saved)
     with _quiet(f"loading checkpoint {str(folder)!r}"):
@@ -162,7 +165,11 @@ def read_saved_entries(folder: Path) -> dict[str, tuple[torch.Size | None, torch
     """Name -> (size, dtype) of every entry in the checkpoint folder; (None, None) for objects.
     Reads the manifest and the metadata only (the files are checked by :func:`load_folder`)."""
     manifest = read_manifest(folder)
-    saved = FileSystemReader(folder / manifest["data"]).read_metadata().state_dict_metadata
+    data = folder / manifest["data"]
+    error = _check_file(data, manifest["files"])(_METADATA)
+    if error:
+        raise CheckpointError(error)
+    saved = _SafeReader(data).read_metadata().state_dict_metadata
     return {
         key: (meta.size, meta.properties.dtype)
         if isinstance(meta, TensorStorageMetadata)
@@ -185,6 +192,17 @@ def read_manifest(folder: Path) -> dict[str, Any]:
             raise ValueError("its checksum does not match")
         if body.get("format") != FORMAT:
             raise ValueError(f"format is {body.get('format')!r}, not {FORMAT!r}")
+        if not isinstance(body.get("format_version"), int):
+            raise ValueError(f"format_version is {body.get('format_version')!r}, not an int")
+        data = body.get("data")
+        if not isinstance(data, str) or "/" in data or data in ("", ".", ".."):
+            raise ValueError(f"data is {data!r}, not the name of a data folder")
+        files = body.get("files")
+        if not isinstance(files, dict) or _METADATA not in files:
+            raise ValueError(f"files does not list the data folder's {_METADATA}")
+        for name, described in files.items():
+            if "/" in name or not isinstance(described, dict) or set(described) != _DESCRIBED:
+                raise ValueError(f"files[{name!r}] is not a (bytes, crc32) description")
     except (ValueError, KeyError, TypeError) as error:
         message = f"checkpoint manifest {str(path)!r} is corrupt: {error}"
         raise CheckpointError(message) from error
@@ -348,6 +366,73 @@ def _describe(path: Path) -> dict[str, int]:
             crc = zlib.crc32(block, crc)
         os.fsync(file.fileno())
     return {"bytes": path.stat().st_size, "crc32": crc}
+
+
+_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a data folder (a pickle)
+_DESCRIBED = {"bytes", "crc32"}  # what the manifest says of each file
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles only what torch.distributed.checkpoint's metadata is made of (its metadata
+    classes, tensor sizes, dtypes, layouts, paths): a tampered ``.metadata`` that names anything
+    else (``os.system``, say) raises instead of running it. torch reads it with a plain
+    ``pickle.load``, which ``weights_only`` does not cover."""
+
+    _CLASSES: frozenset[tuple[str, str]] = frozenset(
+        {
+            ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),  # a layout by name
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("pathlib", "PureWindowsPath"),
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name) if self._allowed(module, name) else None
+        if found is None:
+            raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
+        return found
+
+    def _allowed(self, module: str, name: str) -> bool:
+        if (module, name) in self._CLASSES:
+            return True
+        if module == "torch":
+            value = getattr(torch, name, None)
+            return isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
+        if module == "torch.distributed.checkpoint.metadata":
+            import torch.distributed.checkpoint.metadata as metadata
+
+            value = getattr(metadata, name, None)
+            # Its dataclasses and enums, nothing callable beyond building them.
+            return isinstance(value, type) and (
+                hasattr(value, "__dataclass_fields__") or issubclass(value, enum.Enum)
+            )
+        return False
+
+
+class _SafeReader(FileSystemReader):
+    """torch.distributed.checkpoint's reader of a data folder, its ``.metadata`` unpickled by
+    :class:`_MetadataUnpickler`; one that does not unpickle is a :class:`CheckpointError`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = pathlib.Path(self.path) / _METADATA
+        try:
+            with open(path, "rb") as file:
+                metadata = _MetadataUnpickler(file).load()
+            if not isinstance(metadata, Metadata):
+                raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}")
+        except FileNotFoundError as error:
+            raise CheckpointError(f"checkpoint file {str(path)!r} is missing") from error
+        except Exception as error:
+            raise CheckpointError(f"checkpoint file {str(path)!r} is corrupt: {error}") from error
+        storage = getattr(metadata, "storage_meta", None)
+        if storage is None:
+            storage = metadata.storage_meta = StorageMeta()
+        storage.load_id = self.load_id
+        return metadata
 
 
 def _check_file(data: Path, files: dict[str, dict[str, int]]) -> Any:
