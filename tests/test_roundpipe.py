@@ -784,3 +784,51 @@ def test_run_config_passed_under_another_name_is_a_type_error_naming_it() -> Non
         model(x, roundpipe_run_config={"num_microbatch": 2})
     with pytest.raises(TypeError, match="run_config must be a RoundPipeRunConfig"):
         model.forward_backward(input_args=(x,), run_config=3)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_clears_what_was_accumulated_before_synchronize(
+    num_devices: int, set_to_none: bool
+) -> None:
+    """model.zero_grad() between two backward passes clears the first one's gradients, as in
+    plain PyTorch, whether or not synchronize() published them; a step with none since gives
+    the optimizer none (zeros with set_to_none=False), and the weights stay."""
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    x, x2 = torch.randn(4, 6), torch.randn(4, 6)
+    config = RoundPipeRunConfig(num_microbatch=1)
+    model(x, roundpipe_run_config=config).sum().backward()
+    model.zero_grad(set_to_none)
+    model(x2, roundpipe_run_config=config).sum().backward()
+    reference(x).sum().backward()
+    reference.zero_grad(set_to_none)
+    reference(x2).sum().backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference, exact=True)
+    model.zero_grad(set_to_none)
+    assert all((p.grad is None) == set_to_none for p in model.model.parameters())
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1, momentum=0.9)
+    before = [p.detach().clone() for p in model.model.parameters()]
+    seen: list[object] = []
+    model.step(lambda: (seen.extend(p.grad for p in model.parameters()), optimizer.step()))
+    model.synchronize()
+    # As plain PyTorch's optimizer would see them: None, or zeros with set_to_none=False.
+    assert seen and all((grad is None) == set_to_none for grad in seen)
+    assert all(torch.equal(p, q) for p, q in zip(model.model.parameters(), before, strict=True))
+
+
+def test_a_kv_cache_argument_is_refused_before_work() -> None:
+    """A Hugging Face cache object would be shared by every microbatch (each layer appending
+    every microbatch's keys to it): ValueError naming the argument, not wrong attention."""
+    base = type("Cache", (), {"__module__": "transformers.cache_utils"})
+    dynamic = type("DynamicCache", (base,), {"__module__": "transformers.cache_utils"})
+
+    class TakesCache(nn.Module):
+        def forward(self, x: torch.Tensor, past_key_values: object = None) -> torch.Tensor:
+            return x * 2
+
+    model = RoundPipe(nn.Sequential(TakesCache()), name="cached")
+    with pytest.raises(ValueError, match=r"past_key_values is a transformers DynamicCache"):
+        model(torch.randn(4, 6), past_key_values=dynamic())
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model.forward_backward(input_args=(torch.randn(4, 6), dynamic()))

@@ -359,6 +359,24 @@ def _check_list(result: Any, n: int, what: str) -> list[Any]:
     return list(result)
 
 
+def _refuse_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A Hugging Face KV cache (``transformers``' ``Cache``, which a decoder model's forward
+    builds when ``use_cache`` is on) would be shared by every microbatch, and every layer would
+    append each microbatch's keys to it (recompute: again): the attention of one microbatch would
+    see the others'. ``ValueError`` naming the argument instead of wrong numbers."""
+    named = [(f"args[{i}]", value) for i, value in enumerate(args)] + list(kwargs.items())
+    for name, value in named:
+        kind = type(value)
+        if kind.__module__.startswith("transformers") and any(
+            base.__name__ == "Cache" for base in kind.__mro__
+        ):
+            raise ValueError(
+                f"{name} is a transformers {kind.__name__} (a KV cache), which every microbatch "
+                "would share and every recompute append to: call the model with use_cache=False "
+                "(or set model.config.use_cache = False) when training through RoundPipe"
+            )
+
+
 def split_input(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -375,6 +393,7 @@ def split_input(
     """
     _check_count(num_microbatch)
     args, kwargs = tuple(args), dict(kwargs)
+    _refuse_caches(args, kwargs)
     if is_user_function(spec):
         result = spec(args, kwargs, num_microbatch)
         if not isinstance(result, (list, tuple)) or len(result) != 2:

@@ -108,6 +108,21 @@ class GradientState:
         yield
         self.dirty = False
 
+    def clear(self, set_to_none: bool) -> None:
+        """``zero_grad()``: the gradients accumulated so far are gone, published or not (the
+        transfers still landing are waited for first). Published ``.grad`` become ``None``, or
+        with ``set_to_none=False`` stay the arena's views, now zero."""
+        self.wait_pending()
+        with torch.no_grad():
+            self.memory.grads.zero_()
+        if self.published:
+            for param in self._params:
+                if set_to_none:
+                    param.grad = None
+                elif param.grad is not None:
+                    param.grad.zero_()  # a tensor the user set in place of the view
+        self.dirty = False
+
     def publish(self) -> None:
         """Views of the arena into ``param.grad`` (transfers already waited for); ``None``
         while it holds no gradients (none accumulated since the last step), as plain PyTorch

@@ -26,6 +26,7 @@ from roundpipe.batch import (
     split_input,
     split_label,
 )
+from roundpipe.context import optimizer_context_active
 from roundpipe.device import device_count, devices
 from roundpipe.distributed import (
     DataParallel,
@@ -444,7 +445,7 @@ class RoundPipe(ForwardingModule):
             raise TypeError(f"is_async must be a bool, got {type(is_async).__name__}")
         runtime = self._runtime
         with runtime.gradients.handing_over():
-            runtime.steps.step(step_fn, is_async, args, kwargs)
+            runtime.steps.step(step_fn, is_async, args, kwargs, runtime.gradients.dirty)
 
     @serialized
     def synchronize(self) -> None:
@@ -457,6 +458,20 @@ class RoundPipe(ForwardingModule):
         runtime.gradients.wait_pending()
         runtime.steps.finish()
         runtime.gradients.publish()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``nn.Module.zero_grad``: clear the gradients accumulated so far, in the host arena
+        whether or not ``synchronize()`` published them (the next call accumulates from zero).
+        Inside ``step_fn`` (``OptimizerCtx``), the optimizer copies' gradients, which are the
+        model's parameters there."""
+        if optimizer_context_active():
+            super().zero_grad(set_to_none)
+            return
+        self._clear_grads(set_to_none)
+
+    @serialized
+    def _clear_grads(self, set_to_none: bool) -> None:
+        self._runtime.gradients.clear(set_to_none)
 
     @serialized
     def drain(self) -> None:

@@ -416,8 +416,18 @@ class StepPipeline:
     def has_copies(self) -> bool:
         return self._copies is not None
 
-    def step(self, step_fn: Callable[..., Any], is_async: bool, args: Any, kwargs: Any) -> None:
-        """Queue one optimizer step over the gradients accumulated so far (already complete)."""
+    def step(
+        self,
+        step_fn: Callable[..., Any],
+        is_async: bool,
+        args: Any,
+        kwargs: Any,
+        has_grads: bool = True,
+    ) -> None:
+        """Queue one optimizer step over the gradients accumulated so far (already complete).
+        Without any (``has_grads=False``: none accumulated since the last step or
+        ``zero_grad()``) the copies get no gradient, as plain PyTorch's parameters have none
+        then, and optimizers skip them."""
         self.finish()
         copies = self.copies()
         self.take_edits()  # after a synchronous step or none: finish() had nothing to write back
@@ -454,6 +464,7 @@ class StepPipeline:
                 pairs = [
                     (copies[id(slot.param)], self.memory.grad_view(slot, handed_over))
                     for slot in slots
+                    if has_grads
                 ]
             else:
                 pairs = self._reduce_gradients(dp, copies, handed_over)
