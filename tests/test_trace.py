@@ -461,3 +461,10 @@ def test_measured_trace_has_the_predicted_events_in_the_predicted_order(
     assert sum(e.phase == "grad_download" for e in measured.events) == len(plan.bwd_plan)
     # Every stage waited for its upload once before computing.
     assert sum(e.phase == "wait" and e.device is not None for e in measured.events) == stages
+
+
+def test_a_file_that_is_not_json_is_a_value_error_naming_it(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.json"
+    garbage.write_bytes(b"\x00not json at all")
+    with pytest.raises(ValueError, match=r"garbage\.json is not a JSON trace"):
+        rt.Trace.load(garbage)

@@ -93,8 +93,8 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, st
     shard = _shard_of(model)
     if shard is None:
         raise TypeError(
-            "a sharded checkpoint folder loads into a RoundPipe or AutoRoundPipe, got "
-            f"{type(model).__name__}"
+            "a sharded checkpoint folder (saved by data-parallel ranks) loads into a RoundPipe, "
+            f"data-parallel or alone, got {type(model).__name__}"
         )
     saved = read_saved_entries(folder)
     wanted = {"optimizer": optimizer, "scaler": scaler}

@@ -169,7 +169,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dpi", type=int, default=100, help="resolution (default 100)")
     args = parser.parse_args(argv)
     output = args.output or os.path.splitext(args.trace)[0] + ".png"
-    plot_trace(args.trace, output, predicted=args.predicted, title=args.title, dpi=args.dpi)
+    try:
+        plot_trace(args.trace, output, predicted=args.predicted, title=args.title, dpi=args.dpi)
+    except (OSError, ValueError) as error:  # an unreadable or malformed trace: say which
+        parser.error(str(error))
     print(output)
 
 

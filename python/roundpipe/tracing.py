@@ -222,10 +222,13 @@ class Trace:
         """Read a trace written by :meth:`save` (other producers' events are skipped).
 
         Raises:
-            ValueError: the file is not a Chrome trace (no ``traceEvents`` list).
+            ValueError: the file is not JSON, or not a Chrome trace (no ``traceEvents`` list).
         """
         with open(path, encoding="utf-8") as file:
-            data = json.load(file)
+            try:
+                data = json.load(file)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise ValueError(f"{os.fspath(path)} is not a JSON trace: {error}") from error
         if isinstance(data, list):  # the bare-array variant of the format
             data = {"traceEvents": data}
         if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
