@@ -111,7 +111,8 @@ class GradientState:
     def clear(self, set_to_none: bool) -> None:
         """``zero_grad()``: the gradients accumulated so far are gone, published or not (the
         transfers still landing are waited for first). Published ``.grad`` become ``None``, or
-        with ``set_to_none=False`` stay the arena's views, now zero."""
+        with ``set_to_none=False`` stay the arena's views, now zero: gradients of zero then,
+        as plain PyTorch's are, which a step hands over."""
         self.wait_pending()
         with torch.no_grad():
             self.memory.grads.zero_()
@@ -121,7 +122,7 @@ class GradientState:
                     param.grad = None
                 elif param.grad is not None:
                     param.grad.zero_()  # a tensor the user set in place of the view
-        self.dirty = False
+        self.dirty = not set_to_none
 
     def publish(self) -> None:
         """Views of the arena into ``param.grad`` (transfers already waited for); ``None``

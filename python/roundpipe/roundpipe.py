@@ -246,15 +246,14 @@ class RoundPipe(ForwardingModule):
         stage_reduce = data_parallel
         if data_parallel is None or data_parallel.reduce_mode != "stage":
             stage_reduce = None
+        param_names = list(model.named_parameters(remove_duplicate=False))
         runtime = _Runtime(
             memory=memory,
             timer=timer,
             runner=LayerRunner(name, layers, memory, timer, stage_reduce),
-            gradients=GradientState(
-                memory, name, {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-            ),
+            gradients=GradientState(memory, name, {id(p): n for n, p in param_names}),
             steps=StepPipeline(memory, optim_dtype, name, data_parallel),
-            param_names=list(model.named_parameters(remove_duplicate=False)),
+            param_names=param_names,
         )
         _runtimes.add(runtime)
         super().__init__(

@@ -387,6 +387,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             ("pathlib", "PurePosixPath"),
             ("pathlib", "WindowsPath"),
             ("pathlib", "PureWindowsPath"),
+            # What other torch releases' metadata may use to rebuild the classes above.
+            ("collections", "OrderedDict"),
+            ("copyreg", "_reconstructor"),
+            ("builtins", "object"),
         }
     )
 
