@@ -341,6 +341,8 @@ class StepPipeline:
         # write the parameters through aliases that leave it alone, so a change means the user
         # changed the parameter (copy_, fill_, a load of the wrapped model): see take_edits.
         self._agreed: dict[int, int] = {}
+        # The trained parameters' slots (fixed once the model is wrapped; aliases excluded).
+        self._trained = [slot for slot in memory.slots() if slot.grad_offset is not None]
 
     def copies(self) -> dict[int, OptimizerCopy]:
         """Optimizer copies keyed by ``id`` of the model parameter, created on first use."""
@@ -358,10 +360,7 @@ class StepPipeline:
 
     def note_agreement(self) -> None:
         """The parameters and their copies agree now (copies made or loaded)."""
-        self._agreed = {id(slot.param): slot.param._version for slot in self._trained_slots()}
-
-    def _trained_slots(self) -> list[Any]:
-        return [s for s in self.memory.slots() if s.primary is None and s.grad_offset is not None]
+        self._agreed = {id(slot.param): slot.param._version for slot in self._trained}
 
     def take_edits(self) -> set[int]:
         """Parameters changed in place since they and their copies last agreed (no step in
@@ -369,20 +368,17 @@ class StepPipeline:
         parameter as edited, and no write-back may undo the edit. Returns their ids."""
         if self._copies is None:
             return set()
-        edited = {
-            id(slot.param)
-            for slot in self._trained_slots()
-            if slot.param._version != self._agreed.get(id(slot.param))
-        }
-        if edited:
-            with torch.no_grad():
-                for slot in self._trained_slots():
-                    param = slot.param
-                    if id(param) in edited:
-                        copy = self._copies.get(id(param))  # data parallel: own pieces only
-                        if copy is not None:
-                            copy.copy_(self.piece_of(param, param.detach()))
-                        self._agreed[id(param)] = param._version
+        edited: set[int] = set()
+        with torch.no_grad():
+            for slot in self._trained:
+                param = slot.param
+                if param._version == self._agreed.get(id(param)):
+                    continue
+                copy = self._copies.get(id(param))  # data parallel: own pieces only
+                if copy is not None:
+                    copy.copy_(self.piece_of(param, param.detach()))
+                self._agreed[id(param)] = param._version
+                edited.add(id(param))
         return edited
 
     def _stepped_params(self) -> list[torch.Tensor]:
@@ -435,7 +431,7 @@ class StepPipeline:
         if self._spare_grads is None:
             self._spare_grads = self.memory.new_grad_arena()
         self.memory.grads, self._spare_grads = self._spare_grads, handed_over
-        slots = [slot for slot in self.memory.slots() if slot.grad_offset is not None]
+        slots = self._trained
         global _submitted
         iteration, _submitted = _submitted, _submitted + 1
         self.submitted += 1
