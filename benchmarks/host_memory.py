@@ -2,32 +2,34 @@
 
 Each case runs in a fresh subprocess (RSS is per process) on virtual CPU devices:
 
-1. the RSS after ``import roundpipe`` is the zero point; the kernel's peak-RSS mark is reset
-   there. What a training call imports or sets up on first use counts (``torch._dynamo``, which
-   the first ``torch.optim.Optimizer.add_param_group`` imports: 27 MB; kernel code and thread
-   state of the first matmul: about 10 MB), as it does for any process that trains;
+1. the zero point: ``import roundpipe``, then torch's first-use costs paid once on a throwaway
+   512 x 512 layer of the case's dtype (a ``torch.optim.Adam`` built over it, which imports
+   ``torch._dynamo``: 27 MB; one forward and backward, which load the matmul kernels and start
+   the autograd engine's and the thread pool's threads: about 10 MB). Every process that trains
+   with torch pays these once, whatever the model's size, plain PyTorch as much as RoundPipe:
+   they are not bytes per parameter. The kernel's peak-RSS mark is reset there. ``process peak``
+   adds them back (the peak above the RSS right after the import);
 2. the plain model is built (its weights count: wrapping must not double them) and wrapped;
 3. the optimizer is built and ``--iters`` training iterations run (``forward_backward`` + ``step``).
 
 ``peak`` is the kernel's high-water mark since the zero point (construction included), ``steady``
-the RSS after the last iteration, both in bytes per parameter. The floor counts only what the
-design must hold: the model's weights, the optimizer copies (when they cannot be the weights
-themselves), Adam's two moments and the gradient arena (two of them for asynchronous steps, one
-filling while the optimizer consumes the other); the breakdown table says where the rest goes.
+the RSS after the last iteration, both in bytes per parameter of the model. The floor counts
+only what the design must hold: the model's weights, the optimizer copies (when they cannot be
+the weights themselves), Adam's two moments and the gradient arena (two of them for
+asynchronous steps, one filling while the optimizer consumes the other); the breakdown table
+says where the rest goes.
 One-layer stages keep the virtual devices' buffers (host memory here; GPU memory on GPUs) to 2/L
 of the trained weights; frozen parameters are bound in place on virtual CPU devices, not copied.
 
 The LoRA case is issue 16's model: rank-8 adapters on a frozen bf16 base of 4096 x 4096 layers
 (12 of them at 200M), the base kept in its own pageable storage (``pin_model="off"``, as
 docs/guide.md advises for frozen bases). Beside it, the same model trained by the plain PyTorch
-per-microbatch loop with ``torch.optim.Adam`` on the adapters, measured the same way: torch's
-own first-use costs (kernel code pages, allocator and thread-pool state) are in both.
+per-microbatch loop with ``torch.optim.Adam`` on the adapters, measured the same way.
 
 ``--marginal`` measures every case again at half the size and adds the marginal peak: the
-growth of the peak RSS from the half-size model to the full one per parameter added. The fixed
-costs that any process training with torch pays once (kernel code pages, allocator and
-thread-pool state: about 0.27 bytes per parameter at 200M in plain PyTorch) cancel out of it, so
-it is what decides how many parameters a given host memory holds.
+growth of the peak RSS from the half-size model to the full one per parameter added. Whatever
+does not grow with the model cancels out of it (what the first-use costs above miss), so it is
+what decides how many parameters a given host memory holds.
 
     python benchmarks/host_memory.py --params 200M --record
 """
@@ -120,11 +122,14 @@ class LoRALinear(torch.nn.Module):
         return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
 
 
+def _pay_first_use_costs(dtype: torch.dtype) -> None:
+    """What a process pays once when it first trains with torch, whatever its model's size."""
+    layer = torch.nn.Linear(512, 512, dtype=dtype)
+    torch.optim.Adam(layer.parameters())  # imports torch._dynamo
+    layer(torch.randn(8, 512, dtype=dtype)).float().sum().backward()
+
+
 def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, float]:
-    # Every import before the zero point is this process's own (`import roundpipe` already
-    # brought torch.fx.experimental.symbolic_shapes, which torch.autograd.backward imports when
-    # given gradients, through torch.distributed.checkpoint): nothing a training call imports
-    # on first use is preloaded here.
     import roundpipe
     from roundpipe import GradScaler, RoundPipeRunConfig
 
@@ -138,6 +143,10 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
         width = 2048 if params >= 20 * 10**6 else 512
     layers = max(2, round(params / width**2))
     dtype = getattr(torch, case.dtype)
+    # `import roundpipe` already brought torch.fx.experimental.symbolic_shapes (which
+    # torch.autograd.backward imports when given gradients) through torch.distributed.checkpoint.
+    imported = _rss()
+    _pay_first_use_costs(dtype)
     zero = _rss()
     _reset_peak()
 
@@ -159,7 +168,10 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
                 ((net(xm).float() - ym) ** 2).mean().backward()
             optimizer.step()
             optimizer.zero_grad()
-        return _figures(_peak_rss() - zero, _rss() - zero, construction_peak, net, optimizer, net)
+        peak = _peak_rss()
+        return _figures(
+            peak - zero, peak - imported, _rss() - zero, construction_peak, net, optimizer, net
+        )
     model = RoundPipe(
         net,
         optim_dtype=None if case.optim_dtype is None else getattr(torch, case.optim_dtype),
@@ -189,13 +201,14 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
         model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=config)
         model.step(step_fn, case.is_async)
     steady = _rss() - zero
-    peak = _peak_rss() - zero
+    peak = _peak_rss()
     model.synchronize()
-    return _figures(peak, steady, construction_peak, net, optimizer, model)
+    return _figures(peak - zero, peak - imported, steady, construction_peak, net, optimizer, model)
 
 
 def _figures(
     peak: int,
+    process_peak: int,
     steady: int,
     construction_peak: int,
     net: torch.nn.Module,
@@ -215,6 +228,7 @@ def _figures(
         "params": total,
         "construction_peak": construction_peak / total,
         "peak": peak / total,
+        "process_peak": process_peak / total,
         "steady": steady / total,
         "weights": sum(p.numel() * p.element_size() for p in net.parameters()) / total,
         "grad_arena": sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
@@ -256,15 +270,15 @@ def marginal_peak(full: dict[str, float], half: dict[str, float]) -> float:
 def table(results: list[tuple[Case, dict[str, float]]]) -> str:
     marginal = all("marginal_peak" in r for _, r in results)
     lines = [
-        "| case | floor | construction peak | peak | steady | peak - floor |"
+        "| case | floor | construction peak | peak | steady | peak - floor | process peak |"
         + (" marginal peak |" if marginal else ""),
-        "|---|---:|---:|---:|---:|---:|" + ("---:|" if marginal else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if marginal else ""),
     ]
     for case, r in results:
         lines.append(
             f"| {case.name} | {case.floor():.1f} | {r['construction_peak']:.2f} | "
-            f"{r['peak']:.2f} | {r['steady']:.2f} | {r['peak'] - case.floor():+.2f} |"
-            + (f" {r['marginal_peak']:.2f} |" if marginal else "")
+            f"{r['peak']:.2f} | {r['steady']:.2f} | {r['peak'] - case.floor():+.2f} | "
+            f"{r['process_peak']:.2f} |" + (f" {r['marginal_peak']:.2f} |" if marginal else "")
         )
     lines += [
         "",
@@ -316,7 +330,9 @@ def main() -> None:
             r["marginal_peak"] = marginal_peak(r, half)
     header = (
         f"{results[0][1]['params'] / 1e6:.0f}M parameters, {args.devices} CPU devices, "
-        f"{args.iters} iterations; bytes per parameter (RSS above the post-import baseline"
+        f"{args.iters} iterations; bytes per parameter (RSS above the zero point: the process "
+        "after its imports and torch's first-use costs; process peak: above the RSS after the "
+        "imports"
         + ("; marginal peak: from half the size to this one" if args.marginal else "")
         + ")"
     )
