@@ -979,6 +979,89 @@ def test_input_only_backward_leaves_the_parameters_gradients_alone(
     assert_grads_equal(model.model, reference)
 
 
+def test_backward_after_an_input_only_pass_through_a_retained_graph_keeps_param_grads(
+    num_devices: int,
+) -> None:
+    """torch.autograd.grad(..., retain_graph=True) and then backward() through the same
+    forward() output: the second pass gives the parameters their gradients, as in plain
+    PyTorch (the first pass's choice is not kept for it)."""
+    reference, (x, _, _) = accumulation_case(torch.float32)
+    model = RoundPipe(copy.deepcopy(reference))
+    config = RoundPipeRunConfig(num_microbatch=3)
+
+    def both_passes(forward: object) -> torch.Tensor:
+        leaf = x.clone().requires_grad_()
+        loss = loss_of(forward(leaf))  # type: ignore[operator]
+        first = torch.autograd.grad(loss, leaf, retain_graph=True)[0]
+        loss.backward()
+        return first
+
+    ours = both_passes(lambda leaf: model(leaf, roundpipe_run_config=config))
+    expected = both_passes(lambda leaf: torch.cat([reference(c) for c in leaf.split(2)]))
+    assert torch.equal(ours, expected)
+    model.synchronize()
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_double_backward_through_a_forward_output_raises(num_devices: int) -> None:
+    """create_graph=True (a gradient penalty) through a forward() output would get gradients
+    without history, so the penalty would silently add nothing: it raises instead, and the
+    model trains on."""
+    reference, (x, x2, _) = accumulation_case(torch.float32)
+    model = RoundPipe(copy.deepcopy(reference), name="penalised")
+    config = RoundPipeRunConfig(num_microbatch=3)
+    leaf = x.clone().requires_grad_()
+    out = model(leaf, roundpipe_run_config=config)
+    with pytest.raises(RuntimeError, match=r"'penalised'.*create_graph=True"):
+        torch.autograd.grad(loss_of(out), leaf, create_graph=True)
+    train_both(model, reference, x2, config)
+    model.synchronize()
+    assert_grads_equal(model.model, reference)
+
+
+class _ComplexMix(nn.Module):
+    """A real layer whose output to the next layer is complex (an FFT), or back to real."""
+
+    def __init__(self, to_complex: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.to_complex = to_complex
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.to_complex:
+            return torch.fft.fft(self.linear(x))
+        return self.linear(torch.fft.ifft(x).real)
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_complex_activations_between_stages_carry_gradients(num_devices: int, grain: str) -> None:
+    """Complex tensors passed between stages are differentiable, as in plain PyTorch: every
+    layer, in every stage, gets its gradient (forward_backward and forward() + backward())."""
+    torch.manual_seed(3)
+    reference = nn.Sequential(*[_ComplexMix(to_complex=i % 2 == 0) for i in range(4)])
+    model = RoundPipe(copy.deepcopy(reference))
+    plan = make_plan(
+        [range(0, 1), range(1, 2), range(2, 3)],
+        [range(3, 4), range(2, 3), range(1, 2), range(0, 1)],
+    )
+    config = RoundPipeRunConfig(num_microbatch=2, recompute_grain=grain, execute_plan=plan)
+    x = torch.randn(4, 8)
+    train_both(model, reference, x, config)
+    model.synchronize()
+    assert_grads_equal(model.model, reference)
+    for p in (*model.model.parameters(), *reference.parameters()):
+        p.grad = None
+    two_call = RoundPipeRunConfig(num_microbatch=2, recompute_grain=grain)
+    loss_of(model(x, roundpipe_run_config=two_call)).backward()
+    loss_of(torch.cat([reference(c) for c in x.split(2)])).backward()
+    model.synchronize()
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("change", ["step", "sync step", "in-place edit", "load_state_dict"])
 def test_backward_after_the_weights_changed_raises_like_pytorch(
     num_devices: int, change: str

@@ -550,7 +550,7 @@ class LayerLoop {
     // Either way a tensor of its own for autograd: the same bytes, none of the input's history.
     at::Tensor input = copy ? plain_copy(stage_input) : stage_input.variable_data();
     NodeRef input_grad;
-    if (input.is_floating_point()) {
+    if (input.is_floating_point() || input.is_complex()) {
       input_grad = make_node<InputGrad>();
       torch::autograd::create_gradient_edge(input, input_grad);
     }

@@ -118,11 +118,17 @@ class PipelineNode:
                     "backward goes through (a step(), a load or an in-place edit); its "
                     "recompute would use other weights. Call backward before changing them."
                 )
+            # Decided per backward pass: a torch.autograd.grad through a retained graph may come
+            # before a backward() that wants the parameters' gradients.
+            self.call.keep_param_grads = param_grads
             if not param_grads:
-                self.call.keep_param_grads = False
                 return self.call.backward(grads)
             with self.gradients.accumulating(self.call):
                 return self.call.backward(grads)
+
+
+def _differentiable(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
 
 
 def _wants_param_grads(params_node: Any) -> bool:
@@ -157,13 +163,21 @@ class PipelineFunction(torch.autograd.Function):
         # retain_graph, so a second backward raises exactly as PyTorch does for its own nodes.
         ctx.save_for_backward(anchor)
         outputs = tuple(node.run_forward())
-        ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
+        ctx.mark_non_differentiable(*(t for t in outputs if not _differentiable(t)))
         return outputs
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
         node: PipelineNode = ctx.node
         ctx.saved_tensors  # noqa: B018  (raises "backward through the graph a second time")
+        if torch.is_grad_enabled():
+            # The pipelined backward computes plain gradients: a graph of them (create_graph=True,
+            # a gradient penalty) would silently have no history.
+            raise RuntimeError(
+                f"RoundPipe model '{node.call.runner.name}': backward with create_graph=True "
+                "(double backward, e.g. a gradient penalty) through a forward() output is not "
+                "supported; compute such terms with a plain PyTorch model"
+            )
         grads = node.run_backward(grad_outputs, _wants_param_grads(ctx.params_node))
         return (None, None, *(grad for _, grad in input_grads(node.inputs, grads)))
 

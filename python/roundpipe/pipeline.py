@@ -1007,7 +1007,7 @@ class Call:
         for leaf, wants_grad in zip(moved, wanted, strict=True):
             if isinstance(leaf, torch.Tensor):
                 leaf = leaf.detach()
-                if wants_grad and leaf.is_floating_point():
+                if wants_grad and (leaf.is_floating_point() or leaf.is_complex()):
                     leaf.requires_grad_(True)
             fresh.append(leaf)
         return _unflatten(fresh, spec)
