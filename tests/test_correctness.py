@@ -1062,6 +1062,46 @@ def test_complex_activations_between_stages_carry_gradients(num_devices: int, gr
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_tensor_hooks_on_parameters_run_as_in_pytorch(num_devices: int, grain: str) -> None:
+    """A hook registered on a parameter (``weight.register_hook``) changes the gradients it
+    receives, in every stage and both call paths, as in the plain per-microbatch loop; one
+    added after wrapping applies too."""
+
+    def hooked() -> nn.Sequential:
+        reference, _ = accumulation_case(torch.float32)
+        reference[0][0].bias.register_hook(lambda g: g * 3)
+        reference[3][0].weight.register_hook(lambda g: g.clamp(-0.5, 0.5))
+        return reference
+
+    reference = hooked()
+    model = RoundPipe(hooked())
+    reference[1][0].weight.register_hook(lambda g: -g)
+    model.model[1][0].weight.register_hook(lambda g: -g)
+    _, (x, _, _) = accumulation_case(torch.float32)
+    config = RoundPipeRunConfig(num_microbatch=3, recompute_grain=grain)
+    train_both(model, reference, x, config)
+    model.synchronize()
+    assert_grads_equal(model.model, reference)
+
+
+def test_post_accumulate_grad_hooks_are_refused_and_the_model_trains_on(num_devices: int) -> None:
+    """register_post_accumulate_grad_hook hands the hook the tensor that accumulated, which
+    would not be the parameter: the call raises, naming it, and after its removal the model
+    trains as plain PyTorch."""
+    reference, (x, _, _) = accumulation_case(torch.float32)
+    model = RoundPipe(copy.deepcopy(reference), name="posthooked")
+    handle = model.model[2][0].weight.register_post_accumulate_grad_hook(lambda p: None)
+    config = RoundPipeRunConfig(num_microbatch=3)
+    with pytest.raises(RuntimeError, match=r"'posthooked': parameter weight of layer 2 \(Linear\)"):
+        train_both(model, copy.deepcopy(reference), x, config)
+    handle.remove()
+    model.zero_grad()
+    train_both(model, reference, x, config)
+    model.synchronize()
+    assert_grads_equal(model.model, reference)
+
+
 @pytest.mark.parametrize("change", ["step", "sync step", "in-place edit", "load_state_dict"])
 def test_backward_after_the_weights_changed_raises_like_pytorch(
     num_devices: int, change: str

@@ -291,6 +291,8 @@ class ResidentStage:
                 memory.grads if self.grads_from_arena else None,
             )
             self.uploaded = uploaded if uploaded is not None else self._upload_sources(fence)
+        if with_grads:
+            self._forward_tensor_hooks()
         # The frozen parameters bound in host memory, each a `.data` alias with a version counter
         # of its own, so an in-place change by the layer shows (see `bound`): (slot index, the
         # tensor bound).
@@ -298,6 +300,28 @@ class ResidentStage:
         for i in frozen:
             self.views[i] = layout.params[i].data
             self.in_host.append((i, self.views[i]))
+
+    def _forward_tensor_hooks(self) -> None:
+        """Hooks registered on a trained parameter (``param.register_hook``) run on the
+        gradients its device copy receives, as they would on the parameter's own: the copy
+        shares the parameter's hook dictionary (hooks added later apply too). A hook run after
+        accumulation (``register_post_accumulate_grad_hook``) is passed the tensor whose
+        ``.grad`` was accumulated, which here is not the parameter: refused."""
+        params, views = self.layout.params, self.views
+        for i in self.layout.trained:
+            param = params[i]
+            if param._post_accumulate_grad_hooks:
+                owner, attribute = self.layout.slots[i].owners[0]
+                raise RuntimeError(
+                    f"RoundPipe model '{self.model}': parameter {attribute} of layer "
+                    f"{self.layout.layer_of[i]} ({type(owner).__name__}) has a hook registered "
+                    "with register_post_accumulate_grad_hook, which RoundPipe cannot run (its "
+                    "gradients accumulate in a device copy, then in host memory); remove it "
+                    "and act on the gradients in step_fn"
+                )
+            hooks = param._backward_hooks
+            if hooks:
+                views[i]._backward_hooks = hooks
 
     def _upload_sources(self, fence: Any) -> Any:
         """Without a parameter arena: each parameter copied into the buffer from its own storage
