@@ -8,6 +8,7 @@ schedules) and compares with the plain PyTorch per-microbatch loop, on 1 and 3 v
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from collections.abc import Iterator
 from typing import ClassVar, cast
@@ -1100,6 +1101,76 @@ def test_post_accumulate_grad_hooks_are_refused_and_the_model_trains_on(num_devi
     train_both(model, reference, x, config)
     model.synchronize()
     assert_grads_equal(model.model, reference)
+
+
+@dataclasses.dataclass
+class _Hidden:
+    h: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Registered:
+    h: torch.Tensor
+
+
+torch.utils._pytree.register_dataclass(_Registered)
+
+
+class _ToState(nn.Module):
+    def __init__(self, kind: type) -> None:
+        super().__init__()
+        self.linear, self.kind = nn.Linear(8, 8), kind
+
+    def forward(self, x: torch.Tensor) -> object:
+        return self.kind(self.linear(x))
+
+
+class _FromState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, state: _Hidden | _Registered) -> torch.Tensor:
+        return self.linear(state.h)
+
+
+@pytest.mark.parametrize("path", ["forward_backward", "forward"])
+def test_dataclass_activations_pytree_cannot_see_raise_and_registered_ones_train(
+    num_devices: int, path: str
+) -> None:
+    """A layer returning a dataclass torch's pytree does not know hides its tensors from the
+    pipeline, which could not pass their gradients back: a TypeError saying how to register it,
+    never zero gradients. Registered (register_dataclass), it trains as plain PyTorch."""
+    plan = make_plan([range(0, 1)], [range(1, 2), range(0, 1)])
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+    x = torch.randn(4, 8)
+
+    def run(model: RoundPipe) -> None:
+        if path == "forward_backward":
+            model.forward_backward(
+                input_args=(x,), label=x, loss_fn=lambda o, _: loss_of(o), run_config=config
+            )
+        else:
+            two_call = RoundPipeRunConfig(num_microbatch=2)
+            loss_of(model(x, roundpipe_run_config=two_call)).backward()
+
+    torch.manual_seed(5)
+    hidden = RoundPipe(nn.Sequential(_ToState(_Hidden), _FromState()), name="hidden")
+    with pytest.raises(TypeError, match=r"'hidden'.*_Hidden.*register_dataclass"):
+        run(hidden)
+    torch.manual_seed(5)
+    reference = nn.Sequential(_ToState(_Registered), _FromState())
+    model = RoundPipe(copy.deepcopy(reference))
+    run(model)
+    if path == "forward_backward":
+        for chunk in x.tensor_split(2):
+            loss_of(reference(chunk)).backward()
+    else:
+        loss_of(torch.cat([reference(c) for c in x.tensor_split(2)])).backward()
+    model.synchronize()
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("change", ["step", "sync step", "in-place edit", "load_state_dict"])

@@ -17,6 +17,7 @@ accumulation per dtype run, asynchronously.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import itertools
@@ -1022,6 +1023,16 @@ class Call:
         wanted = [
             isinstance(leaf, torch.Tensor) and (layer > 0 or leaf.requires_grad) for leaf in leaves
         ]
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor) and _hides_gradients(leaf, layer == 0):
+                kind = type(leaf).__name__
+                raise TypeError(
+                    f"RoundPipe model '{self.runner.name}': the input of layer {layer} "
+                    f"(microbatch {microbatch}) holds tensors in a {kind}, a dataclass that "
+                    "torch's pytree does not know, so their gradients cannot reach the layers "
+                    f"before it; register it with torch.utils._pytree.register_dataclass({kind}) "
+                    "or pass a tuple, list or dict"
+                )
         if layer == 0:
             moved, _ = _flatten(self._model_input(microbatch, value, device_index))
         else:
@@ -1035,6 +1046,23 @@ class Call:
                     leaf.requires_grad_(True)
             fresh.append(leaf)
         return _unflatten(fresh, spec)
+
+
+def _hides_gradients(leaf: Any, user_input: bool) -> bool:
+    """Whether ``leaf``, a pytree leaf that is not a tensor, is a dataclass instance holding
+    tensors that gradients would flow through in plain PyTorch (floating point activations; of
+    the user's own inputs, those that require grad), which the pipeline cannot reach."""
+    if isinstance(leaf, type) or not dataclasses.is_dataclass(leaf):
+        return False
+    inner, _ = tree_flatten([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+    return any(
+        (
+            isinstance(t, torch.Tensor)
+            and (t.requires_grad if user_input else t.is_floating_point() or t.is_complex())
+        )
+        or (not isinstance(t, torch.Tensor) and _hides_gradients(t, user_input))
+        for t in inner
+    )
 
 
 _NO_RANGE = nullcontext()  # what a call that marks no NVTX ranges enters (reusable)
