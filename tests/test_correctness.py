@@ -1173,6 +1173,74 @@ def test_dataclass_activations_pytree_cannot_see_raise_and_registered_ones_train
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
 
 
+class _Routed(nn.Module):
+    """Two experts, the second run only while ``both`` (a router that sends it no token in
+    some batches), and a side head whose output the loss ignores."""
+
+    both = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.side = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x[0] if isinstance(x, tuple) else x
+        out = self.experts[0](h)
+        if _Routed.both:
+            out = out + self.experts[1](h)
+        return torch.tanh(out), self.side(h)
+
+
+def _routed_loss(output: tuple[torch.Tensor, torch.Tensor], _: object = None) -> torch.Tensor:
+    return output[0].pow(2).sum()
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+@pytest.mark.parametrize("optimizer", ["torch", "roundpipe"])
+def test_parameters_no_backward_reaches_get_no_gradient(
+    num_devices: int, is_async: bool, optimizer: str
+) -> None:
+    """A parameter no backward reaches (an unused expert, a head the loss ignores) has .grad
+    None, as in plain PyTorch, also after zero_grad(set_to_none=False), and a step gives its
+    optimizer copy no gradient, so Adam leaves it alone: synchronous steps give plain
+    PyTorch's weights bit for bit; asynchronous ones (a step late, by design) leave the
+    unreached weights as they were."""
+    torch.manual_seed(4)
+    reference = nn.Sequential(*[_Routed() for _ in range(3)])
+    model = RoundPipe(copy.deepcopy(reference))
+    adam = torch.optim.Adam if optimizer == "torch" else roundpipe.optim.Adam
+    ours, theirs = adam(model.optim_parameters(), lr=0.1), adam(reference.parameters(), lr=0.1)
+    config = RoundPipeRunConfig(num_microbatch=2)
+    torch.manual_seed(6)
+    batches = [torch.randn(4, 8) for _ in range(3)]
+    for iteration, x in enumerate(batches):
+        # The second expert trains in the first iteration only: Adam's moments then move it
+        # in later steps unless they skip it, as plain PyTorch's do.
+        _Routed.both = iteration == 0
+        model.forward_backward(input_args=(x,), loss_fn=_routed_loss, run_config=config)
+        for chunk in x.tensor_split(2):
+            _routed_loss(reference(chunk)).backward()
+        model.synchronize()
+        if not is_async:
+            assert_grads_equal(model.model, reference)
+        assert (model.model[1].experts[1].weight.grad is None) == (iteration > 0)
+        assert model.model[2].side.bias.grad is None
+        model.zero_grad(set_to_none=False)
+        reference.zero_grad(set_to_none=False)
+        for chunk in x.tensor_split(2):
+            _routed_loss(reference(chunk)).backward()
+        model.forward_backward(input_args=(x,), loss_fn=_routed_loss, run_config=config)
+        model.step(lambda: (ours.step(), ours.zero_grad()), is_async)
+        theirs.step()
+        theirs.zero_grad()
+    _Routed.both = True
+    model.synchronize()
+    for (name, p), q in zip(model.model.named_parameters(), reference.parameters(), strict=True):
+        if not is_async or "side" in name:
+            assert torch.equal(p, q), name
+
+
 @pytest.mark.parametrize("change", ["step", "sync step", "in-place edit", "load_state_dict"])
 def test_backward_after_the_weights_changed_raises_like_pytorch(
     num_devices: int, change: str

@@ -219,6 +219,11 @@ def _block_the_engine() -> tuple[threading.Event, _C.Event]:
 @pytest.mark.usefixtures("one_cpu_device")
 def test_small_copies_run_inline_only_when_nothing_is_queued() -> None:
     assert _C.inline_copy_bytes() == 64 << 10
+    # Copies earlier tests left on device 0's worker (a loaded machine runs them late) would
+    # queue the small ones behind them: one large copy drains it first, and the worker marks
+    # itself idle just after it signals the copy's event.
+    _C.copy_async(0, torch.empty(1 << 20), torch.ones(1 << 20), "activation").synchronize()
+    time.sleep(0.05)
     dst = torch.zeros(8)
     done = _C.copy_async(0, dst, torch.ones(8), "activation")
     assert done.query() and dst.sum() == 8  # on the calling thread: done on return

@@ -294,6 +294,50 @@ NodeRef make_node() {
   }
 }
 
+// Which of a stage's trained parameter copies received a gradient. A parameter that no backward
+// reaches (an expert no token was routed to, a head the loss ignores) keeps .grad None in plain
+// PyTorch, and optimizers skip it; the stage's gradient buffer cannot tell such a parameter from
+// one whose gradient is zero, so each copy's AccumulateGrad node, made here and held for the
+// stage's lifetime (every microbatch's graph then uses the same one), flags its copy when it runs.
+class GradReach {
+ public:
+  explicit GradReach(const std::vector<at::Tensor>& tensors) : reached_(tensors.size(), 0) {
+    accumulators_.reserve(tensors.size());
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      auto accumulator = torch::autograd::impl::grad_accumulator(tensors[i]);
+      if (!accumulator) {  // does not require grad: nothing can reach it
+        continue;
+      }
+      accumulator->add_post_hook(std::make_unique<Flag>(&reached_[i]));
+      accumulators_.push_back(std::move(accumulator));
+    }
+  }
+
+  // Indices into the tensors of those an AccumulateGrad ran for.
+  std::vector<std::int64_t> reached() const {
+    std::vector<std::int64_t> indices;
+    for (std::size_t i = 0; i < reached_.size(); ++i) {
+      if (reached_[i] != 0) indices.push_back(static_cast<std::int64_t>(i));
+    }
+    return indices;
+  }
+
+ private:
+  struct Flag final : torch::autograd::FunctionPostHook {
+    explicit Flag(std::uint8_t* flag) : flag_(flag) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                              const torch::autograd::variable_list&) override {
+      *flag_ = 1;
+      return outputs;
+    }
+    std::uint8_t* flag_;
+  };
+
+  // Written by the autograd engine's thread, read once its passes are done.
+  std::vector<std::uint8_t> reached_;
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators_;
+};
+
 // A copy of `tensor` that autograd does not know of, as tensor.detach().clone() (without the
 // detached alias and the autograd layer of the dispatch in between).
 at::Tensor plain_copy(const at::Tensor& tensor) {
@@ -701,6 +745,11 @@ void bind_dispatch(py::module_& m) {
       "recompute (at most 4096).")
       .def(py::init<std::int64_t, std::int64_t>(), py::arg("layers"), py::arg("microbatches"))
       .def_property_readonly("kept", &RngStates::kept, "How many states are kept.");
+  py::class_<GradReach>(m, "GradReach",
+                        "Flags which of `tensors` (leaves) an AccumulateGrad node ran for.")
+      .def(py::init<const std::vector<at::Tensor>&>(), py::arg("tensors"))
+      .def("reached", &GradReach::reached,
+           "Indices of the tensors that received a gradient since construction.");
   py::class_<LayerLoop>(m, "LayerLoop",
                         "The layer calls of one stage: reseed, recompute context, NVTX range, "
                         "module call and timing per layer, in one native loop.")

@@ -190,6 +190,11 @@ class TimingMark:
 
 # The CPU generator states a call's forward layers were seeded with, kept (at most 4096) so that
 # their recompute starts from a copy instead of seeding again.
+# Which of `tensors` (leaves of a stage) an AccumulateGrad node ran for since construction.
+class GradReach:
+    def __init__(self, tensors: Sequence[Tensor]) -> None: ...
+    def reached(self) -> list[int]: ...
+
 class RngStates:
     def __init__(self, layers: int, microbatches: int) -> None: ...
     @property

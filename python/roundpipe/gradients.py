@@ -35,6 +35,10 @@ class GradientState:
         self.dirty = False
         # synchronize() put views of the arena into param.grad; the user may have changed them.
         self.published = False
+        # ``id`` of each trained parameter with a gradient in the arena: one a backward reached
+        # (or the user set) since the last step or zero_grad(). The others have none, as in
+        # plain PyTorch (.grad None), and a step hands them none, so optimizers skip them.
+        self.reached: set[int] = set()
         # The trained parameters and their gradient offsets (fixed once the model is wrapped).
         self._slots = [slot for slot in memory.slots() if slot.grad_offset is not None]
         self._offsets = [cast(int, slot.grad_offset) for slot in self._slots]
@@ -96,6 +100,7 @@ class GradientState:
                 self.memory.grads.copy_(backup)
             raise
         self.pending.extend(call.pending)
+        self.reached |= call.reached
         self.dirty = True
 
     @contextmanager
@@ -107,6 +112,12 @@ class GradientState:
         self.memory.fold_alias_grads()
         yield
         self.dirty = False
+        self.reached = set()
+
+    def reach_all(self) -> None:
+        """Every trained parameter has a gradient in the arena (loaded from a checkpoint)."""
+        self.reached = {id(param) for param in self._params}
+        self.dirty = True
 
     def clear(self, set_to_none: bool) -> None:
         """``zero_grad()``: the gradients accumulated so far are gone, published or not (the
@@ -123,6 +134,8 @@ class GradientState:
                 elif param.grad is not None:
                     param.grad.zero_()  # a tensor the user set in place of the view
         self.dirty = not set_to_none
+        if set_to_none:
+            self.reached = set()
 
     def publish(self) -> None:
         """Views of the arena into ``param.grad`` (transfers already waited for); ``None``
@@ -133,8 +146,8 @@ class GradientState:
         memory.fold_alias_grads()
         if self.dirty:
             _C.set_grads(self._params, self._views())
-        else:
-            for param in self._params:
+        for param in self._params:
+            if id(param) not in self.reached:
                 param.grad = None
         self.published = True
 
@@ -150,7 +163,10 @@ class GradientState:
         if not self.published:
             return
         grads = [slot.param.grad for slot in self._slots]
-        dirty = any(grad is not None for grad in grads)
+        self.reached = {
+            id(p) for p, grad in zip(self._params, grads, strict=True) if grad is not None
+        }
+        dirty = bool(self.reached)
         with torch.no_grad():
             if not dirty:
                 # Every gradient cleared (zero_grad(set_to_none=True)): the arena in one memset

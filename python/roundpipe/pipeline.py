@@ -292,8 +292,11 @@ class ResidentStage:
                 memory.grads if self.grads_from_arena else None,
             )
             self.uploaded = uploaded if uploaded is not None else self._upload_sources(fence)
+        # Which trained parameters a backward reaches (see reached_params).
+        self.reach: Any = None
         if with_grads:
             self._forward_tensor_hooks()
+            self.reach = _C.GradReach([self.views[i] for i in layout.trained])
         # The frozen parameters bound in host memory, each a `.data` alias with a version counter
         # of its own, so an in-place change by the layer shows (see `bound`): (slot index, the
         # tensor bound).
@@ -323,6 +326,11 @@ class ResidentStage:
             hooks = param._backward_hooks
             if hooks:
                 views[i]._backward_hooks = hooks
+
+    def reached_params(self) -> list[int]:
+        """``id`` of each trained parameter whose copy here received a gradient."""
+        layout = self.layout
+        return [id(layout.params[layout.trained[j]]) for j in self.reach.reached()]
 
     def _upload_sources(self, fence: Any) -> Any:
         """Without a parameter arena: each parameter copied into the buffer from its own storage
@@ -654,6 +662,9 @@ class Call:
     # False: a backward that wants the inputs' gradients only (torch.autograd.grad), so the
     # parameters' are not downloaded.
     keep_param_grads: bool = field(init=False, default=True)
+    # ``id`` of each trained parameter a backward stage of this call gave a gradient (with
+    # stage reduces: every trained parameter of those stages, as some rank may have).
+    reached: set[int] = field(init=False, default_factory=set)
     # The CPU generator states the forward stages' layers were seeded with, for their recompute.
     rng_states: Any = field(init=False, default=None)
 
@@ -921,7 +932,9 @@ class Call:
         over the data-parallel ranks on the device, and only the own shard is downloaded."""
         dp = self.runner.stage_reduce
         if dp is None:
+            self.reached.update(stage.reached_params())
             return stage.download_grads()
+        self.reached.update(id(stage.layout.params[i]) for i in stage.layout.trained)
         assert stage.grad_buffer is not None
         device = device_at(stage.device_index)
         trace = stage.trace

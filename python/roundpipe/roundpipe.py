@@ -444,7 +444,9 @@ class RoundPipe(ForwardingModule):
             raise TypeError(f"is_async must be a bool, got {type(is_async).__name__}")
         runtime = self._runtime
         with runtime.gradients.handing_over():
-            runtime.steps.step(step_fn, is_async, args, kwargs, runtime.gradients.dirty)
+            runtime.steps.step(
+                step_fn, is_async, args, kwargs, frozenset(runtime.gradients.reached)
+            )
 
     @serialized
     def synchronize(self) -> None:
@@ -562,7 +564,7 @@ class RoundPipe(ForwardingModule):
         if grads is not None:
             with torch.no_grad():
                 runtime.memory.grads.copy_(grads)
-            runtime.gradients.dirty = True
+            runtime.gradients.reach_all()
         pending = staged.pop("pending_writeback", None)
         saved_copies = {key.removeprefix("optim."): value for key, value in staged.items()}
         steps = runtime.steps

@@ -44,7 +44,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -418,12 +418,13 @@ class StepPipeline:
         is_async: bool,
         args: Any,
         kwargs: Any,
-        has_grads: bool = True,
+        reached: Collection[int] | None = None,
     ) -> None:
         """Queue one optimizer step over the gradients accumulated so far (already complete).
-        Without any (``has_grads=False``: none accumulated since the last step or
-        ``zero_grad()``) the copies get no gradient, as plain PyTorch's parameters have none
-        then, and optimizers skip them."""
+        Only the copies of the parameters in ``reached`` (``id``s; None: all of them) get a
+        gradient: the others have none since the last step or ``zero_grad()`` (no backward
+        reached them), as plain PyTorch's parameters have none then, and optimizers skip them.
+        With data parallelism every copy gets the gradient averaged over the ranks."""
         self.finish()
         copies = self.copies()
         self.take_edits()  # after a synchronous step or none: finish() had nothing to write back
@@ -460,7 +461,7 @@ class StepPipeline:
                 pairs = [
                     (copies[id(slot.param)], self.memory.grad_view(slot, handed_over))
                     for slot in slots
-                    if has_grads
+                    if reached is None or id(slot.param) in reached
                 ]
             else:
                 pairs = self._reduce_gradients(dp, copies, handed_over)
