@@ -549,3 +549,68 @@ def test_auto_roundpipe_glue_entries_are_validated(bad: str) -> None:
     with pytest.raises(RuntimeError, match="Error\\(s\\) in loading state_dict for AutoRoundPipe"):
         model.load_state_dict(checkpoint)
     _assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("where", ["write-back", "hand-over"])
+def test_ctrl_c_inside_a_steps_bookkeeping_is_held_until_it_is_done(
+    monkeypatch: pytest.MonkeyPatch, num_devices: int, where: str
+) -> None:
+    """A Ctrl-C that lands while step() writes back the previous step's weights (layer by
+    layer) or hands the gradients over still reaches the caller, but only once that work is
+    done: retrying step() then trains exactly as without the interrupt (plain PyTorch with the
+    asynchronous steps' staleness of one), never with some layers' weights or gradients lost."""
+    from roundpipe.memory import ModelMemory
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+
+    def batch(i: int) -> torch.Tensor:
+        return torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+
+    def loss(out: torch.Tensor, _: object = None) -> torch.Tensor:
+        return out.square().sum()
+
+    # Plain PyTorch, each iteration on the weights before the previous step (staleness 1).
+    reference, copies = build(), build()
+    reference_optimizer = torch.optim.SGD(copies.parameters(), lr=0.1)
+    for i in range(4):
+        for chunk in batch(i).tensor_split(2):
+            loss(reference(chunk)).backward()
+        with torch.no_grad():
+            for p, q in zip(reference.parameters(), copies.parameters(), strict=True):
+                q.grad, p.grad = p.grad, None
+                p.copy_(q)  # the previous step's weights land before this step runs
+        reference_optimizer.step()
+    with torch.no_grad():
+        for p, q in zip(reference.parameters(), copies.parameters(), strict=True):
+            p.copy_(q)
+
+    model = RoundPipe(build())
+    optimizer = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    target = ModelMemory.write_async if where == "write-back" else ModelMemory.fold_alias_grads
+    calls = [0]
+
+    def interrupted(self: ModelMemory, *args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:  # the second step: the first one's write-back or this hand-over
+            signal.raise_signal(signal.SIGINT)
+        return target(self, *args)
+
+    name = "write_async" if where == "write-back" else "fold_alias_grads"
+    monkeypatch.setattr(ModelMemory, name, interrupted)
+    interrupts = 0
+    for i in range(4):
+        model.forward_backward(
+            input_args=(batch(i),), loss_fn=loss, run_config=RoundPipeRunConfig(num_microbatch=2)
+        )
+        while True:
+            try:
+                model.step(lambda: (optimizer.step(), optimizer.zero_grad()))
+                break
+            except KeyboardInterrupt:
+                interrupts += 1
+    model.synchronize()
+    assert interrupts == 1
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)

@@ -9,7 +9,10 @@ rebuilding them (and, on GPUs, without a host synchronisation).
 from __future__ import annotations
 
 import copy
+import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,6 +171,30 @@ def annotate(error: BaseException, where: str) -> BaseException:
     annotated.__cause__ = error
     annotated.__traceback__ = error.__traceback__
     return annotated
+
+
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C that arrives inside the block until it ends, then raise it as Python's
+    handler would: for bookkeeping that must not stop half-way (the gradients handed to a
+    step and the step queued, the weights written back after it), none of which waits. On
+    other threads (where Python delivers no Ctrl-C) and under a handler Python did not install,
+    the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # SIG_IGN, SIG_DFL or a handler installed outside Python
+        yield
+        return
+    caught: list[Any] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            previous(signal.SIGINT, caught[0])
 
 
 __all__ = [

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from roundpipe._native import _C
+from roundpipe.context import interrupts_deferred
 from roundpipe.memory import ModelMemory, clear_arena
 
 if TYPE_CHECKING:
@@ -106,13 +107,22 @@ class GradientState:
     @contextmanager
     def handing_over(self) -> Iterator[None]:
         """Around handing the arena to an optimizer step: complete and folded before, clean
-        after a successful hand-over."""
+        after the hand-over."""
         self.wait_pending()
-        self._absorb_user_grads()
-        self.memory.fold_alias_grads()
-        yield
-        self.dirty = False
-        self.reached = set()
+        # Taking back the user's gradients and folding the aliases' must not stop half-way (a
+        # retry would take or fold some twice).
+        with interrupts_deferred():
+            self._absorb_user_grads()
+            self.memory.fold_alias_grads()
+        arena = self.memory.grads
+        try:
+            yield
+        finally:
+            # Handed over once the step swapped in the other arena, even if a Ctrl-C came later
+            # (in a synchronous step's wait).
+            if self.memory.grads is not arena:
+                self.dirty = False
+                self.reached = set()
 
     def reach_all(self) -> None:
         """Every trained parameter has a gradient in the arena (loaded from a checkpoint)."""

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from roundpipe._native import _C
-from roundpipe.context import OptimizerCtx, annotate
+from roundpipe.context import OptimizerCtx, annotate, interrupts_deferred
 from roundpipe.distributed import DataParallel
 from roundpipe.memory import ModelMemory, clear_arena
 from roundpipe.optim import fused_writeback
@@ -426,6 +426,24 @@ class StepPipeline:
         reached them), as plain PyTorch's parameters have none then, and optimizers skip them.
         With data parallelism every copy gets the gradient averaged over the ranks."""
         self.finish()
+        # From the hand-over to the job queued, nothing waits, and a Ctrl-C half-way would lose
+        # the gradients (or the step): held until the job is queued.
+        with interrupts_deferred():
+            self._submit(step_fn, is_async, args, kwargs, reached)
+        if not is_async:
+            self.finish()
+            self.memory.wait_writes()
+
+    def _submit(
+        self,
+        step_fn: Callable[..., Any],
+        is_async: bool,
+        args: Any,
+        kwargs: Any,
+        reached: Collection[int] | None,
+    ) -> None:
+        """The hand-over of the gradients to the optimizer thread and the step's job (see
+        :meth:`step`)."""
         copies = self.copies()
         self.take_edits()  # after a synchronous step or none: finish() had nothing to write back
         handed_over = self.memory.grads
@@ -504,9 +522,6 @@ class StepPipeline:
                     )
 
         self._job = submit(job)
-        if not is_async:
-            self.finish()
-            self.memory.wait_writes()
 
     def _agreeing(self) -> Any:
         """The context in which GradScaler's verdicts agree over the data-parallel ranks."""
@@ -570,9 +585,12 @@ class StepPipeline:
                 self._job = None
                 _settle(self._job_iteration)
                 raise
-            self._job = None
-            _settle(self._job_iteration)
-            self._written = self._write_back(skip=self.take_edits())
+            # A Ctrl-C half-way would leave some layers without the step's weights, the step
+            # counted as done: held until the write-back is queued.
+            with interrupts_deferred():
+                self._job = None
+                _settle(self._job_iteration)
+                self._written = self._write_back(skip=self.take_edits())
             if interrupt is not None:
                 raise interrupt  # Ctrl-C came as the step ended: its write-back is queued
             if tracer is not None:
