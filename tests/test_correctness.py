@@ -1241,6 +1241,36 @@ def test_parameters_no_backward_reaches_get_no_gradient(
             assert torch.equal(p, q), name
 
 
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_an_inference_call_of_the_same_model_inside_loss_fn_changes_nothing(
+    num_devices: int, grain: str
+) -> None:
+    """loss_fn may call the model it is the loss of (a metric on a fixed batch, under no_grad):
+    that nested call binds the layers to its own copies and back to the outer stage's, so the
+    gradients are plain PyTorch's with the same loss_fn, bit for bit."""
+    reference, (x, probe, _) = accumulation_case(torch.float32)
+    model = RoundPipe(copy.deepcopy(reference))
+    config = RoundPipeRunConfig(num_microbatch=3, recompute_grain=grain)
+    seen: list[torch.Tensor] = []
+
+    def loss_fn(out: torch.Tensor, _: object, net: nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            seen.append(net(probe))
+        return loss_of(out)
+
+    model.forward_backward(
+        input_args=(x,), label=x, loss_fn=lambda o, y: loss_fn(o, y, model), run_config=config
+    )
+    ours = seen[:]
+    seen.clear()
+    for chunk in x.tensor_split(3):
+        loss_fn(reference(chunk), None, reference).backward()
+    model.synchronize()
+    assert_grads_equal(model.model, reference)
+    for a, b in zip(ours, seen, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("change", ["step", "sync step", "in-place edit", "load_state_dict"])
 def test_backward_after_the_weights_changed_raises_like_pytorch(
     num_devices: int, change: str

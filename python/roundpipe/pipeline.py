@@ -375,6 +375,10 @@ class ResidentStage:
         memory = self.memory
         memory.settle_buffers(self.layers)
         bound_buffers: list[tuple[int, torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        # What was bound before: the parameters, or an outer stage's copies when this stage is
+        # a nested call of the same model (an inference call inside loss_fn), whose stage must
+        # compute with its own copies again afterwards.
+        before: list[torch.Tensor] = []
         with _device_guard(device):
             start = trace.mark() if trace is not None else None
             self.uploaded.block_current_stream(self.device_index)
@@ -384,6 +388,7 @@ class ResidentStage:
             try:
                 for owner, name, i in layout.owners:
                     # The device copy (a plain tensor) stands in for the parameter.
+                    before.append(cast(torch.Tensor, owner._parameters[name]))
                     owner._parameters[name] = cast(torch.nn.Parameter, views[i])
                 for index, owner, name in layout.buffers:
                     host = owner._buffers[name]
@@ -400,9 +405,8 @@ class ResidentStage:
                     for index, _, _, host, working in bound_buffers:
                         memory.defer_buffer_write(index, host, *self._buffer_to_host(working))
             finally:
-                params = layout.params
-                for owner, name, i in layout.owners:
-                    owner._parameters[name] = params[i]
+                for (owner, name, _), previous in zip(layout.owners, before, strict=False):
+                    owner._parameters[name] = cast(torch.nn.Parameter, previous)
                 for _, owner, name, host, _ in bound_buffers:
                     owner._buffers[name] = host
 
