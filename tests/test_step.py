@@ -381,3 +381,30 @@ def test_unfreezing_a_parameter_frozen_at_wrapping_is_an_error_before_work() -> 
         model(x)  # inference computes no gradient
     net[0].requires_grad_(False)
     model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_an_optimizer_over_the_model_parameters_is_refused(
+    num_devices: int, is_async: bool
+) -> None:
+    """An optimizer built over model.parameters() (plain PyTorch's spelling) would find no
+    gradient there (they go to the optimizer copies) and silently change nothing: its step
+    raises, naming the fix, and an optimizer over optim_parameters() then trains as plain
+    PyTorch."""
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference), name="misbuilt")
+    wrong = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batches(1)[0]
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    with pytest.raises(RuntimeError, match=r"'misbuilt'.*model\.optim_parameters\(\)"):
+        model.step(lambda: (wrong.step(), wrong.zero_grad()), is_async=is_async)
+        model.synchronize()
+    ours = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
+    plain_grads(reference, x, y)  # the failed step's gradients stayed, as for any failed step
+    plain_grads(reference, x, y)
+    plain.step()
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)

@@ -48,6 +48,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from roundpipe._native import _C
 from roundpipe.context import OptimizerCtx, annotate, interrupts_deferred
@@ -74,6 +75,26 @@ _used_optimizer_thread = False
 # How long interpreter exit waits for a step in flight after a KeyboardInterrupt (or another
 # uncaught exception) before it leaves without it.
 EXIT_AFTER_ERROR_SECONDS = 2.0
+
+
+def _refuse_model_parameters(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """Before any optimizer's step on the optimizer thread: one built over the model's own
+    parameters instead of its optimizer copies would find no gradient on them (they are in the
+    host arena) and silently do nothing; a clear error instead."""
+    stepping: StepPipeline | None = getattr(_job, "stepping", None)
+    if stepping is None:
+        return
+    trained = stepping.trained_ids
+    for group in optimizer.param_groups:
+        if any(id(param) in trained for param in group["params"]):
+            raise RuntimeError(
+                f"{type(optimizer).__name__} in step_fn was built over the model's parameters "
+                "(model.parameters()); RoundPipe hands the gradients to the optimizer copies: "
+                "build it over model.optim_parameters()"
+            )
+
+
+register_optimizer_step_pre_hook(_refuse_model_parameters)
 
 
 def current_iteration() -> int:
@@ -343,6 +364,7 @@ class StepPipeline:
         self._agreed: dict[int, int] = {}
         # The trained parameters' slots (fixed once the model is wrapped; aliases excluded).
         self._trained = [slot for slot in memory.slots() if slot.grad_offset is not None]
+        self.trained_ids = frozenset(id(slot.param) for slot in self._trained)
 
     def copies(self) -> dict[int, OptimizerCopy]:
         """Optimizer copies keyed by ``id`` of the model parameter, created on first use."""
@@ -506,11 +528,13 @@ class StepPipeline:
 
         def job() -> None:
             _job.iteration = iteration
+            _job.stepping = self
             start = tracer.mark() if tracer is not None else None
             try:
                 run_step()
             finally:
                 _job.iteration = None
+                _job.stepping = None
                 if tracer is not None:
                     tracer.record(
                         "optimizer_step",
