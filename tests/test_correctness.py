@@ -840,6 +840,52 @@ def test_tuples_and_in_place_inputs_between_layers_match_plain_pytorch(
     assert_same_grads(model.model, reference)
 
 
+class ShiftedView(nn.Module):
+    """Returns a strided view that starts one element past a row: the next layer's input is
+    misaligned and not dense, as a slice of a wider activation is."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([h, h[:, :1]], dim=1)[:, 1:]
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("how", ["forward_backward", "forward then backward"])
+def test_copies_of_misaligned_inputs_round_as_the_originals(
+    num_devices: int, grain: str, how: str
+) -> None:
+    """The second microbatch of a 6 x 5 float64 batch starts 120 bytes into it, not on a 16-byte
+    boundary, and MKL rounds a GEMM on such an input otherwise than on an aligned copy; so does a
+    layer's strided, offset view. With every layer recomputed from a kept copy, the copies must be
+    laid out and placed as the originals for gradients to match plain PyTorch bit for bit."""
+    torch.manual_seed(12)
+    net = nn.Sequential(
+        nn.Sequential(nn.Linear(5, 7), nn.Tanh()),  # tanh's backward uses the recomputed output
+        ShiftedView(),
+        nn.Sequential(nn.Linear(7, 7), nn.Tanh()),
+        nn.Linear(7, 3),
+    )
+    reference = copy.deepcopy(net)
+    model = RoundPipe(net)
+    plan = single_layer_plan(4)
+    if how != "forward_backward":
+        plan = make_plan([range(i, i + 1) for i in range(4)], plan.bwd_plan)
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan, recompute_grain=grain)
+    for step in range(3):
+        x, y = torch.randn(6, 5), torch.randn(6, 3)
+        if how == "forward_backward":
+            loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+            expected = plain_forward_backward(reference, x, y, 2)
+            assert torch.equal(torch.as_tensor(loss), expected), step
+        else:
+            out = model(x, roundpipe_run_config=config)
+            plain = torch.cat([reference(xm) for xm in x.tensor_split(2)])
+            assert torch.equal(out, plain), step
+            mse(out, y).backward()
+            mse(plain, y).backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference, exact=True)
+
+
 # --------------------------------------------------------------------------------------------
 # Gradients accumulated over calls, bit for bit
 # --------------------------------------------------------------------------------------------

@@ -9,12 +9,14 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/strides.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -338,11 +340,61 @@ class GradReach {
   std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators_;
 };
 
+// An uninitialised tensor like `tensor` on `device`, laid out and placed as it is: its strides
+// (on the host whenever its elements do not overlap, so a strided view stays one; on a CUDA
+// device when they are dense; else contiguous), and its first element as far past an alignment
+// boundary as tensor's: 64 bytes on the host (what torch's CPU allocator aligns to), 512 on a
+// CUDA device (the caching allocator's), counted from the start of tensor's storage when it
+// comes from the host (where plain PyTorch would have moved the whole batch). Matrix kernels
+// choose their code path by the layout and alignment of their operands (MKL rounds a GEMM with
+// a 16-byte-misaligned input differently), so a microbatch view of the user's batch, or a view a
+// layer returned, and the copy a layer gets of it must agree for the layer to round as it does
+// in plain PyTorch.
+// Whether no two elements of `tensor` share memory: with its dimensions ordered by stride, each
+// stride steps past everything the smaller ones reach.
+bool elements_apart(const at::Tensor& tensor) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> dims;  // (stride, size) of dims with size > 1
+  for (std::int64_t dim = 0; dim < tensor.dim(); ++dim) {
+    if (tensor.size(dim) > 1) dims.emplace_back(tensor.stride(dim), tensor.size(dim));
+  }
+  std::sort(dims.begin(), dims.end());
+  std::int64_t reach = 0;  // the furthest element the dims so far reach
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) return false;
+    reach += (size - 1) * stride;
+  }
+  return true;
+}
+
+at::Tensor empty_placed(const at::Tensor& tensor, c10::Device device) {
+  const auto item = static_cast<std::uintptr_t>(tensor.element_size());
+  const std::uintptr_t boundary = device.is_cuda() ? 512 : 64;
+  const auto address = tensor.device().type() == device.type()
+                           ? reinterpret_cast<std::uintptr_t>(tensor.data_ptr())
+                           : static_cast<std::uintptr_t>(tensor.storage_offset()) * item;
+  std::uintptr_t skew = address % boundary;
+  if (skew % item != 0) skew = 0;
+  const bool strided =
+      device.is_cuda() ? tensor.is_non_overlapping_and_dense() : elements_apart(tensor);
+  const auto options = tensor.options().device(device);
+  if (tensor.numel() == 0) return at::empty(tensor.sizes(), options);
+  const auto strides = strided ? c10::DimVector(tensor.strides().begin(), tensor.strides().end())
+                               : c10::contiguous_strides(tensor.sizes());
+  std::int64_t span = 1;  // elements from the first to the last, inclusive
+  for (std::size_t dim = 0; dim < strides.size(); ++dim)
+    span += (tensor.size(dim) - 1) * strides[dim];
+  const auto shift = static_cast<std::int64_t>(skew / item);
+  return at::empty({span + shift}, options).as_strided(tensor.sizes(), strides, shift);
+}
+
 // A copy of `tensor` that autograd does not know of, as tensor.detach().clone() (without the
-// detached alias and the autograd layer of the dispatch in between).
+// detached alias and the autograd layer of the dispatch in between), placed as `tensor` is
+// (empty_placed).
 at::Tensor plain_copy(const at::Tensor& tensor) {
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return tensor.clone();
+  at::Tensor copy = empty_placed(tensor, tensor.device());
+  copy.copy_(tensor);
+  return copy;
 }
 
 // Host-clock layer times as the model's timer folds them: the layers, and the seconds of each.
@@ -783,6 +835,12 @@ void bind_dispatch(py::module_& m) {
            "(layers, seconds) of the layer runs since the last call, in order.")
       .def("take_device_times", &LayerLoop::take_device_times,
            "(layer, start, end) TimingMarks of each layer run since the last call, in order.");
+  m.def("empty_placed", &empty_placed, py::arg("tensor"), py::arg("device"),
+        "An uninitialised tensor like `tensor` on `device` whose first element sits as far past "
+        "an alignment boundary (64 bytes on the host, 512 on CUDA) as tensor's: copies a layer "
+        "takes round as the original would.");
+  m.def("plain_copy", &plain_copy, py::arg("tensor"),
+        "tensor.detach().clone(), placed as `tensor` is (see empty_placed).");
   m.def("set_grads", &set_grads, py::arg("tensors"), py::arg("grads"),
         "tensors[i].grad = grads[i] (same shape, dtype and device).");
   m.def("layer_seed", &layer_seed, py::arg("call_seed"), py::arg("layer"), py::arg("microbatch"),

@@ -83,7 +83,7 @@ def to_device(tree: Any, device_index: int, after: Any = None) -> Any:
     def move(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor) or leaf.device == device:
             return leaf
-        moved = torch.empty_like(leaf, device=device)
+        moved = _C.empty_placed(leaf, device)
         source_ready = _C.record_event(leaf.device.index) if leaf.is_cuda else after
         if not leaf.is_cuda and not leaf.is_pinned():
             # A pageable source would make the copy synchronous with the host (the driver stages
@@ -1270,13 +1270,14 @@ def _shares_memory(a: Any, b: Any) -> bool:
 def _unshared(saved: Any, passed: Any) -> Any:
     """``saved`` with a private copy of every tensor that is also ``passed`` to a layer (virtual
     CPU devices, or inputs already on the device): whatever the layer does to its input, the
-    recompute must see what the forward saw."""
+    recompute must see what the forward saw. Copies are placed as their originals are
+    (``_C.empty_placed``), so that the recompute rounds as the forward did."""
     saved_leaves, spec = _flatten(saved)
     passed_leaves, _ = _flatten(passed)
     copies = []
     for leaf, other in zip(saved_leaves, passed_leaves, strict=True):
         if _shares_memory(leaf, other):
-            leaf = leaf.detach().clone().requires_grad_(leaf.requires_grad)
+            leaf = _C.plain_copy(leaf).requires_grad_(leaf.requires_grad)
         copies.append(leaf)
     return _unflatten(copies, spec)
 
@@ -1291,7 +1292,7 @@ def _writable(inputs: Any, saved: Any = None) -> Any:
     fresh = []
     for leaf, kept in zip(leaves, saved_leaves, strict=True):
         if isinstance(leaf, torch.Tensor) and (leaf.requires_grad or _shares_memory(leaf, kept)):
-            leaf = leaf.clone()
+            leaf = _C.empty_placed(leaf, leaf.device).copy_(leaf)  # a clone, placed as leaf
         fresh.append(leaf)
     return _unflatten(fresh, spec)
 
