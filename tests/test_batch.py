@@ -264,12 +264,19 @@ def test_single_microbatch_passes_inputs_through() -> None:
 # Split errors
 
 
-def test_tensor_smaller_than_num_microbatch_names_the_leaf() -> None:
-    with pytest.raises(ValueError, match=r"args\[1\]\['ids'\].*size 2.*num_microbatch"):
-        split_input(("s", {"ids": torch.arange(2)}), {}, 3, None)
-    with pytest.raises(ValueError, match=r"kwargs\['input_ids'\].*size 2"):
-        split_input((), {"input_ids": torch.arange(2)}, 3, None)
-    with pytest.raises(ValueError, match=r"label\[1\].*size 3 along dim 1"):
+def test_a_batch_of_fewer_rows_than_microbatches_runs_one_row_each() -> None:
+    # As torch.distributed.pipelining splits (and 0.1.1 with it): a short last batch.
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    ids = torch.arange(2)
+    args_list, kwargs_list = split_input(("s", {"ids": ids}), {"mask": ids * 2}, 3, None)
+    expected, _ = split_args_kwargs_into_chunks(("s", {"ids": ids}), {"mask": ids * 2}, 3)
+    assert len(args_list) == len(expected) == 2
+    assert [a[1]["ids"].tolist() for a in args_list] == [[0], [1]]
+    assert [k["mask"].tolist() for k in kwargs_list] == [[0], [2]]
+    args_list, _ = split_input((torch.randn(4, 3),), {}, 5, ((TensorChunkSpec(1),), None))
+    assert [a[0].shape[1] for a in args_list] == [1, 1, 1]
+    with pytest.raises(ValueError, match=r"label\[1\] holds 3 rows .* 4 microbatches"):
         split_label((1, torch.randn(9, 3)), 4, (None, TensorChunkSpec(1)))
 
 
@@ -482,10 +489,14 @@ def test_packed_rows_drive_the_kwargs_batch_split() -> None:
     assert [a[1].tolist() for a in args_list] == [[0], [1, 2, 3, 4, 5]]
 
 
-def test_packed_leaf_with_wrong_length_is_rejected() -> None:
+def test_packed_leaf_of_another_length() -> None:
+    # Fewer microbatches than asked for: 0.1.1 warned and ran as many as the packed value holds.
     packed = RoundPipePackedData([1, 2])
+    with pytest.warns(UserWarning, match=r"args\[0\]: RoundPipePackedData holds 2 microbatches"):
+        args_list, _ = split_input((packed,), {}, 3, None)
+    assert args_list == [(1,), (2,)]
     with pytest.raises(ValueError, match=r"args\[0\]: RoundPipePackedData holds 2 microbatches"):
-        split_input((packed,), {}, 3, None)
+        split_input((packed,), {}, 1, None)
     with pytest.raises(ValueError, match=r"label: RoundPipePackedData holds 2"):
         split_label(packed, 1, None)
 

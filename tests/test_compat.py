@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import roundpipe
 import torch
-from roundpipe import RoundPipe, RoundPipeRunConfig
+from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe.optim import Adam
 from torch import nn
 
@@ -457,8 +457,8 @@ def test_override_config_takes_module_to_run_config() -> None:
     wrapped = roundpipe.wrap_model_to_roundpipe(
         model, lower_threshold=1, upper_threshold=1, override_config={model.a: config}
     )
-    assert wrapped.a.model_run_config is config
-    assert wrapped.b.model_run_config is not config
+    assert repr(wrapped.a.model_run_config) == repr(config)  # a snapshot of it, as in 0.1.1
+    assert repr(wrapped.b.model_run_config) != repr(config)
 
 
 def test_auto_roundpipe_constructs_from_one_module(num_devices: int) -> None:
@@ -566,7 +566,7 @@ class SeesItsParameters(nn.Linear):
 
 def test_parameters_keep_requires_grad_in_every_stage(num_devices: int) -> None:
     # 0.1.1 ran layers on device copies of the parameters with their requires_grad flags; a
-    # forward stage runs without grad, but a layer that checks the flag sees the parameter's.
+    # layer that checks the flag sees the parameter's, in inference too.
     model = RoundPipe(nn.Sequential(SeesItsParameters(), nn.Tanh(), SeesItsParameters()))
     x = torch.randn(6, 4)
     model(x).sum().backward()
@@ -575,6 +575,87 @@ def test_parameters_keep_requires_grad_in_every_stage(num_devices: int) -> None:
         model(x)
     for layer in (model.model[0], model.model[2]):
         assert layer.seen and set(layer.seen) == {(True, False)}
+
+
+def mse_sum(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return ((output - label) ** 2).sum()
+
+
+class BranchesOnGradMode(nn.Linear):
+    """Doubles its output when grad mode is on: what plain PyTorch's training loop runs with."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y * 2 if torch.is_grad_enabled() else y
+
+
+class SeesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[bool, bool, int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not roundpipe.doing_recompute():
+            edges = len(x.grad_fn.next_functions) if x.grad_fn is not None else -1
+            self.seen.append((x.requires_grad, x.is_leaf, edges))
+        return x.relu_()  # in place, as on a plain activation
+
+
+def test_training_forward_runs_in_grad_mode_as_plain_pytorch(num_devices: int) -> None:
+    # Contract: forward_backward is the per-microbatch loop forward -> loss -> backward, which
+    # plain PyTorch (and 0.1.1) runs in grad mode: a layer that branches on it computes the same
+    # in every stage, and in forward() with gradients; inference runs without.
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(4, 4), BranchesOnGradMode(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    reference = copy.deepcopy(net)
+    model = RoundPipe(net)
+    plan = ModelExecutePlan()
+    plan.fwd_plan, plan.bwd_plan = [range(0, 2), range(2, 3)], [range(3, 4), range(0, 3)]
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse_sum, run_config=config)
+    pairs = zip(x.tensor_split(2), y.tensor_split(2), strict=True)
+    expected = torch.stack([mse_sum(reference(xm), ym) for xm, ym in pairs]).sum()
+    expected.backward()
+    assert torch.allclose(loss, expected.detach())
+    out = model(x, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=2))
+    assert torch.allclose(out, torch.cat([reference(xm) for xm in x.tensor_split(2)]))
+    mse_sum(out, y).backward()
+    mse_sum(torch.cat([reference(xm) for xm in x.tensor_split(2)]), y).backward()
+    model.synchronize()
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    with torch.no_grad():
+        assert torch.allclose(model(x), reference(x))
+
+
+def test_a_forward_stage_passes_activations_that_require_grad_and_keep_no_graph(
+    num_devices: int,
+) -> None:
+    # As in plain PyTorch a layer's input requires grad and is no leaf (so it may be changed in
+    # place); the graph that made it is not kept (the recompute rebuilds it).
+    seer = SeesItsInput()
+    model = RoundPipe(nn.Sequential(nn.Linear(4, 4), seer, nn.Linear(4, 1)))
+    plan = ModelExecutePlan()
+    plan.fwd_plan, plan.bwd_plan = [range(0, 2)], [range(2, 3), range(0, 2)]
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+    model.forward_backward(
+        input_args=(torch.randn(6, 4),), loss_fn=lambda o, _: o.sum(), run_config=config
+    )
+    assert seer.seen == [(True, False, 0), (True, False, 0)]
+
+
+def test_saving_a_product_that_requires_grad_raises_in_a_forward_stage(num_devices: int) -> None:
+    # The forward stages of forward_backward run in grad mode too, so 0.1.1's check holds there.
+    plan = ModelExecutePlan()
+    plan.fwd_plan, plan.bwd_plan = [range(0, 1)], [range(1, 2), range(0, 1)]
+    model = RoundPipe(nn.Sequential(SavesAProduct(4, 4), nn.Linear(4, 4)))
+    with pytest.raises(AssertionError, match="requires grad"):
+        model.forward_backward(
+            input_args=(torch.randn(6, 4),),
+            loss_fn=lambda out, _: out.sum(),
+            run_config=RoundPipeRunConfig(execute_plan=plan),
+        )
 
 
 class SavesItsWeight(nn.Linear):
@@ -613,3 +694,76 @@ def test_buffer_updates_through_data_are_kept(num_devices: int) -> None:
     with torch.no_grad():
         model(torch.randn(6, 4), roundpipe_run_config=config)
     assert model.model[0].count.item() == 6 and model.model[2].count.item() == 6
+
+
+@pytest.mark.parametrize("how", ["forward_backward", "forward"])
+def test_a_batch_smaller_than_num_microbatch_runs_one_row_per_microbatch(
+    num_devices: int, how: str
+) -> None:
+    # 0.1.1 split as torch.distributed.pipelining does: 3 rows and 8 microbatches make 3 (a
+    # short last batch against the default of devices + 1 on a large machine).
+    torch.manual_seed(6)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    reference = copy.deepcopy(net)
+    model = RoundPipe(net, model_run_config=RoundPipeRunConfig(num_microbatch=8))
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    rows = zip(x.tensor_split(3), y.tensor_split(3), strict=True)
+    if how == "forward_backward":
+        loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse_sum)
+        expected = torch.zeros(())
+        for xm, ym in rows:  # the per-microbatch loop forward_backward is
+            one = mse_sum(reference(xm), ym)
+            one.backward()
+            expected = expected + one.detach()
+        assert torch.equal(loss, expected)
+    else:
+        out = model(x)
+        assert torch.equal(out, torch.cat([reference(xm) for xm, _ in rows]))
+        out.sum().backward()
+        torch.cat([reference(xm) for xm in x.tensor_split(3)]).sum().backward()
+    model.synchronize()
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_input_args_may_be_a_list(num_devices: int) -> None:
+    # 0.1.1 only warned about a list (a collate function's batch); it runs as the tuple.
+    torch.manual_seed(7)
+    model = RoundPipe(nn.Sequential(nn.Linear(4, 2)))
+    x = torch.randn(4, 4)
+    assert torch.equal(
+        model.forward_backward(input_args=[x], loss_fn=lambda out, _: out.sum()),
+        model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.sum()),
+    )
+
+
+def test_forward_backward_without_gradients_raises_what_0_1_1_asserted(num_devices: int) -> None:
+    model = RoundPipe(nn.Sequential(nn.Linear(4, 2)))
+    for error in (AssertionError, RuntimeError):
+        with torch.no_grad(), pytest.raises(error, match="requires_grad resolved to False"):
+            model.forward_backward(input_args=(torch.randn(4, 4),))
+    with pytest.raises(AssertionError, match="requires_grad resolved to False"):
+        model.forward_backward(
+            input_args=(torch.randn(4, 4),), run_config=RoundPipeRunConfig(requires_grad=False)
+        )
+
+
+def test_run_configs_and_plans_are_snapshots(num_devices: int) -> None:
+    # 0.1.1 deep-copied the model's run config and a config's plan: changing them afterwards
+    # changes nothing already built.
+    config = RoundPipeRunConfig(num_microbatch=2)
+    model = RoundPipe(nn.Sequential(nn.Linear(4, 2)), model_run_config=config)
+    config.num_microbatch = 4
+    calls: list[int] = []
+
+    def counting(out: torch.Tensor, _: Any) -> torch.Tensor:
+        calls.append(1)
+        return out.sum()
+
+    model.forward_backward(input_args=(torch.randn(4, 4),), loss_fn=counting)
+    assert len(calls) == 2
+    plan = ModelExecutePlan()
+    plan.fwd_plan, plan.bwd_plan = [], [range(0, 1)]
+    with_plan = RoundPipeRunConfig(execute_plan=plan)
+    plan.bwd_plan = [range(0, 2)]
+    assert with_plan.execute_plan is not None and with_plan.execute_plan.bwd_plan == [range(0, 1)]

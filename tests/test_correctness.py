@@ -886,6 +886,100 @@ def test_copies_of_misaligned_inputs_round_as_the_originals(
     assert_same_grads(model.model, reference, exact=True)
 
 
+class Transposed(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1)  # a strided 3-D activation, as an LSTM's batch_first output
+
+
+class LastOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize("first", ["transposed", "lstm"])
+def test_inference_and_forward_match_plain_pytorch_where_kernels_look_at_requires_grad(
+    num_devices: int, first: str
+) -> None:
+    """Inside nn.Linear a strided 3-D input goes through matmul, which folds it into a matrix
+    when the (transposed) weight requires grad, and a transpose made in no-grad mode requires
+    grad only when the parameter is no view; the LSTM's kernels look at requires_grad too. The
+    stage copies must behave as the parameters, in inference and in forward() with gradients."""
+    torch.manual_seed(13)
+    net = nn.Sequential(Transposed() if first == "transposed" else LastOutput(), nn.Linear(4, 4))
+    reference = copy.deepcopy(net)
+    model = RoundPipe(net)
+    x = torch.randn(5, 6, 4)
+    config = RoundPipeRunConfig(num_microbatch=1)
+    with torch.no_grad():
+        assert torch.equal(model(x, roundpipe_run_config=config), reference(x))
+    assert torch.equal(model(x, roundpipe_run_config=config), reference(x))
+
+
+class TwoOfIt(nn.Module):
+    """``(h, h)`` or ``(h, h[:, :3])``: two leaves sharing memory (hidden state and residual)."""
+
+    def __init__(self, view: bool) -> None:
+        super().__init__()
+        self.view = view
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (h, h[:, :3]) if self.view else (h, h)
+
+
+class ChangesOneOfThem(nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        a, b = pair
+        a.add_(1.0)  # plain PyTorch: b sees the change, as it shares a's memory
+        return torch.cat([a, b], dim=1) * 0.5
+
+
+@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_inputs_sharing_memory_share_it_in_the_recompute(
+    num_devices: int, grain: str, view: bool
+) -> None:
+    """A kept input whose leaves share memory is copied as one: the recompute of a layer that
+    changes one of them in place sees the other change too, as the forward and plain PyTorch
+    did. The user's own arguments likewise (``model(x, x)``)."""
+    torch.manual_seed(16)
+    width = 9 if view else 12
+    net = nn.Sequential(nn.Linear(6, 6), TwoOfIt(view), ChangesOneOfThem(), nn.Linear(width, 2))
+    reference = copy.deepcopy(net)
+    model = RoundPipe(net)
+    boundary = make_plan([range(0, 2), range(2, 4)], [range(2, 4), range(0, 2)])
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=boundary, recompute_grain=grain)
+    x = torch.randn(6, 6)
+    out = model(x, roundpipe_run_config=config)
+    plain = torch.cat([reference(xm) for xm in x.tensor_split(2)])
+    assert torch.equal(out, plain)
+    out.square().sum().backward()
+    plain.square().sum().backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference, exact=True)
+    # The user's own argument, whose leaves share memory; the first layer changes one of them.
+    torch.manual_seed(17)
+    first = nn.Sequential(ChangesOneOfThem(), nn.Linear(12, 2))
+    plain_first = copy.deepcopy(first)
+    model = RoundPipe(first)
+    plan = make_plan([range(0, 1), range(1, 2)], [range(1, 2), range(0, 1)])
+    one = RoundPipeRunConfig(num_microbatch=1, execute_plan=plan, recompute_grain=grain)
+    x = torch.randn(4, 6, requires_grad=True)
+    y = x.detach().clone().requires_grad_(True)
+    h, g = x * 2, y * 2
+    out = model((h, h), roundpipe_run_config=one)
+    plain = plain_first((g, g))
+    assert torch.equal(out, plain)
+    out.square().sum().backward()
+    plain.square().sum().backward()
+    model.synchronize()
+    assert torch.equal(x.grad, y.grad)
+    assert_same_grads(model.model, plain_first, exact=True)
+
+
 # --------------------------------------------------------------------------------------------
 # Gradients accumulated over calls, bit for bit
 # --------------------------------------------------------------------------------------------
@@ -1130,6 +1224,30 @@ def test_tensor_hooks_on_parameters_run_as_in_pytorch(num_devices: int, grain: s
     train_both(model, reference, x, config)
     model.synchronize()
     assert_grads_equal(model.model, reference)
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_parameter_hooks_run_once_per_backward_pass_of_a_forward(
+    num_devices: int, grain: str
+) -> None:
+    """The backward of a forward() output is one pass over every microbatch: plain PyTorch runs
+    a parameter's hook once, on its whole gradient (a clamp clips the sum, not each part)."""
+
+    def clipped(calls: list[int]) -> nn.Sequential:
+        torch.manual_seed(18)
+        net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+        net[0].weight.register_hook(lambda g: (calls.append(1), g.clamp(-0.01, 0.01))[1])
+        return net
+
+    ours, plain = [], []
+    model, reference = RoundPipe(clipped(ours)), clipped(plain)
+    x, y = torch.randn(6, 6), torch.randn(6, 3)
+    config = RoundPipeRunConfig(num_microbatch=3, recompute_grain=grain)
+    mse(model(x, roundpipe_run_config=config), y).backward()
+    mse(torch.cat([reference(c) for c in x.tensor_split(3)]), y).backward()
+    model.synchronize()
+    assert len(ours) == len(plain) == 1
+    assert_same_grads(model.model, reference)
 
 
 def test_post_accumulate_grad_hooks_are_refused_and_the_model_trains_on(num_devices: int) -> None:

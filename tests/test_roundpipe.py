@@ -832,3 +832,49 @@ def test_a_kv_cache_argument_is_refused_before_work() -> None:
         model(torch.randn(4, 6), past_key_values=dynamic())
     with pytest.raises(ValueError, match="use_cache=False"):
         model.forward_backward(input_args=(torch.randn(4, 6), dynamic()))
+
+
+def test_wrapping_a_module_twice_is_refused_while_the_first_model_lives(num_devices: int) -> None:
+    net = mlp()
+    first = RoundPipe(net, name="first")
+    with pytest.raises(ValueError, match="already wrapped by RoundPipe model 'first'"):
+        RoundPipe(net)
+    with pytest.raises(ValueError, match="already wrapped"):
+        RoundPipe(nn.Sequential(*list(net)[1:]))  # a part of it holds the same parameters
+    RoundPipe(copy.deepcopy(net))  # a copy is a model of its own
+    del first
+    again = RoundPipe(net)  # once the first model is gone, its module may be wrapped anew
+    reference = copy.deepcopy(net)
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        one = RoundPipeRunConfig(num_microbatch=1)
+        assert torch.equal(again(x, roundpipe_run_config=one), reference(x))
+
+
+@pytest.mark.parametrize("switch", ["eval", "train"])
+def test_a_mode_switch_between_forward_and_backward_leaves_the_gradients_alone(
+    num_devices: int, switch: str
+) -> None:
+    """Plain PyTorch's graph keeps what the forward computed: BatchNorm's batch statistics, the
+    dropout mask. The recompute runs in the forward's train/eval mode, not in the new one."""
+    torch.manual_seed(14)
+    net = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Dropout(0.3), nn.Linear(6, 2))
+    if switch == "train":
+        net.eval()
+    model = RoundPipe(copy.deepcopy(net))
+    x = torch.randn(8, 6)
+    config = RoundPipeRunConfig(num_microbatch=1)
+    torch.manual_seed(15)
+    out = model(x, roundpipe_run_config=config)
+    getattr(model, switch)()
+    out.square().sum().backward()
+    model.synchronize()
+    switched = [p.grad.clone() for p in model.model.parameters()]
+    # The same call without the switch, from the same seeds.
+    unswitched = RoundPipe(copy.deepcopy(net))
+    torch.manual_seed(15)
+    unswitched(x, roundpipe_run_config=config).square().sum().backward()
+    unswitched.synchronize()
+    for grad, p in zip(switched, unswitched.model.parameters(), strict=True):
+        assert torch.equal(grad, p.grad)
+    assert all(m.training == (switch == "train") for m in model.model.modules())

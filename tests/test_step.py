@@ -408,3 +408,42 @@ def test_an_optimizer_over_the_model_parameters_is_refused(
     plain.step()
     for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("order", ["model first", "module first", "module, then synchronize"])
+def test_gradients_of_the_wrapped_module_called_directly_add_to_the_models(
+    num_devices: int, order: str
+) -> None:
+    """A backward through the wrapped module called directly (an auxiliary loss) leaves its
+    gradients in .grad; plain PyTorch adds them to the model's, and so does the next call,
+    step() or synchronize(), in the order they came."""
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    ours = torch.optim.SGD(model.optim_parameters(), lr=0.05)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.05)
+
+    def through_model(x: torch.Tensor, y: torch.Tensor) -> None:
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+        plain_grads(reference, x, y)
+
+    def through_module(x: torch.Tensor, y: torch.Tensor) -> None:
+        mse(model.model(x), y).backward()
+        mse(reference(x), y).backward()
+
+    for x, y in batches(2):
+        if order == "model first":
+            through_model(x, y)
+            through_module(x, y)
+        else:
+            through_module(x, y)
+            if order == "module, then synchronize":
+                model.synchronize()
+                for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+                    assert torch.equal(p.grad, q.grad)
+            through_model(x, y)
+        model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
+        plain.step()
+        plain.zero_grad()
+    model.synchronize()
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)

@@ -89,7 +89,19 @@ std::vector<at::Tensor> typed_views(const at::Tensor& buffer, std::int64_t first
                  .first;
     }
     at::Tensor view = base->second.as_strided(like.sizes(), like.strides(), start / size);
-    if (like_requires_grad && like.requires_grad()) view.set_requires_grad(true);
+    if (like_requires_grad) {
+      // To autograd a tensor of its own, not a view of the buffer, as a parameter is: ops on a
+      // view of a leaf that requires grad, made in no-grad mode, require grad only when the
+      // leaf is no view (weight.t() inside nn.Linear), and kernels choose by that (matmul folds
+      // a strided 3-D input when the weight requires grad).
+      at::Tensor own = at::empty({0}, view.options());
+      {
+        const at::AutoDispatchBelowADInplaceOrView below_autograd;
+        own.set_(view.storage(), view.storage_offset(), view.sizes(), view.strides());
+      }
+      if (like.requires_grad()) own.set_requires_grad(true);
+      view = std::move(own);
+    }
     views.push_back(std::move(view));
   }
   return views;
@@ -296,6 +308,20 @@ NodeRef make_node() {
   }
 }
 
+// `tensor` cut from the graph that made it, requiring grad as it did: a new tensor on the same
+// memory whose history is one InputGrad node. A forward stage of a training call runs its layers in
+// grad mode, as plain PyTorch does (layers may branch on it, kernels choose by requires_grad), but
+// keeps no graph: the recompute builds it. Cut after each layer, an output keeps none of the
+// layer's saved tensors alive, and the next layer sees an input that requires grad and is no leaf,
+// so it may change it in place as plain PyTorch's activations allow.
+at::Tensor graph_cut(const at::Tensor& tensor) {
+  at::Tensor cut = tensor.detach();
+  if (tensor.requires_grad() && (cut.is_floating_point() || cut.is_complex())) {
+    torch::autograd::create_gradient_edge(cut, make_node<InputGrad>());
+  }
+  return cut;
+}
+
 // Which of a stage's trained parameter copies received a gradient. A parameter that no backward
 // reaches (an expert no token was routed to, a head the loss ignores) keeps .grad None in plain
 // PyTorch, and optimizers skip it; the stage's gradient buffer cannot tell such a parameter from
@@ -474,7 +500,7 @@ class LayerLoop {
   LayerLoop(py::list modules, std::uint64_t call_seed, bool fresh,
             std::vector<at::Generator> generators, py::object context, py::object mark,
             const std::string& timing, std::int64_t device_index,
-            std::shared_ptr<RngStates> rng_states, bool replay)
+            std::shared_ptr<RngStates> rng_states, bool replay, py::object cut)
       : modules_(std::move(modules)),
         call_seed_(call_seed),
         fresh_(fresh),
@@ -483,6 +509,7 @@ class LayerLoop {
         mark_(std::move(mark)),
         rng_states_(std::move(rng_states)),
         replay_(replay),
+        cut_(std::move(cut)),
         enter_(context_.attr("__enter__")),
         exit_(context_.attr("__exit__")) {
     TORCH_CHECK(timing == "off" || timing == "host" || timing == "device",
@@ -716,7 +743,13 @@ class LayerLoop {
     context_.attr(layer_key_) = py::int_(layer);
     context_.attr(microbatch_key_) = mb;
     context_.attr(saved_key_) = py::bool_(false);
-    return call(layer, mb, value);
+    py::object output = call(layer, mb, value);
+    if (cut_.is_none()) return output;
+    if (THPVariable_Check(output.ptr())) {
+      const at::Tensor& tensor = THPVariable_Unpack(output.ptr());
+      return tensor.requires_grad() ? py::cast(graph_cut(tensor)) : output;
+    }
+    return call_python(cut_, output);
   }
 
   py::object call(std::int64_t layer, const py::int_& mb, const py::object& value) {
@@ -763,6 +796,8 @@ class LayerLoop {
   // (replay_) start from them.
   std::shared_ptr<RngStates> rng_states_;
   bool replay_;
+  // Given: each layer's output is cut from its graph (graph_cut; cut_(output) for a pytree).
+  py::object cut_;
   // Bound once: a lookup by C string builds the name's Python string on every call.
   py::object enter_, exit_;
   py::str layer_key_{"layer"}, microbatch_key_{"microbatch"}, saved_key_{"saved"},
@@ -806,11 +841,11 @@ void bind_dispatch(py::module_& m) {
                         "The layer calls of one stage: reseed, recompute context, NVTX range, "
                         "module call and timing per layer, in one native loop.")
       .def(py::init<py::list, std::uint64_t, bool, std::vector<at::Generator>, py::object,
-                    py::object, const std::string&, std::int64_t, std::shared_ptr<RngStates>,
-                    bool>(),
+                    py::object, const std::string&, std::int64_t, std::shared_ptr<RngStates>, bool,
+                    py::object>(),
            py::arg("modules"), py::arg("call_seed"), py::arg("fresh"), py::arg("generators"),
            py::arg("context"), py::arg("mark"), py::arg("timing"), py::arg("device_index"),
-           py::arg("rng_states") = nullptr, py::arg("replay") = false)
+           py::arg("rng_states") = nullptr, py::arg("replay") = false, py::arg("cut") = py::none())
       .def("run", &LayerLoop::run, py::arg("first"), py::arg("stop"), py::arg("microbatch"),
            py::arg("value"), "Runs layers [first, stop) on value; returns the last output.")
       .def("run_keeping", &LayerLoop::run_keeping, py::arg("first"), py::arg("stop"),
@@ -839,6 +874,9 @@ void bind_dispatch(py::module_& m) {
         "An uninitialised tensor like `tensor` on `device` whose first element sits as far past "
         "an alignment boundary (64 bytes on the host, 512 on CUDA) as tensor's: copies a layer "
         "takes round as the original would.");
+  m.def("graph_cut", &graph_cut, py::arg("tensor"),
+        "tensor.detach() requiring grad as tensor does, through one node of its own (no leaf): "
+        "what a forward stage's layer passes on in grad mode without keeping its graph.");
   m.def("plain_copy", &plain_copy, py::arg("tensor"),
         "tensor.detach().clone(), placed as `tensor` is (see empty_placed).");
   m.def("set_grads", &set_grads, py::arg("tensors"), py::arg("grads"),

@@ -15,8 +15,9 @@ since the forward (a step, a load, an in-place edit): it would recompute with ot
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -68,6 +69,10 @@ class PipelineNode:
         # What the forward ran with; the backward recomputes with the weights of its own time.
         self.weights_version = weights_version
         self.forward_weights = weights_version()
+        # The train/eval mode of every module the forward ran with: the recompute runs with it
+        # (plain PyTorch's graph keeps what the forward computed, whatever model.eval() since).
+        self.modules = [m for layer in call.runner.layers for m in layer.modules()]
+        self.forward_modes = [m.training for m in self.modules]
         self.output_specs: list[Any] = []
         self.output_leaves: list[list[Any]] = []
 
@@ -121,10 +126,26 @@ class PipelineNode:
             # Decided per backward pass: a torch.autograd.grad through a retained graph may come
             # before a backward() that wants the parameters' gradients.
             self.call.keep_param_grads = param_grads
-            if not param_grads:
-                return self.call.backward(grads)
-            with self.gradients.accumulating(self.call):
-                return self.call.backward(grads)
+            with self._forward_modes():
+                if not param_grads:
+                    return self.call.backward(grads)
+                with self.gradients.accumulating(self.call):
+                    return self.call.backward(grads)
+
+    @contextlib.contextmanager
+    def _forward_modes(self) -> Iterator[None]:
+        """The modules in the train/eval mode of the forward while the backward recomputes."""
+        now = [m.training for m in self.modules]
+        if now == self.forward_modes:
+            yield
+            return
+        for module, training in zip(self.modules, self.forward_modes, strict=True):
+            module.training = training
+        try:
+            yield
+        finally:
+            for module, training in zip(self.modules, now, strict=True):
+                module.training = training
 
 
 def _differentiable(tensor: torch.Tensor) -> bool:

@@ -31,6 +31,7 @@ non-tensors (including unregistered custom types) must be equal in every microba
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -243,6 +244,15 @@ class Batch:
         return self.rows is not None and tensor.size(0) == sum(self.rows)
 
 
+class _FewerMicrobatches(Exception):
+    """A leaf to split holds fewer than ``num_microbatch`` parts: ``count`` of them (rows along
+    the split dim, or the microbatches of a packed value)."""
+
+    def __init__(self, count: int, path: str, packed: bool) -> None:
+        super().__init__(path)
+        self.count, self.path, self.packed = count, path, packed
+
+
 def _split_dim_chunks(tensor: torch.Tensor, dim: int, n: int, path: str) -> list[torch.Tensor]:
     if tensor.size(dim) == 0:
         raise ValueError(
@@ -250,11 +260,7 @@ def _split_dim_chunks(tensor: torch.Tensor, dim: int, n: int, path: str) -> list
             "pass a non-empty batch, or mark it _Replicate in the split spec"
         )
     if tensor.size(dim) < n:
-        raise ValueError(
-            f"{path}: cannot split a tensor of size {tensor.size(dim)} along dim {dim} into "
-            f"{n} microbatches; lower num_microbatch to at most {tensor.size(dim)}, or mark it "
-            "_Replicate in the split spec"
-        )
+        raise _FewerMicrobatches(tensor.size(dim), path, packed=False)
     return list(torch.tensor_split(tensor, n, dim))
 
 
@@ -265,6 +271,8 @@ def _packed_rows(packed: RoundPipePackedData) -> list[int] | None:
 
 
 def _unpack(packed: RoundPipePackedData, n: int, path: str, batch: Batch) -> list[Any]:
+    if 0 < len(packed) < n:
+        raise _FewerMicrobatches(len(packed), path, packed=True)
     if len(packed) != n:
         raise ValueError(
             f"{path}: RoundPipePackedData holds {len(packed)} microbatches but num_microbatch is "
@@ -412,9 +420,23 @@ def split_input(
         return [tuple(a) for a in args_list], [dict(k) for k in kwargs_list]
     args_spec, kwargs_spec = (None, None) if spec is None else spec
     batch = Batch() if batch is None else batch
-    args_list = _split_tree(args, args_spec, num_microbatch, "args", batch, batch_only=False)
-    kwargs_list = _split_tree(kwargs, kwargs_spec, num_microbatch, "kwargs", batch, batch_only=True)
-    return args_list, kwargs_list
+    while True:
+        try:
+            args_list = _split_tree(args, args_spec, num_microbatch, "args", batch, False)
+            kwargs_list = _split_tree(kwargs, kwargs_spec, num_microbatch, "kwargs", batch, True)
+            return args_list, kwargs_list
+        except _FewerMicrobatches as fewer:
+            # As torch.distributed.pipelining splits (and 0.1.1 with it): a batch of fewer rows
+            # than microbatches (a short last batch) runs as that many microbatches.
+            if fewer.packed:
+                warnings.warn(
+                    f"{fewer.path}: RoundPipePackedData holds {fewer.count} microbatches but "
+                    f"num_microbatch is {num_microbatch}; running {fewer.count} (run the "
+                    "producing and the consuming RoundPipe with the same num_microbatch)",
+                    stacklevel=4,
+                )
+            num_microbatch = fewer.count
+            batch.rows = batch.path = None
 
 
 def split_label(
@@ -427,7 +449,13 @@ def split_label(
     if is_user_function(spec):
         return _check_list(spec(label, num_microbatch), num_microbatch, "split_label's result")
     batch = Batch() if batch is None else batch
-    return _split_tree(label, spec, num_microbatch, "label", batch, batch_only=False)
+    try:
+        return _split_tree(label, spec, num_microbatch, "label", batch, batch_only=False)
+    except _FewerMicrobatches as fewer:
+        raise ValueError(
+            f"{fewer.path} holds {fewer.count} rows (or packed microbatches), fewer than the "
+            f"inputs' {num_microbatch} microbatches; give the label the batch's size"
+        ) from None
 
 
 def packed_events(value: Any, num_microbatch: int) -> list[list[Event]]:

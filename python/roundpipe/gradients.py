@@ -153,6 +153,8 @@ class GradientState:
         leaves ``.grad`` after ``zero_grad()``."""
         memory = self.memory
         memory.wait_writes()
+        if not self.published:
+            self._absorb_stray_grads()
         memory.fold_alias_grads()
         if self.dirty:
             _C.set_grads(self._params, self._views())
@@ -169,8 +171,10 @@ class GradientState:
 
     def _absorb_user_grads(self) -> None:
         """Gradients published by ``synchronize()`` go back into the arena as the user left them:
-        cleared (``None``) means zero, a replaced tensor is copied in, views are kept."""
+        cleared (``None``) means zero, a replaced tensor is copied in, views are kept. With none
+        published, gradients found in ``.grad`` add to the arena's (:meth:`_absorb_stray_grads`)."""
         if not self.published:
+            self._absorb_stray_grads()
             return
         grads = [slot.param.grad for slot in self._slots]
         self.reached = {
@@ -192,6 +196,23 @@ class GradientState:
                     slot.param.grad = None
         self.published = False
         self.dirty = dirty
+
+    def _absorb_stray_grads(self) -> None:
+        """Gradients that reached ``.grad`` while none was published (a backward through the
+        wrapped module called directly, an auxiliary loss) add to the arena's, as plain
+        PyTorch's ``.grad`` accumulates them with the model's; ``.grad`` is cleared again."""
+        stray = [i for i, slot in enumerate(self._slots) if slot.param.grad is not None]
+        if not stray:
+            return
+        views = self._views()
+        with torch.no_grad():
+            for i in stray:
+                param = self._slots[i].param
+                assert param.grad is not None
+                views[i].add_(param.grad.to(views[i].device))
+                param.grad = None
+                self.reached.add(id(param))
+        self.dirty = True
 
 
 __all__ = ["GradientState"]

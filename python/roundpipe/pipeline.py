@@ -84,13 +84,15 @@ def to_device(tree: Any, device_index: int, after: Any = None) -> Any:
         if not isinstance(leaf, torch.Tensor) or leaf.device == device:
             return leaf
         moved = _C.empty_placed(leaf, device)
+        wants_grad = leaf.requires_grad  # an activation of a forward in grad mode: so is its copy
         source_ready = _C.record_event(leaf.device.index) if leaf.is_cuda else after
+        leaf = leaf.detach()
         if not leaf.is_cuda and not leaf.is_pinned():
             # A pageable source would make the copy synchronous with the host (the driver stages
             # it on the calling thread); torch's host allocator keeps this one until it ran.
-            leaf = leaf.detach().pin_memory()
+            leaf = leaf.pin_memory()
         copies.append(_C.copy_async(device_index, moved, leaf, "activation", source_ready))
-        return moved
+        return _C.graph_cut(moved.detach().requires_grad_()) if wants_grad else moved
 
     moved_tree = tree_map(move, tree)
     # Every copy, not only the last: a copy whose `after` is still running on the host is issued
@@ -143,7 +145,11 @@ def _to_output_device(values: list[Any], device: torch.device) -> tuple[list[Any
         else:
             value, event = (
                 tree_map(
-                    lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t,
+                    lambda t: (
+                        t.detach().to(device, non_blocking=True)
+                        if isinstance(t, torch.Tensor)
+                        else t
+                    ),
                     value,
                 ),
                 None,
@@ -256,7 +262,10 @@ class ResidentStage:
         model: str,
         nvtx_model: str | None = None,
         grads_from_arena: bool = False,
+        hooks_on_sums: bool = False,
     ) -> None:
+        """``hooks_on_sums``: the backward of a ``forward()``, one pass over every microbatch,
+        whose parameter hooks run once, on the stage's sum (:meth:`run_hooks_on_sums`)."""
         self.memory, self.layers, self.device_index = memory, layers, device_index
         self.model, self.nvtx_model = model, nvtx_model
         self.grads_from_arena = grads_from_arena and with_grads
@@ -295,7 +304,7 @@ class ResidentStage:
         # Which trained parameters a backward reaches (see reached_params).
         self.reach: Any = None
         if with_grads:
-            self._forward_tensor_hooks()
+            self._forward_tensor_hooks(share=not hooks_on_sums)
             self.reach = _C.GradReach([self.views[i] for i in layout.trained])
         # The frozen parameters bound in host memory, each a `.data` alias with a version counter
         # of its own, so an in-place change by the layer shows (see `bound`): (slot index, the
@@ -305,12 +314,13 @@ class ResidentStage:
             self.views[i] = layout.params[i].data
             self.in_host.append((i, self.views[i]))
 
-    def _forward_tensor_hooks(self) -> None:
+    def _forward_tensor_hooks(self, share: bool) -> None:
         """Hooks registered on a trained parameter (``param.register_hook``) run on the
-        gradients its device copy receives, as they would on the parameter's own: the copy
-        shares the parameter's hook dictionary (hooks added later apply too). A hook run after
-        accumulation (``register_post_accumulate_grad_hook``) is passed the tensor whose
-        ``.grad`` was accumulated, which here is not the parameter: refused."""
+        gradients its device copy receives, as they would on the parameter's own: with
+        ``share``, the copy shares the parameter's hook dictionary (hooks added later apply
+        too), else :meth:`run_hooks_on_sums` runs them. A hook run after accumulation
+        (``register_post_accumulate_grad_hook``) is passed the tensor whose ``.grad`` was
+        accumulated, which here is not the parameter: refused."""
         params, views = self.layout.params, self.views
         for i in self.layout.trained:
             param = params[i]
@@ -324,8 +334,29 @@ class ResidentStage:
                     "and act on the gradients in step_fn"
                 )
             hooks = param._backward_hooks
-            if hooks:
+            if hooks and share:
                 views[i]._backward_hooks = hooks
+
+    def run_hooks_on_sums(self) -> None:
+        """Run the hooks of each trained parameter this stage's backward reached on its
+        gradient, the sum over the microbatches (the backward of a ``forward()`` is one pass
+        over them all, in which plain PyTorch runs a parameter's hooks once, on its whole
+        gradient); what a hook returns replaces it."""
+        layout = self.layout
+        for j in self.reach.reached():
+            i = layout.trained[j]
+            hooks = layout.params[i]._backward_hooks
+            grad = self.views[i].grad
+            if not hooks or grad is None:
+                continue
+            result = grad
+            for hook in list(hooks.values()):
+                returned = hook(result)
+                if returned is not None:
+                    result = returned
+            if result is not grad:
+                with torch.no_grad():
+                    grad.copy_(result)
 
     def reached_params(self) -> list[int]:
         """``id`` of each trained parameter whose copy here received a gradient."""
@@ -729,7 +760,8 @@ class Call:
         from_arena = (
             self.grads_in_arena and self.run_type == "fused" and self.runner.stage_reduce is None
         )
-        uploads = _Uploads(memory, stages, self.runner.name, self.nvtx, from_arena)
+        hooks_on_sums = self.run_type == "train"  # the backward of a forward(): one pass
+        uploads = _Uploads(memory, stages, self.runner.name, self.nvtx, from_arena, hooks_on_sums)
         with _rng_scope(), uploads:
             try:
                 for stage in stages:
@@ -811,7 +843,11 @@ class Call:
 
     def forward_stage(self, stage: ResidentStage, activations: list[Any]) -> list[Any]:
         outputs, trace = [], stage.trace
-        run = _LayerCalls(self, stage, recompute=False, recomputed=self.saving)
+        # A training call's forward runs in grad mode, as plain PyTorch's (layers may branch on
+        # it, kernels choose their path by requires_grad); each layer's output is cut from its
+        # graph, which the recompute builds again.
+        run = _LayerCalls(self, stage, recompute=False, recomputed=self.saving, cut=self.saving)
+        grad_mode = torch.enable_grad() if self.saving else torch.no_grad()
         # The layers whose inputs backward recomputes from (layer 0's, the user's own, are kept
         # as they came in, below).
         kept = (
@@ -821,7 +857,7 @@ class Call:
         # virtual CPU devices, with no timeline or NVTX ranges to record.
         copy_tensors = not self.on_cuda and trace is None and not self.nvtx
         keeper = functools.partial(self._keep_input, stage)
-        with stage.bound(keep_buffer_updates=True, recomputed=self.saving), torch.no_grad(), run:
+        with stage.bound(keep_buffer_updates=True, recomputed=self.saving), grad_mode, run:
             for m, value in enumerate(activations):
                 start = trace.mark() if trace is not None else None
                 if stage.layers.start == 0:
@@ -934,6 +970,8 @@ class Call:
     def _download_grads(self, stage: ResidentStage) -> list[Any]:
         """The stage's gradients into the host arena. With stage reduces they are first summed
         over the data-parallel ranks on the device, and only the own shard is downloaded."""
+        if self.run_type == "train":
+            stage.run_hooks_on_sums()
         dp = self.runner.stage_reduce
         if dp is None:
             self.reached.update(stage.reached_params())
@@ -1097,10 +1135,16 @@ class _LayerCalls:
     naming layer, phase and microbatch is built only when a layer fails."""
 
     def __init__(
-        self, call: Call, stage: ResidentStage, recompute: bool, recomputed: bool = False
+        self,
+        call: Call,
+        stage: ResidentStage,
+        recompute: bool,
+        recomputed: bool = False,
+        cut: bool = False,
     ) -> None:
         """``recomputed``: a forward stage whose layers backward recomputes (it keeps the CPU
-        generator's seeded states for the recompute, see ``_C.RngStates``)."""
+        generator's seeded states for the recompute, see ``_C.RngStates``). ``cut``: each
+        layer's output is cut from its graph (``_C.graph_cut``)."""
         self.call, self.stage = call, stage
         self.phase: Phase = "recompute" if recompute else "forward"
         self.action: Action = "re" if recompute else "fwd"
@@ -1128,6 +1172,7 @@ class _LayerCalls:
             stage.device_index,
             call.rng_states if replay or recomputed else None,
             replay,
+            _cut_graphs if cut else None,
         )
 
     def __enter__(self) -> _LayerCalls:
@@ -1207,6 +1252,11 @@ def _detach_leaf(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value
 
 
+def _cut_graphs(tree: Any) -> Any:
+    """``tree`` with its tensors cut from their graphs (``_C.graph_cut``)."""
+    return tree_map(lambda t: _C.graph_cut(t) if isinstance(t, torch.Tensor) else t, tree)
+
+
 # --------------------------------------------------------------------------------------------
 # RNG
 # --------------------------------------------------------------------------------------------
@@ -1267,34 +1317,90 @@ def _shares_memory(a: Any, b: Any) -> bool:
     )
 
 
+def _span(tensor: torch.Tensor) -> int:
+    """Elements of storage from ``tensor``'s first to its last, inclusive."""
+    if tensor.numel() == 0:
+        return 0
+    return 1 + sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+
+
+def _copies(leaves: list[Any], chosen: list[bool], differentiable: bool) -> list[Any]:
+    """``leaves`` with copies of the chosen tensors, each laid out and placed as its original
+    (``_C.empty_placed``). Chosen tensors of one dtype that share memory are copied together,
+    into one buffer, as views of it: they share the copy's memory as they shared theirs, so a
+    layer that changes one in place changes the others, as in plain PyTorch (a layer returning
+    ``(h, h)`` or ``(h, h[:, :4])``). ``differentiable``: the copies carry gradients back to the
+    originals, else they are plain copies that autograd does not know of."""
+    groups: dict[tuple[torch.device, torch.dtype, int], list[int]] = {}
+    for i, (leaf, wanted) in enumerate(zip(leaves, chosen, strict=True)):
+        if wanted and isinstance(leaf, torch.Tensor) and leaf.numel() > 0:
+            key = (leaf.device, leaf.dtype, leaf.untyped_storage().data_ptr())
+            groups.setdefault(key, []).append(i)
+        elif wanted and isinstance(leaf, torch.Tensor):
+            groups[(leaf.device, leaf.dtype, -i - 1)] = [i]  # empty: no memory to share
+    copies = list(leaves)
+    for members in groups.values():
+        if len(members) == 1:
+            leaf = leaves[members[0]]
+            copies[members[0]] = (
+                _C.empty_placed(leaf, leaf.device).copy_(leaf)
+                if differentiable
+                else _C.plain_copy(leaf)
+            )
+            continue
+        first = min(leaves[i].storage_offset() for i in members)
+        stop = max(leaves[i].storage_offset() + _span(leaves[i]) for i in members)
+        region = leaves[members[0]].detach().as_strided((stop - first,), (1,), first)
+        buffer = _C.empty_placed(region, region.device)
+        start = buffer.storage_offset() - first
+
+        def view(i: int, of: torch.Tensor = buffer, start: int = start) -> torch.Tensor:
+            leaf = leaves[i]
+            return of.as_strided(leaf.shape, leaf.stride(), start + leaf.storage_offset())
+
+        if differentiable:
+            for i in members:
+                view(i).copy_(leaves[i])  # autograd: the buffer's history; its views' after it
+        else:
+            with torch.no_grad():
+                buffer.copy_(region)
+        for i in members:
+            copies[i] = view(i)
+    return copies
+
+
 def _unshared(saved: Any, passed: Any) -> Any:
     """``saved`` with a private copy of every tensor that is also ``passed`` to a layer (virtual
     CPU devices, or inputs already on the device): whatever the layer does to its input, the
-    recompute must see what the forward saw. Copies are placed as their originals are
-    (``_C.empty_placed``), so that the recompute rounds as the forward did."""
+    recompute must see what the forward saw. Copies are laid out, placed and aliased as their
+    originals (:func:`_copies`), so that the recompute computes and rounds as the forward did."""
     saved_leaves, spec = _flatten(saved)
     passed_leaves, _ = _flatten(passed)
-    copies = []
-    for leaf, other in zip(saved_leaves, passed_leaves, strict=True):
-        if _shares_memory(leaf, other):
-            leaf = _C.plain_copy(leaf).requires_grad_(leaf.requires_grad)
-        copies.append(leaf)
+    chosen = [_shares_memory(a, b) for a, b in zip(saved_leaves, passed_leaves, strict=True)]
+    copies = _copies(saved_leaves, chosen, differentiable=False)
+    for i, wanted in enumerate(chosen):
+        if wanted and saved_leaves[i].requires_grad:
+            copies[i].requires_grad_(True)
     return _unflatten(copies, spec)
 
 
 def _writable(inputs: Any, saved: Any = None) -> Any:
-    """What the first layer of a fused or recomputed stage receives: ``inputs`` with clones of the
-    leaves that require grad (so an in-place first layer, ``ReLU(inplace=True)``, does not modify
-    an autograd leaf; gradients still reach the leaves) and of those sharing memory with
-    ``saved`` (a second backward with ``retain_graph`` recomputes from it again)."""
+    """What the first layer of a fused or recomputed stage receives: ``inputs`` with copies of
+    the leaves that require grad (so an in-place first layer, ``ReLU(inplace=True)``, does not
+    modify an autograd leaf; gradients still reach the leaves) and of those sharing memory with
+    ``saved`` (a second backward with ``retain_graph`` recomputes from it again). Copies are
+    laid out, placed and aliased as the leaves (:func:`_copies`)."""
     leaves, spec = _flatten(inputs)
     saved_leaves = _flatten(saved)[0] if saved is not None else [None] * len(leaves)
-    fresh = []
-    for leaf, kept in zip(leaves, saved_leaves, strict=True):
-        if isinstance(leaf, torch.Tensor) and (leaf.requires_grad or _shares_memory(leaf, kept)):
-            leaf = _C.empty_placed(leaf, leaf.device).copy_(leaf)  # a clone, placed as leaf
-        fresh.append(leaf)
-    return _unflatten(fresh, spec)
+    chosen = [
+        isinstance(leaf, torch.Tensor) and (leaf.requires_grad or _shares_memory(leaf, kept))
+        for leaf, kept in zip(leaves, saved_leaves, strict=True)
+    ]
+    if not any(chosen):
+        return inputs
+    return _unflatten(_copies(leaves, chosen, differentiable=True), spec)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1315,10 +1421,11 @@ class _Uploads:
         model: str,
         nvtx: bool,
         grads_from_arena: bool,
+        hooks_on_sums: bool,
     ) -> None:
         self.memory, self.stages, self.model = memory, stages, model
         self.nvtx_model = model if nvtx else None
-        self.grads_from_arena = grads_from_arena
+        self.grads_from_arena, self.hooks_on_sums = grads_from_arena, hooks_on_sums
         self.issued: list[ResidentStage] = []
         self.uploads: list[Any] = []
         self.index = 0
@@ -1340,6 +1447,7 @@ class _Uploads:
             self.model,
             self.nvtx_model,
             self.grads_from_arena,
+            self.hooks_on_sums,
         )
         resident.trace = stage_trace(self.model, resident.device_index, index, stage.layers)
         if resident.trace is not None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
+import gc
 import os
 import sys
 import threading
@@ -63,6 +66,12 @@ def _sum_losses(losses: list[Any]) -> Any:
     return [_sum_losses([loss[i] for loss in losses]) for i in range(len(losses[0]))]
 
 
+class GradientsDisabledError(RuntimeError, AssertionError):
+    """``forward_backward`` called with gradients off (``torch.no_grad()`` or
+    ``requires_grad=False``). Both a ``RuntimeError`` and an ``AssertionError``: roundpipe 0.1.1
+    asserted here, so code written for either type catches it."""
+
+
 @dataclass(eq=False)  # identity: the live ones are kept in a WeakSet
 class _Runtime:
     """Everything a RoundPipe keeps behind its public attributes."""
@@ -94,6 +103,25 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 # Every live model's runtime, for fork() (see _hold_models_for_fork).
 _runtimes: weakref.WeakSet[_Runtime] = weakref.WeakSet()
 _held_for_fork: list[threading.RLock] = []
+
+
+def _refuse_wrapped_twice(layers: list[nn.Module]) -> None:
+    """A parameter lives in one model's host arena: wrapping it again would leave the first
+    model training weights the module no longer shows. ``ValueError`` naming that model."""
+    ours = {id(p) for layer in layers for p in layer.parameters()}
+    for attempt in range(2):
+        owner = next(
+            (rt for rt in list(_runtimes) for _, p in rt.param_names if id(p) in ours), None
+        )
+        if owner is None:
+            return
+        if attempt == 0:
+            gc.collect()  # a model dropped but still in a reference cycle lets go of them
+    assert owner is not None
+    raise ValueError(
+        f"the module's parameters are already wrapped by RoundPipe model '{owner.runner.name}' "
+        "(its host arena holds them); wrap a copy (copy.deepcopy(module)), or use that model"
+    )
 
 
 def _hold_models_for_fork() -> None:
@@ -212,6 +240,8 @@ class RoundPipe(ForwardingModule):
                 "model_run_config must be a RoundPipeRunConfig, got "
                 f"{type(model_run_config).__name__}"
             )
+        # A snapshot, as 0.1.1 takes: changing the config object later changes no model.
+        model_run_config = copy.deepcopy(model_run_config)
         if pin_model not in _PIN_MODES:
             raise ValueError(f"pin_model must be one of {_PIN_MODES}, got {pin_model!r}")
         data_parallel_size = check_group(data_parallel_group)
@@ -221,6 +251,7 @@ class RoundPipe(ForwardingModule):
         if not layers:
             raise ValueError("model is an empty nn.Sequential; give it at least one layer")
         name = name if name is not None else _default_name()
+        _refuse_wrapped_twice(layers)
         memory = ModelMemory(layers, pin_model)
         data_parallel = None
         if data_parallel_size > 1:
@@ -345,8 +376,10 @@ class RoundPipe(ForwardingModule):
         config = self._resolve(roundpipe_run_config, "roundpipe_run_config")
         runtime = self._runtime
         runtime.steps.raise_if_failed()
-        n = config.num_microbatch
-        args_list, kwargs_list = split_input(args, kwargs, n, config.split_input)
+        args_list, kwargs_list = split_input(
+            args, kwargs, config.num_microbatch, config.split_input
+        )
+        config, n = _fitted(config, len(args_list))
         inputs = list(zip(args_list, kwargs_list, strict=True))
         call = self._new_call(config, "train" if config.requires_grad else "infer")
         call.input_events = packed_events((args, kwargs), n)
@@ -376,7 +409,7 @@ class RoundPipe(ForwardingModule):
     @serialized
     def forward_backward(
         self,
-        input_args: tuple[Any, ...] = (),
+        input_args: tuple[Any, ...] | list[Any] = (),
         input_kwargs: dict[str, Any] | None = None,
         label: Any = None,
         loss_fn: Callable[[Any, Any], Any] = lambda outputs, labels: outputs,
@@ -392,8 +425,12 @@ class RoundPipe(ForwardingModule):
         after ``synchronize()``); gradients of inputs that require grad reach the caller's graph
         before this returns.
         """
+        if isinstance(input_args, list):  # 0.1.1 took one too (a collate function's batch)
+            input_args = tuple(input_args)
         if not isinstance(input_args, tuple):
-            raise TypeError(f"input_args must be a tuple, got {type(input_args).__name__}")
+            raise TypeError(
+                f"input_args must be a tuple (or list), got {type(input_args).__name__}"
+            )
         if input_kwargs is None:
             input_kwargs = {}
         if not isinstance(input_kwargs, dict):
@@ -404,13 +441,15 @@ class RoundPipe(ForwardingModule):
         runtime = self._runtime
         runtime.steps.raise_if_failed()
         if not config.requires_grad:
-            raise RuntimeError(
+            raise GradientsDisabledError(
                 "forward_backward computes gradients but requires_grad resolved to False; call it "
                 "with gradients enabled, or use forward() for inference"
             )
-        n = config.num_microbatch
         batch = Batch()
-        args_list, kwargs_list = split_input(input_args, input_kwargs, n, config.split_input, batch)
+        args_list, kwargs_list = split_input(
+            input_args, input_kwargs, config.num_microbatch, config.split_input, batch
+        )
+        config, n = _fitted(config, len(args_list))
         labels = split_label(label, n, config.split_label, batch)
         inputs = list(zip(args_list, kwargs_list, strict=True))
         call = self._new_call(config, "fused")
@@ -691,6 +730,14 @@ class RoundPipe(ForwardingModule):
         )
 
 
+def _fitted(config: ResolvedRunConfig, microbatches: int) -> tuple[ResolvedRunConfig, int]:
+    """``config`` for the ``microbatches`` the inputs were split into (fewer than asked for when
+    the batch has fewer rows), and that count."""
+    if microbatches != config.num_microbatch:
+        config = dataclasses.replace(config, num_microbatch=microbatches)
+    return config, microbatches
+
+
 def _merge_or_pack(outputs: list[Any], events: list[Any], config: ResolvedRunConfig) -> Any:
     """Per-microbatch outputs (on ``output_device``, their copies' events) merged, or packed
     with the events for a downstream RoundPipe to wait on."""
@@ -711,4 +758,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'roundpipe.roundpipe' has no attribute {name!r}")
 
 
-__all__ = ["AutoRoundPipe", "RoundPipe", "RoundPipePackedData"]  # noqa: F822 (lazy, above)
+__all__ = ["AutoRoundPipe", "GradientsDisabledError", "RoundPipe", "RoundPipePackedData"]  # noqa: F822 (lazy, above)

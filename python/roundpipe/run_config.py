@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -202,7 +203,8 @@ class RoundPipeRunConfig:
         self.split_input = split_input
         self.split_label = split_label
         self.merge_output = merge_output
-        self.execute_plan = execute_plan
+        # A snapshot of the plan, as 0.1.1 takes: changing the plan object later changes no config.
+        self.execute_plan = copy.deepcopy(execute_plan)
 
     def __setattr__(self, name: str, value: Any) -> None:
         validator = _VALIDATORS.get(name)
