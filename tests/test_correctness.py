@@ -723,6 +723,35 @@ def test_layer_changing_its_frozen_weight_in_inference_does_what_pytorch_does(
     torch.testing.assert_close(model.model[1].linear.weight, reference[1].linear.weight)
 
 
+@pytest.mark.parametrize("how", ["forward_backward", "forward", "inference"])
+def test_layer_changing_its_trained_weight_in_place_is_an_error(num_devices: int, how: str) -> None:
+    """A trainable nn.Embedding(max_norm=...) renormalises its weight in place in every
+    forward; the layer computes with a device copy, whose change would be lost where plain
+    PyTorch keeps it: RuntimeError naming the layer and the parameter, in every stage kind, and
+    the model trains as plain PyTorch once the layer stops doing it."""
+    torch.manual_seed(19)
+    net = nn.Sequential(nn.Embedding(10, 4, max_norm=0.5), nn.Linear(4, 2))
+    reference = copy.deepcopy(net)
+    model = RoundPipe(net, name="renorm")
+    ids = torch.randint(0, 10, (6,))
+    message = r"'renorm': layer 0 \(Embedding\) changed its trained parameter 'weight' in place"
+    with pytest.raises(RuntimeError, match=message):
+        if how == "forward_backward":
+            model.forward_backward(input_args=(ids,), loss_fn=lambda out, _: out.sum())
+        elif how == "forward":
+            model(ids)
+        else:
+            with torch.no_grad():
+                model(ids)
+    assert torch.equal(model.model[0].weight, reference[0].weight)
+    model.model[0].max_norm = reference[0].max_norm = None
+    config = RoundPipeRunConfig(num_microbatch=1)
+    model.forward_backward(input_args=(ids,), loss_fn=lambda out, _: out.sum(), run_config=config)
+    reference(ids).sum().backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference, exact=True)
+
+
 @pytest.mark.cpu_devices
 @pytest.mark.parametrize("skip_in_recompute", [False, True], ids=["always", "forward-only"])
 def test_layer_changing_its_frozen_weight_in_a_recomputed_forward_is_an_error(

@@ -428,8 +428,7 @@ class ResidentStage:
                     owner._buffers[name] = working
                     bound_buffers.append((index, owner, name, host, working))
                 yield
-                if recomputed:
-                    self._check_frozen_unchanged(keep_buffer_updates)
+                self._check_parameters_unchanged(keep_buffer_updates, recomputed)
                 if keep_buffer_updates:
                     # Every bound buffer, changed or not: an update through `.data` leaves no
                     # trace in `_version`, and the download is asynchronous and small.
@@ -441,9 +440,16 @@ class ResidentStage:
                 for _, owner, name, host, _ in bound_buffers:
                     owner._buffers[name] = host
 
-    def _check_frozen_unchanged(self, forward: bool) -> None:
-        for i, bound in self.in_host:
-            if bound._version == 0:
+    def _check_parameters_unchanged(self, forward: bool, recomputed: bool) -> None:
+        """A layer that changed a parameter in place (``embedding_renorm_`` of an
+        ``nn.Embedding(max_norm=...)``, a weight scaled under ``no_grad``) would make the change
+        twice where it is recomputed (a frozen parameter bound in host memory) or lose it (a
+        device copy, which is not written back), where plain PyTorch makes it once and keeps
+        it: ``RuntimeError`` naming the layer and the parameter. Without recompute a frozen
+        parameter bound in host memory keeps the change, as in plain PyTorch."""
+        in_host = {i for i, _ in self.in_host}
+        for i, bound in enumerate(self.views):
+            if bound._version == 0 or (i in in_host and not recomputed):
                 continue
             index, slot = self.layout.layer_of[i], self.layout.slots[i]
             module = self.memory.layers[index].module
@@ -451,13 +457,19 @@ class ResidentStage:
             prefix = next(p for p, m in module.named_modules(remove_duplicate=False) if m is owner)
             name = f"{prefix}.{attribute}" if prefix else attribute
             phase = "forward" if forward else "recompute"
+            kind = "frozen" if slot.param.requires_grad is False else "trained"
+            why = (
+                "backward recomputes the layer, so the change would be made twice where plain "
+                "PyTorch makes it once (the parameter already holds the changed value)"
+                if i in in_host
+                else "the layer computes with a device copy of it, whose changes are not kept "
+                "(plain PyTorch would keep the change)"
+            )
             raise RuntimeError(
                 f"RoundPipe model '{self.model}': layer {index} ({type(module).__name__}) changed "
-                f"its frozen parameter '{name}' in place during {phase}; backward recomputes "
-                "the layer, so the change would be made twice where plain PyTorch makes it "
-                "once (the parameter already holds the changed value). Keep state that a "
-                "layer's forward updates in a buffer (register_buffer: buffers advance once per "
-                "forward pass, recompute leaves them unchanged), or change the parameter "
+                f"its {kind} parameter '{name}' in place during {phase}; {why}. Keep state that "
+                "a layer's forward updates in a buffer (register_buffer: buffers advance once "
+                "per forward pass, recompute leaves them unchanged), or change the parameter "
                 "outside the layer's forward."
             )
 
