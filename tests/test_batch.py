@@ -276,6 +276,11 @@ def test_a_batch_of_fewer_rows_than_microbatches_runs_one_row_each() -> None:
     assert [k["mask"].tolist() for k in kwargs_list] == [[0], [2]]
     args_list, _ = split_input((torch.randn(4, 3),), {}, 5, ((TensorChunkSpec(1),), None))
     assert [a[0].shape[1] for a in args_list] == [1, 1, 1]
+    # A split function may return fewer, as it splits a short batch.
+    args_list, kwargs_list = split_input(
+        (ids,), {}, 3, lambda a, k, n: ([(t,) for t in a[0].split(1)], [k, k])
+    )
+    assert len(args_list) == len(kwargs_list) == 2
     with pytest.raises(ValueError, match=r"label\[1\] holds 3 rows .* 4 microbatches"):
         split_label((1, torch.randn(9, 3)), 4, (None, TensorChunkSpec(1)))
 
@@ -308,7 +313,8 @@ def test_kwargs_spec_mismatch_names_the_path() -> None:
 @pytest.mark.parametrize(
     ("result", "message"),
     [
-        (([(1,)], [{}]), "args_list must be a list of num_microbatch=2 items, got 1 items"),
+        (([(1,)] * 3, [{}] * 3), "args_list must be a list of num_microbatch=2 items, got 3 items"),
+        (([(1,)], [{}, {}]), "kwargs_list must be a list of num_microbatch=1 items, got 2 items"),
         (([(1,), (2,)], {}), "kwargs_list must be a list of num_microbatch=2"),
         (([(1,), (2,)],), r"must return \(args_list, kwargs_list\)"),
         (([(1,), 2], [{}, {}]), r"microbatch 1 must be \(tuple, dict\), got \(a int, a dict\)"),

@@ -949,34 +949,41 @@ def test_inference_and_forward_match_plain_pytorch_where_kernels_look_at_require
 
 
 class TwoOfIt(nn.Module):
-    """``(h, h)`` or ``(h, h[:, :3])``: two leaves sharing memory (hidden state and residual)."""
+    """Two leaves sharing memory (a hidden state and its residual): ``(h, h)``,
+    ``(h, h[:, :3])``, ``(h, h.view(torch.int64))`` or ``(h, h[:, :1].expand(-1, 6))``."""
 
-    def __init__(self, view: bool) -> None:
+    def __init__(self, how: str) -> None:
         super().__init__()
-        self.view = view
+        self.how = how
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (h, h[:, :3]) if self.view else (h, h)
+        if self.how == "view":
+            return h, h[:, :3]
+        if self.how == "dtype":
+            return h, h.view(torch.int64)
+        if self.how == "expanded":
+            return h, h[:, :1].expand(-1, 6)
+        return h, h
 
 
 class ChangesOneOfThem(nn.Module):
     def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         a, b = pair
         a.add_(1.0)  # plain PyTorch: b sees the change, as it shares a's memory
-        return torch.cat([a, b], dim=1) * 0.5
+        return torch.cat([a, b.view(a.dtype)], dim=1) * 0.5
 
 
-@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("how", ["same", "view", "dtype", "expanded"])
 @pytest.mark.parametrize("grain", ["stage", "layer"])
 def test_inputs_sharing_memory_share_it_in_the_recompute(
-    num_devices: int, grain: str, view: bool
+    num_devices: int, grain: str, how: str
 ) -> None:
     """A kept input whose leaves share memory is copied as one: the recompute of a layer that
     changes one of them in place sees the other change too, as the forward and plain PyTorch
     did. The user's own arguments likewise (``model(x, x)``)."""
     torch.manual_seed(16)
-    width = 9 if view else 12
-    net = nn.Sequential(nn.Linear(6, 6), TwoOfIt(view), ChangesOneOfThem(), nn.Linear(width, 2))
+    width = 9 if how == "view" else 12
+    net = nn.Sequential(nn.Linear(6, 6), TwoOfIt(how), ChangesOneOfThem(), nn.Linear(width, 2))
     reference = copy.deepcopy(net)
     model = RoundPipe(net)
     boundary = make_plan([range(0, 2), range(2, 4)], [range(2, 4), range(0, 2)])
@@ -1007,6 +1014,35 @@ def test_inputs_sharing_memory_share_it_in_the_recompute(
     model.synchronize()
     assert torch.equal(x.grad, y.grad)
     assert_same_grads(model.model, plain_first, exact=True)
+
+
+class BranchesOnRequiresGrad(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (2.0 if x.requires_grad else 1.0)
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_a_layers_input_requires_grad_in_the_recompute_as_in_the_forward(
+    num_devices: int, grain: str
+) -> None:
+    """After parameter-free layers on the user's input, plain PyTorch's activation does not
+    require grad; the recompute must not make it require grad either."""
+    torch.manual_seed(20)
+    net = nn.Sequential(nn.Tanh(), BranchesOnRequiresGrad(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    reference = copy.deepcopy(net)
+    model = RoundPipe(net)
+    plan = make_plan(
+        [range(i, i + 1) for i in range(4)], [range(i, i + 1) for i in range(3, -1, -1)]
+    )
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan, recompute_grain=grain)
+    x = torch.randn(6, 6)
+    out = model(x, roundpipe_run_config=config)
+    plain = torch.cat([reference(xm) for xm in x.tensor_split(2)])
+    assert torch.equal(out, plain)
+    out.square().sum().backward()
+    plain.square().sum().backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference, exact=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -491,11 +491,12 @@ def test_layer_loop_recompute_backward_matches_autograd(per_layer: bool, reused:
     expected_input = leaf.grad
     layers[2].zero_grad(set_to_none=True)
 
-    # The inputs a forward pass keeps: each layer's (layer grain) or the first one's.
+    # The inputs a forward pass keeps: each layer's (layer grain) or the first one's, requiring
+    # grad as they did in the forward (the recompute's inputs then do too).
     with torch.no_grad():
         kept, h = [], x.clone()
         for layer in layers[1:]:
-            kept.append(h.clone())
+            kept.append(h.clone().requires_grad_(True))
             h = layer(h)
     inputs = kept if per_layer else kept[:1]
     before = [t.clone() for t in inputs]

@@ -201,3 +201,27 @@ def test_the_scale_is_kept_in_float32_as_torch_keeps_it() -> None:
     ours.update(new_scale=0.3, is_async=False)
     plain.update(new_scale=0.3)
     assert ours.get_scale() == plain.get_scale() != 0.3
+
+
+def test_a_plain_modules_loop_trains_as_with_torchs_scaler() -> None:
+    """roundpipe.GradScaler in torch's loop on a plain module (no RoundPipe model): a step
+    follows the update queued before it, so it never reuses the previous iteration's inf check
+    (which stepped on scaled or inf gradients: the weights became NaN)."""
+
+    def train(scaler: GradScaler | torch.amp.GradScaler) -> tuple[torch.Tensor, float]:
+        torch.manual_seed(0)
+        net = nn.Linear(16, 16)
+        optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+        for i in range(200):
+            x = torch.randn(8, 16)
+            if i % 7 == 3:
+                x[0, 0] = float("inf")
+            scaler.scale(net(x).pow(2).mean()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        return net.weight.detach().clone(), float(scaler.get_scale())
+
+    expected = train(torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3))
+    weight, scale = train(GradScaler(init_scale=2.0**10, growth_interval=3))
+    assert torch.equal(weight, expected[0]) and scale == expected[1]

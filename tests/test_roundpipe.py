@@ -842,7 +842,9 @@ def test_wrapping_a_module_twice_is_refused_while_the_first_model_lives(num_devi
     with pytest.raises(ValueError, match="already wrapped"):
         RoundPipe(nn.Sequential(*list(net)[1:]))  # a part of it holds the same parameters
     RoundPipe(copy.deepcopy(net))  # a copy is a model of its own
-    del first
+    cycle: list[object] = [first]
+    cycle.append(cycle)  # the first model is garbage only once the collector runs
+    del first, cycle
     again = RoundPipe(net)  # once the first model is gone, its module may be wrapped anew
     reference = copy.deepcopy(net)
     x = torch.randn(4, 6)
@@ -878,3 +880,16 @@ def test_a_mode_switch_between_forward_and_backward_leaves_the_gradients_alone(
     for grad, p in zip(switched, unswitched.model.parameters(), strict=True):
         assert torch.equal(grad, p.grad)
     assert all(m.training == (switch == "train") for m in model.model.modules())
+
+
+def test_two_models_may_share_a_frozen_module(num_devices: int) -> None:
+    """Nothing trains a frozen parameter, so two models may hold the same frozen base."""
+    torch.manual_seed(21)
+    base = nn.Linear(6, 6).requires_grad_(False)
+    first = RoundPipe(nn.Sequential(base, nn.Linear(6, 2)))
+    second = RoundPipe(nn.Sequential(base, nn.Linear(6, 3)))
+    x = torch.randn(4, 6)
+    one = RoundPipeRunConfig(num_microbatch=1)
+    with torch.no_grad():
+        assert torch.equal(first(x, roundpipe_run_config=one), first.model(x))
+        assert torch.equal(second(x, roundpipe_run_config=one), second.model(x))

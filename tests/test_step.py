@@ -447,3 +447,20 @@ def test_gradients_of_the_wrapped_module_called_directly_add_to_the_models(
     model.synchronize()
     for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_zero_grad_clears_gradients_left_in_grad_while_none_is_published(num_devices: int) -> None:
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    x, y = batches(1)[0]
+    mse(model.model(x), y).backward()  # an auxiliary backward through the module itself
+    model.zero_grad()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    plain_grads(reference, x, y)
+    model.synchronize()
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    mse(model.model(x), y).backward()
+    model.zero_grad()
+    model.synchronize()
+    assert all(p.grad is None for p in model.model.parameters())

@@ -547,7 +547,11 @@ class LayerLoop {
     for (std::int64_t layer = first; layer < stop; ++layer) {
       if (next != keep.end() && *next == layer) {
         if (copy_tensors && THPVariable_Check(value.ptr())) {
-          kept.append(py::make_tuple(plain_copy(THPVariable_Unpack(value.ptr())), py::none()));
+          // Requiring grad as the input did: the recompute's input then does too.
+          const at::Tensor& input = THPVariable_Unpack(value.ptr());
+          at::Tensor copy = plain_copy(input);
+          if (input.requires_grad()) copy.set_requires_grad(true);
+          kept.append(py::make_tuple(std::move(copy), py::none()));
         } else {
           kept.append(keeper(layer, mb, value));
         }
@@ -673,7 +677,9 @@ class LayerLoop {
     // Either way a tensor of its own for autograd: the same bytes, none of the input's history.
     at::Tensor input = copy ? plain_copy(stage_input) : stage_input.variable_data();
     NodeRef input_grad;
-    if (input.is_floating_point() || input.is_complex()) {
+    // As in the forward (and plain PyTorch): an input that did not require grad there (the
+    // output of parameter-free layers on the user's input) does not here either.
+    if (stage_input.requires_grad() && (input.is_floating_point() || input.is_complex())) {
       input_grad = make_node<InputGrad>();
       torch::autograd::create_gradient_edge(input, input_grad);
     }

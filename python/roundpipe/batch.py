@@ -409,8 +409,13 @@ def split_input(
                 "split_input function must return (args_list, kwargs_list), got "
                 f"{_describe(result)}"
             )
-        args_list = _check_list(result[0], num_microbatch, "split_input's args_list")
-        kwargs_list = _check_list(result[1], num_microbatch, "split_input's kwargs_list")
+        # Fewer microbatches than asked for are what a batch of fewer rows splits into, as the
+        # automatic split does (a preset's split function of a short last batch).
+        first = result[0]
+        fewer = isinstance(first, (list, tuple)) and 1 <= len(first) < num_microbatch
+        count = len(first) if fewer else num_microbatch
+        args_list = _check_list(first, count, "split_input's args_list")
+        kwargs_list = _check_list(result[1], count, "split_input's kwargs_list")
         for m, (mb_args, mb_kwargs) in enumerate(zip(args_list, kwargs_list, strict=True)):
             if not isinstance(mb_args, (tuple, list)) or not isinstance(mb_kwargs, dict):
                 raise ValueError(
@@ -431,8 +436,8 @@ def split_input(
             if fewer.packed:
                 warnings.warn(
                     f"{fewer.path}: RoundPipePackedData holds {fewer.count} microbatches but "
-                    f"num_microbatch is {num_microbatch}; running {fewer.count} (run the "
-                    "producing and the consuming RoundPipe with the same num_microbatch)",
+                    f"num_microbatch is {num_microbatch}; running {fewer.count} (its producer "
+                    "ran another num_microbatch, or a batch of fewer rows)",
                     stacklevel=4,
                 )
             num_microbatch = fewer.count

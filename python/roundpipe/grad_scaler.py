@@ -151,6 +151,7 @@ class GradScaler:
         whether any is inf/NaN. At most once per optimizer between ``update()`` calls."""
         if not self._enabled:
             return
+        self._settle_outside_step_fn()
         if id(optimizer) in self._unscaled:
             raise RuntimeError("unscale_() was already called on this optimizer since update()")
         inverse = 1.0 / self._scale_of_gradients()
@@ -170,6 +171,7 @@ class GradScaler:
         scaled. Call :meth:`unscale_` first to get unscaled ``.grad``."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
+        self._settle_outside_step_fn()
         if isinstance(optimizer, Adam) and id(optimizer) not in self._unscaled:
             grads = [gradient_of(p) for group in optimizer.param_groups for p in group["params"]]
             _check_some_gradient(grads)
@@ -186,6 +188,12 @@ class GradScaler:
         if self._unscaled[id(optimizer)]:
             return None
         return optimizer.step(*args, **kwargs)
+
+    def _settle_outside_step_fn(self) -> None:
+        """Called on the main thread (a plain module's training loop, not ``step_fn``), a step
+        follows the updates queued before it: their inf checks are cleared first."""
+        if not in_step_job():
+            drain_optimizer_thread()
 
     def update(self, new_scale: float | torch.Tensor | None = None, is_async: bool = True) -> None:
         """Adjust the scale for later iterations: back off after inf/NaN, grow after

@@ -137,12 +137,16 @@ class GradientState:
         self.wait_pending()
         with torch.no_grad():
             self.memory.grads.zero_()
-        if self.published:
-            for param in self._params:
-                if set_to_none:
-                    param.grad = None
-                elif param.grad is not None:
-                    param.grad.zero_()  # a tensor the user set in place of the view
+        for param in self._params:
+            if param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            elif self.published:
+                param.grad.zero_()  # a tensor the user set in place of the view
+            else:  # a stray gradient (see _absorb_stray_grads): zero, as the arena's now are
+                param.grad = None
+                self.reached.add(id(param))
         self.dirty = not set_to_none
         if set_to_none:
             self.reached = set()

@@ -896,12 +896,18 @@ class Call:
         the layer does to its input), with the event of its copy (None: already there)."""
         with self._mark("activation", range(layer, layer + 1), microbatch):
             host, event = to_host(value, stage.device_index)
+        saved = _unshared(host, value)
+        # Leaves requiring grad as the input's did: so do the recompute's (see
+        # _differentiable_input).
+        for kept, leaf in zip(_flatten(saved)[0], _flatten(value)[0], strict=True):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and not kept.requires_grad:
+                kept.requires_grad_(True)
         if event is not None:
             # The backward stage, maybe on another device, uploads it after the copy landed.
             self.pending.append(event)
             if stage.trace is not None:
                 stage.trace.transfer("activation", "activation", event, microbatch)
-        return _unshared(host, value), event
+        return saved, event
 
     def fused_stage(
         self, stage: ResidentStage, activations: list[Any], loss_spec: LossSpec
@@ -1083,13 +1089,12 @@ class Call:
     def _differentiable_input(
         self, layer: int, microbatch: int, value: Any, device_index: int, landed: Any = None
     ) -> Any:
-        """The stage input on the device as fresh leaves: activations require grad (when
-        floating point); for layer 0, exactly the user's tensors that required grad do.
-        ``landed``: the event of the copy that put ``value`` in host memory, if any."""
+        """The stage input on the device as fresh leaves, requiring grad where the forward's
+        did (activations downstream of trained parameters; of the user's tensors, those that
+        required grad), as in plain PyTorch. ``landed``: the event of the copy that put
+        ``value`` in host memory, if any."""
         leaves, spec = _flatten(value)
-        wanted = [
-            isinstance(leaf, torch.Tensor) and (layer > 0 or leaf.requires_grad) for leaf in leaves
-        ]
+        wanted = [isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves]
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor) and _hides_gradients(leaf, layer == 0):
                 kind = type(leaf).__name__
@@ -1340,18 +1345,18 @@ def _span(tensor: torch.Tensor) -> int:
 
 def _copies(leaves: list[Any], chosen: list[bool], differentiable: bool) -> list[Any]:
     """``leaves`` with copies of the chosen tensors, each laid out and placed as its original
-    (``_C.empty_placed``). Chosen tensors of one dtype that share memory are copied together,
-    into one buffer, as views of it: they share the copy's memory as they shared theirs, so a
-    layer that changes one in place changes the others, as in plain PyTorch (a layer returning
-    ``(h, h)`` or ``(h, h[:, :4])``). ``differentiable``: the copies carry gradients back to the
-    originals, else they are plain copies that autograd does not know of."""
-    groups: dict[tuple[torch.device, torch.dtype, int], list[int]] = {}
+    (``_C.empty_placed``). Chosen tensors that share memory are copied together, into one
+    buffer, as views of it: they share the copy's memory as they shared theirs, so a layer that
+    changes one in place changes the others, as in plain PyTorch (a layer returning ``(h, h)``,
+    ``(h, h[:, :4])`` or ``(h, h.view(torch.int32))``). ``differentiable``: the copies carry
+    gradients back to the originals, else they are plain copies that autograd does not know
+    of."""
+    groups: dict[tuple[torch.device, int], list[int]] = {}
     for i, (leaf, wanted) in enumerate(zip(leaves, chosen, strict=True)):
-        if wanted and isinstance(leaf, torch.Tensor) and leaf.numel() > 0:
-            key = (leaf.device, leaf.dtype, leaf.untyped_storage().data_ptr())
-            groups.setdefault(key, []).append(i)
-        elif wanted and isinstance(leaf, torch.Tensor):
-            groups[(leaf.device, leaf.dtype, -i - 1)] = [i]  # empty: no memory to share
+        if not (wanted and isinstance(leaf, torch.Tensor)):
+            continue
+        memory = leaf.untyped_storage().data_ptr() if leaf.numel() > 0 else -i - 1
+        groups.setdefault((leaf.device, memory), []).append(i)
     copies = list(leaves)
     for members in groups.values():
         if len(members) == 1:
@@ -1361,25 +1366,65 @@ def _copies(leaves: list[Any], chosen: list[bool], differentiable: bool) -> list
                 if differentiable
                 else _C.plain_copy(leaf)
             )
-            continue
-        first = min(leaves[i].storage_offset() for i in members)
-        stop = max(leaves[i].storage_offset() + _span(leaves[i]) for i in members)
-        region = leaves[members[0]].detach().as_strided((stop - first,), (1,), first)
-        buffer = _C.empty_placed(region, region.device)
-        start = buffer.storage_offset() - first
-
-        def view(i: int, of: torch.Tensor = buffer, start: int = start) -> torch.Tensor:
-            leaf = leaves[i]
-            return of.as_strided(leaf.shape, leaf.stride(), start + leaf.storage_offset())
-
-        if differentiable:
-            for i in members:
-                view(i).copy_(leaves[i])  # autograd: the buffer's history; its views' after it
         else:
-            with torch.no_grad():
-                buffer.copy_(region)
-        for i in members:
-            copies[i] = view(i)
+            for i, copy in zip(
+                members, _copied_together([leaves[i] for i in members], differentiable), strict=True
+            ):
+                copies[i] = copy
+    return copies
+
+
+def _copied_together(tensors: list[torch.Tensor], differentiable: bool) -> list[torch.Tensor]:
+    """Copies of ``tensors`` (one storage) as views of one buffer, laid out as they are in it.
+
+    The bytes from the first tensor's to the end of the last one's are copied at once. With
+    ``differentiable``, the tensors that require grad (of one dtype) are views of one typed
+    base whose history leads back to them; the others are plain views of the same memory."""
+    starts = [int(t.storage_offset()) * t.element_size() for t in tensors]
+    first = min(starts)
+    stop = max(s + _span(t) * t.element_size() for s, t in zip(starts, tensors, strict=True))
+    source = tensors[0]
+    region = torch.empty(0, dtype=torch.uint8, device=source.device)
+    region.set_(source.untyped_storage(), first, (stop - first,), (1,))
+    buffer = _C.empty_placed(region, region.device)
+    with torch.no_grad():
+        buffer.copy_(region)
+    storage, skew = buffer.untyped_storage(), buffer.storage_offset() - first
+
+    def on_buffer(t: torch.Tensor, start: int) -> torch.Tensor:
+        view = torch.empty(0, dtype=t.dtype, device=t.device)
+        return view.set_(storage, (skew + start) // t.element_size(), t.shape, t.stride())
+
+    copies = [on_buffer(t, start) for t, start in zip(tensors, starts, strict=True)]
+    graded = [i for i, t in enumerate(tensors) if differentiable and t.requires_grad]
+    if not graded:
+        return copies
+    dtypes = {tensors[i].dtype for i in graded}
+    if len(dtypes) > 1:
+        raise ValueError(
+            "tensors of different dtypes that require grad share memory in a layer's input "
+            f"({', '.join(str(d) for d in sorted(dtypes, key=str))}); RoundPipe cannot keep "
+            "them shared through the recompute: pass one of them and view it in the layer"
+        )
+    dtype = dtypes.pop()
+    item = torch.empty(0, dtype=dtype).element_size()
+    base = torch.empty(0, dtype=dtype, device=source.device)
+    base.set_(storage, 0, (storage.nbytes() // item,), (1,))
+
+    def on_base(i: int) -> torch.Tensor:
+        t = tensors[i]
+        return base.as_strided(t.shape, t.stride(), (skew + starts[i]) // item)
+
+    for i in graded:
+        target, value = on_base(i), tensors[i]
+        # The bytes are there already: the copy gives the base its history. An expanded
+        # tensor (stride 0) is written through one element of each repeated dimension.
+        for dim in range(value.dim()):
+            if value.stride(dim) == 0 and value.size(dim) > 1:
+                target, value = target.narrow(dim, 0, 1), value.narrow(dim, 0, 1)
+        target.copy_(value)
+    for i in graded:
+        copies[i] = on_base(i)
     return copies
 
 

@@ -106,22 +106,29 @@ _held_for_fork: list[threading.RLock] = []
 
 
 def _refuse_wrapped_twice(layers: list[nn.Module]) -> None:
-    """A parameter lives in one model's host arena: wrapping it again would leave the first
-    model training weights the module no longer shows. ``ValueError`` naming that model."""
-    ours = {id(p) for layer in layers for p in layer.parameters()}
-    for attempt in range(2):
-        owner = next(
-            (rt for rt in list(_runtimes) for _, p in rt.param_names if id(p) in ours), None
+    """A trained parameter lives in one model's host arena: wrapping it again would leave the
+    first model training weights the module no longer shows. ``ValueError`` naming that model.
+    (Frozen parameters may be shared: nothing trains them.)"""
+    ours = {id(p) for layer in layers for p in layer.parameters() if p.requires_grad}
+    if not ours:
+        return
+    owner = _owner_of(ours)
+    if owner is not None:
+        gc.collect()  # a model dropped but still in a reference cycle lets go of them
+        owner = _owner_of(ours)
+    if owner is not None:
+        raise ValueError(
+            f"the module's parameters are already wrapped by RoundPipe model '{owner}' (its "
+            "host arena holds them); wrap a copy (copy.deepcopy(module)), or use that model"
         )
-        if owner is None:
-            return
-        if attempt == 0:
-            gc.collect()  # a model dropped but still in a reference cycle lets go of them
-    assert owner is not None
-    raise ValueError(
-        f"the module's parameters are already wrapped by RoundPipe model '{owner.runner.name}' "
-        "(its host arena holds them); wrap a copy (copy.deepcopy(module)), or use that model"
-    )
+
+
+def _owner_of(params: set[int]) -> str | None:
+    """The name of a live model that trains one of ``params`` (ids), if any; holds no model."""
+    for runtime in list(_runtimes):
+        if any(id(p) in params and p.requires_grad for _, p in runtime.param_names):
+            return runtime.runner.name
+    return None
 
 
 def _hold_models_for_fork() -> None:
