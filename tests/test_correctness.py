@@ -948,6 +948,23 @@ def test_inference_and_forward_match_plain_pytorch_where_kernels_look_at_require
     assert torch.equal(model(x, roundpipe_run_config=config), reference(x))
 
 
+def assert_forward_then_backward_match_plain(
+    net: nn.Sequential, config: RoundPipeRunConfig
+) -> None:
+    """forward() of a 6 x 6 batch in two microbatches, then a backward, against plain PyTorch's
+    per-microbatch graph: the output and every gradient bit for bit."""
+    reference = copy.deepcopy(net)
+    model = RoundPipe(net)
+    x = torch.randn(6, 6)
+    out = model(x, roundpipe_run_config=config)
+    plain = torch.cat([reference(xm) for xm in x.tensor_split(2)])
+    assert torch.equal(out, plain)
+    out.square().sum().backward()
+    plain.square().sum().backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference, exact=True)
+
+
 class TwoOfIt(nn.Module):
     """Two leaves sharing memory (a hidden state and its residual): ``(h, h)``,
     ``(h, h[:, :3])``, ``(h, h.view(torch.int64))`` or ``(h, h[:, :1].expand(-1, 6))``."""
@@ -984,18 +1001,9 @@ def test_inputs_sharing_memory_share_it_in_the_recompute(
     torch.manual_seed(16)
     width = 9 if how == "view" else 12
     net = nn.Sequential(nn.Linear(6, 6), TwoOfIt(how), ChangesOneOfThem(), nn.Linear(width, 2))
-    reference = copy.deepcopy(net)
-    model = RoundPipe(net)
     boundary = make_plan([range(0, 2), range(2, 4)], [range(2, 4), range(0, 2)])
     config = RoundPipeRunConfig(num_microbatch=2, execute_plan=boundary, recompute_grain=grain)
-    x = torch.randn(6, 6)
-    out = model(x, roundpipe_run_config=config)
-    plain = torch.cat([reference(xm) for xm in x.tensor_split(2)])
-    assert torch.equal(out, plain)
-    out.square().sum().backward()
-    plain.square().sum().backward()
-    model.synchronize()
-    assert_same_grads(model.model, reference, exact=True)
+    assert_forward_then_backward_match_plain(net, config)
     # The user's own argument, whose leaves share memory; the first layer changes one of them.
     torch.manual_seed(17)
     first = nn.Sequential(ChangesOneOfThem(), nn.Linear(12, 2))
@@ -1029,20 +1037,11 @@ def test_a_layers_input_requires_grad_in_the_recompute_as_in_the_forward(
     require grad; the recompute must not make it require grad either."""
     torch.manual_seed(20)
     net = nn.Sequential(nn.Tanh(), BranchesOnRequiresGrad(6, 6), nn.Tanh(), nn.Linear(6, 2))
-    reference = copy.deepcopy(net)
-    model = RoundPipe(net)
     plan = make_plan(
         [range(i, i + 1) for i in range(4)], [range(i, i + 1) for i in range(3, -1, -1)]
     )
     config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan, recompute_grain=grain)
-    x = torch.randn(6, 6)
-    out = model(x, roundpipe_run_config=config)
-    plain = torch.cat([reference(xm) for xm in x.tensor_split(2)])
-    assert torch.equal(out, plain)
-    out.square().sum().backward()
-    plain.square().sum().backward()
-    model.synchronize()
-    assert_same_grads(model.model, reference, exact=True)
+    assert_forward_then_backward_match_plain(net, config)
 
 
 # --------------------------------------------------------------------------------------------
