@@ -366,16 +366,6 @@ class GradReach {
   std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators_;
 };
 
-// An uninitialised tensor like `tensor` on `device`, laid out and placed as it is: its strides
-// (on the host whenever its elements do not overlap, so a strided view stays one; on a CUDA
-// device when they are dense; else contiguous), and its first element as far past an alignment
-// boundary as tensor's: 64 bytes on the host (what torch's CPU allocator aligns to), 512 on a
-// CUDA device (the caching allocator's), counted from the start of tensor's storage when it
-// comes from the host (where plain PyTorch would have moved the whole batch). Matrix kernels
-// choose their code path by the layout and alignment of their operands (MKL rounds a GEMM with
-// a 16-byte-misaligned input differently), so a microbatch view of the user's batch, or a view a
-// layer returned, and the copy a layer gets of it must agree for the layer to round as it does
-// in plain PyTorch.
 // Whether no two elements of `tensor` share memory: with its dimensions ordered by stride, each
 // stride steps past everything the smaller ones reach.
 bool elements_apart(const at::Tensor& tensor) {
@@ -392,6 +382,16 @@ bool elements_apart(const at::Tensor& tensor) {
   return true;
 }
 
+// An uninitialised tensor like `tensor` on `device`, laid out and placed as it is: its strides
+// (on the host whenever its elements do not overlap, so a strided view stays one; on a CUDA
+// device when they are dense; else contiguous), and its first element as far past an alignment
+// boundary as tensor's: 64 bytes on the host (what torch's CPU allocator aligns to), 512 on a
+// CUDA device (the caching allocator's), counted from the start of tensor's storage when it
+// comes from the host (where plain PyTorch would have moved the whole batch). Matrix kernels
+// choose their code path by the layout and alignment of their operands (MKL rounds a GEMM with
+// a 16-byte-misaligned input differently), so a microbatch view of the user's batch, or a view a
+// layer returned, and the copy a layer gets of it must agree for the layer to round as it does
+// in plain PyTorch.
 at::Tensor empty_placed(const at::Tensor& tensor, c10::Device device) {
   const auto item = static_cast<std::uintptr_t>(tensor.element_size());
   const std::uintptr_t boundary = device.is_cuda() ? 512 : 64;

@@ -269,6 +269,7 @@ class ResidentStage:
         self.memory, self.layers, self.device_index = memory, layers, device_index
         self.model, self.nvtx_model = model, nvtx_model
         self.grads_from_arena = grads_from_arena and with_grads
+        self.hooks_on_sums = hooks_on_sums
         self.trace: StageTrace | None = None  # set while a timeline trace is recorded
         self.layout = layout = memory.stage_layout(layers)
         device = device_at(device_index)
@@ -341,7 +342,10 @@ class ResidentStage:
         """Run the hooks of each trained parameter this stage's backward reached on its
         gradient, the sum over the microbatches (the backward of a ``forward()`` is one pass
         over them all, in which plain PyTorch runs a parameter's hooks once, on its whole
-        gradient); what a hook returns replaces it."""
+        gradient); what a hook returns replaces it. Nothing for other stages: their copies
+        share the hooks (see :meth:`_forward_tensor_hooks`)."""
+        if not self.hooks_on_sums:
+            return
         layout = self.layout
         for j in self.reach.reached():
             i = layout.trained[j]
@@ -457,7 +461,7 @@ class ResidentStage:
             prefix = next(p for p, m in module.named_modules(remove_duplicate=False) if m is owner)
             name = f"{prefix}.{attribute}" if prefix else attribute
             phase = "forward" if forward else "recompute"
-            kind = "frozen" if slot.param.requires_grad is False else "trained"
+            kind = "trained" if slot.param.requires_grad else "frozen"
             why = (
                 "backward recomputes the layer, so the change would be made twice where plain "
                 "PyTorch makes it once (the parameter already holds the changed value)"
@@ -988,8 +992,7 @@ class Call:
     def _download_grads(self, stage: ResidentStage) -> list[Any]:
         """The stage's gradients into the host arena. With stage reduces they are first summed
         over the data-parallel ranks on the device, and only the own shard is downloaded."""
-        if self.run_type == "train":
-            stage.run_hooks_on_sums()
+        stage.run_hooks_on_sums()
         dp = self.runner.stage_reduce
         if dp is None:
             self.reached.update(stage.reached_params())
