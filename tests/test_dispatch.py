@@ -113,9 +113,30 @@ def test_typed_views_match_typed_view() -> None:
         assert view.dtype == like.dtype and view.shape == like.shape
         assert view.stride() == like.stride() and not view.requires_grad
         assert grad_view.requires_grad == like.requires_grad
+        # A parameter copy is a tensor of its own to autograd (no view of the buffer), over the
+        # buffer's memory.
+        assert grad_view._base is None and grad_view.is_leaf
+        assert grad_view.dtype == like.dtype and grad_view.stride() == like.stride()
         torch.testing.assert_close(view, expected, rtol=0, atol=0)
+        torch.testing.assert_close(grad_view.detach(), expected, rtol=0, atol=0)
         if like.numel():
             assert view.data_ptr() == buffer.data_ptr() + offset - 16
+            assert grad_view.data_ptr() == view.data_ptr()
+
+
+def test_typed_views_of_a_buffer_that_starts_inside_its_storage() -> None:
+    """The buffer a slice of a larger one (a storage offset): the copies start where the
+    views do, and a write through one shows in the buffer."""
+    storage = torch.zeros(64, dtype=torch.uint8)
+    buffer = storage[8:]
+    like = torch.randn(2, 3)
+    (copy,) = _C.typed_views(buffer, 0, [16], [like], like_requires_grad=True)
+    (view,) = _C.typed_views(buffer, 0, [16], [like])
+    assert copy.data_ptr() == view.data_ptr() == storage.data_ptr() + 24
+    copy.detach().copy_(like)
+    torch.testing.assert_close(view, like, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="aligned"):
+        _C.typed_views(storage[2:], 0, [0], [like], like_requires_grad=True)
 
 
 def test_upload_stage_copies_the_runs_and_attaches_the_gradient_views() -> None:

@@ -8,6 +8,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/Event.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/strides.h>
 #include <torch/csrc/Exceptions.h>
@@ -82,27 +83,32 @@ std::vector<at::Tensor> typed_views(const at::Tensor& buffer, std::int64_t first
                 "typed_views: offsets[", i, "] = ", offsets[i], " (", like.numel(), " x ", size,
                 " bytes) does not lie aligned inside the buffer of ", buffer.numel(),
                 " bytes starting at byte ", first_byte);
+    if (like_requires_grad) {
+      // To autograd a tensor of its own, not a view of the buffer, as a parameter is: ops on a
+      // view of a leaf that requires grad, made in no-grad mode, require grad only when the
+      // leaf is no view (weight.t() inside nn.Linear), and kernels choose by that (matmul folds
+      // a strided 3-D input when the weight requires grad). Made directly on the buffer's
+      // storage (what empty + set_ make, without a pass through the dispatcher for each).
+      TORCH_CHECK((buffer.storage_offset() + start) % size == 0, "typed_views: offsets[", i,
+                  "] is not aligned to its ", size, "-byte elements in the buffer's storage");
+      auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffer.storage()),
+                                                       buffer.key_set(), like.dtype());
+      impl->set_sizes_and_strides(like.sizes(), like.strides(),
+                                  (buffer.storage_offset() + start) / size);
+      at::Tensor own(std::move(impl));
+      if (like.requires_grad()) own.set_requires_grad(true);
+      views.push_back(std::move(own));
+      continue;
+    }
     auto base = typed.find(like.scalar_type());
     if (base == typed.end()) {
       const std::int64_t whole = buffer.numel() / size * size;
       base = typed.emplace(like.scalar_type(), buffer.slice(0, 0, whole).view(like.scalar_type()))
                  .first;
     }
-    at::Tensor view = base->second.as_strided(like.sizes(), like.strides(), start / size);
-    if (like_requires_grad) {
-      // To autograd a tensor of its own, not a view of the buffer, as a parameter is: ops on a
-      // view of a leaf that requires grad, made in no-grad mode, require grad only when the
-      // leaf is no view (weight.t() inside nn.Linear), and kernels choose by that (matmul folds
-      // a strided 3-D input when the weight requires grad).
-      at::Tensor own = at::empty({0}, view.options());
-      {
-        const at::AutoDispatchBelowADInplaceOrView below_autograd;
-        own.set_(view.storage(), view.storage_offset(), view.sizes(), view.strides());
-      }
-      if (like.requires_grad()) own.set_requires_grad(true);
-      view = std::move(own);
-    }
-    views.push_back(std::move(view));
+    // as_strided's offset counts from the start of the storage, not of the buffer.
+    views.push_back(base->second.as_strided(like.sizes(), like.strides(),
+                                            base->second.storage_offset() + start / size));
   }
   return views;
 }
