@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch.utils._pytree import tree_map
@@ -309,11 +309,38 @@ class GradScaler:
         """Restore a ``state_dict()`` (of this class or of ``torch.amp.GradScaler``), checked
         before anything changes. The resumed run's iterations take the scales the saving run's
         took: ``_iteration_scale`` until the loaded model's pending write-back is applied (its
-        first ``step()``), ``scale`` after it, and the iteration in progress ``_current_scale``."""
+        first ``step()``), ``scale`` after it, and the iteration in progress ``_current_scale``.
+
+        Raises (a disabled scaler ignores ``state_dict``, as torch's does):
+            RuntimeError: ``state_dict`` is empty (saved by a disabled scaler), as torch's.
+            KeyError / TypeError / ValueError: an entry is missing or invalid."""
         if not self._enabled:
             return
+        loaded = self._checked_state(state_dict)
+        drain_optimizer_thread()
+        with self._lock:
+            self._scale, self._growth_tracker = loaded.scale, loaded.growth_tracker
+            self._growth_factor, self._backoff_factor = loaded.growth, loaded.backoff
+            self._growth_interval = loaded.interval
+            self._settled_scale, self._updates = loaded.iteration_scale, []
+            if loaded.scale != loaded.iteration_scale:
+                self._updates.append((restored_iteration(), loaded.scale))
+            self._iteration_scales = (
+                {} if loaded.current is None else {current_iteration(): loaded.current}
+            )
+            self._unscaled.clear()
+
+    def _checked_state(self, state_dict: Any) -> _LoadedState:
+        """What :meth:`load_state_dict` would restore from ``state_dict``, or the error it would
+        raise; changes nothing (``roundpipe.load_checkpoint`` checks a file's scaler state with
+        it before loading anything)."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         if not state_dict:
-            raise RuntimeError("the checkpoint holds no scaler state (saved with enabled=False)")
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled "
+                "instance of GradScaler."
+            )
         scale = _float32(_positive("scale", state_dict["scale"]))
         iteration_scale = _float32(
             _positive("_iteration_scale", state_dict.get("_iteration_scale", scale))
@@ -326,17 +353,20 @@ class GradScaler:
         if backoff >= 1.0:
             raise ValueError(f"backoff_factor must be < 1, got {backoff}")
         interval = self._check_interval(state_dict["growth_interval"])
-        growth_tracker = int(state_dict["_growth_tracker"])
-        drain_optimizer_thread()
-        with self._lock:
-            self._scale, self._growth_tracker = scale, growth_tracker
-            self._growth_factor, self._backoff_factor = growth, backoff
-            self._growth_interval = interval
-            self._settled_scale, self._updates = iteration_scale, []
-            if scale != iteration_scale:
-                self._updates.append((restored_iteration(), scale))
-            self._iteration_scales = {} if current is None else {current_iteration(): current}
-            self._unscaled.clear()
+        tracker = int(state_dict["_growth_tracker"])
+        return _LoadedState(scale, iteration_scale, current, growth, backoff, interval, tracker)
+
+
+class _LoadedState(NamedTuple):
+    """A scaler state checked by ``GradScaler._checked_state``."""
+
+    scale: float
+    iteration_scale: float
+    current: float | None
+    growth: float
+    backoff: float
+    interval: int
+    growth_tracker: int
 
 
 def _float32(value: float) -> float:
