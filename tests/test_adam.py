@@ -390,3 +390,32 @@ def test_native_entry_points_name_the_bad_argument() -> None:
     assert float(s) == 0.0  # nothing ran
     with pytest.raises(ValueError, match="dsts has 2 tensors"):
         _C.grad_accumulate([m, v], [g], True)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("param_kind", ["strided float32", "float64"])
+def test_torchs_adam_path_unscales_in_float32_as_the_native_pass(
+    grad_dtype: torch.dtype, param_kind: str
+) -> None:
+    """Parameters the native pass does not take (torch's single-tensor Adam updates them) get
+    their gradients unscaled as step_fused documents, as an fp32 (or wider) copy: unscaled in
+    bf16/fp16, a scaled 1e-9 underflows to 0 in fp16 and every product rounds to bf16/fp16."""
+    generator = torch.Generator().manual_seed(0)
+    if param_kind == "float64":
+        start = torch.randn(4, 6, generator=generator, dtype=torch.float64)
+    else:
+        start = torch.randn(6, 4, generator=generator).t()  # not contiguous
+    mine, reference = start.clone(), start.clone()
+    if param_kind != "float64":
+        mine, reference = start.t().clone().t(), start.t().clone().t()
+    assert mine.is_contiguous() == (param_kind == "float64")
+    ours = Adam([mine], lr=1e-2)
+    theirs = torch.optim.Adam([reference], lr=1e-2, foreach=False)
+    inv_scale = 1.0 / 3.0 / 2.0**15  # not a power of two: the product rounds
+    for step in range(3):
+        true = torch.randn(4, 6, generator=generator) * 10.0 ** torch.randint(-9, 0, (4, 6))
+        grad = (true / inv_scale).to(grad_dtype)
+        assert ours.step_fused([grad], grad_scale_inv=inv_scale)
+        reference.grad = grad.to(reference.dtype) * inv_scale
+        theirs.step()
+        assert torch.equal(mine, reference), step

@@ -95,6 +95,16 @@ def gradient_of(param: Tensor) -> Tensor | None:
     return param.grad
 
 
+def grad_dtype(param: Tensor) -> torch.dtype | None:
+    """The dtype of ``param.grad`` (``None`` without a gradient), without casting a pending
+    gradient into it."""
+    if isinstance(param, OptimizerCopy) and param._pending_grad is not None:
+        current = _slot_grad(param)
+        return param.dtype if current is None else current.dtype
+    grad = param.grad
+    return None if grad is None else grad.dtype
+
+
 _saving = threading.local()
 
 
@@ -352,4 +362,4 @@ class OptimizerCopiesView(nn.Module):
             yield param
 
 
-__all__ = ["OptimizerCopiesView", "OptimizerCopy", "check_state_dict", "gradient_of"]
+__all__ = ["OptimizerCopiesView", "OptimizerCopy", "check_state_dict", "grad_dtype", "gradient_of"]
