@@ -85,12 +85,25 @@ class OptimizerCopy(nn.Parameter):
         self.drop_grad()
 
 
+# The dtypes in which roundpipe.optim.Adam's native pass reads gradients, casting them to float32
+# exactly as .grad would be cast.
+_READ_AS_IS = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def gradient_of(param: Tensor) -> Tensor | None:
     """``param.grad``, except that a pending gradient is returned as it is (in the model's dtype,
-    not cast); it holds the same values."""
+    not cast) when that reads the same as the cast: it is in the copy's dtype, or in one that
+    ``roundpipe.optim.Adam``'s native pass reads (fp32, bf16, fp16) and casts as ``.grad``
+    would be. Others (an fp64 model's gradients for fp32 copies) are cast into ``.grad``, so
+    that a step on them takes the same path, with the same bits, as one after reading
+    ``.grad``."""
     if isinstance(param, OptimizerCopy):
         pending = param._pending_grad
-        if pending is not None and _slot_grad(param) is None:
+        if (
+            pending is not None
+            and _slot_grad(param) is None
+            and (pending.dtype in _READ_AS_IS or pending.dtype == param.dtype)
+        ):
             return pending
     return param.grad
 
