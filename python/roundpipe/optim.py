@@ -199,6 +199,10 @@ class Adam(torch.optim.Optimizer):
         super().add_param_group({**param_group, "params": params})
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        """As ``torch.optim.Adam.__setstate__`` (which ``load_state_dict`` runs): missing group
+        options get their defaults, and a ``step`` saved as a Python number (torch < 1.12)
+        becomes a tensor. A parameter's non-empty state without ``step`` (another optimizer's,
+        such as SGD's momentum) raises ``KeyError: 'step'`` there, as torch's does."""
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -206,8 +210,14 @@ class Adam(torch.optim.Optimizer):
             group.setdefault("foreach", None)
             group.setdefault("capturable", False)
             group.setdefault("differentiable", False)
-            group.setdefault("fused", None)
             group.setdefault("decoupled_weight_decay", False)
+            fused = group.setdefault("fused", None)
+            for param in group["params"]:
+                param_state = self.state.get(param, [])
+                if len(param_state) != 0 and not torch.is_tensor(param_state["step"]):
+                    # torch keeps it in float32 for fused/capturable groups, which we ignore.
+                    dtype = torch.float32 if fused or group["capturable"] else _scalar_dtype()
+                    param_state["step"] = torch.tensor(float(param_state["step"]), dtype=dtype)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
