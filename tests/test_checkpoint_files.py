@@ -577,3 +577,20 @@ def test_a_plain_modules_mismatched_entry_is_refused_before_any_layer_loads(
     assert str(ours.value) == str(theirs.value)
     assert_same(model.state_dict(), before)
 
+
+def test_an_extra_that_cannot_be_pickled_is_a_value_error_before_writing(tmp_path: Path) -> None:
+    """A lambda, a generator or a lock inside ``extra`` is refused as a numpy array is."""
+    model = nn.Linear(2, 2)
+    path = tmp_path / "ckpt.rp"
+    save_checkpoint(path, model, extra={"epoch": 1})
+    before = path.read_bytes()
+    for extra in (
+        {"fn": lambda: 1},
+        {"numbers": (i for i in range(2))},
+        {"lock": threading.Lock()},
+        lambda: {"lock": threading.Lock()},  # a callable's result is checked alike
+    ):
+        with pytest.raises(ValueError, match="extra must be loadable"):
+            save_checkpoint(path, model, extra=extra)
+        assert path.read_bytes() == before
+        assert [p.name for p in tmp_path.iterdir()] == ["ckpt.rp"]

@@ -422,11 +422,13 @@ def _resolved(extra: Any) -> Any:
 
 
 def _check_weights_only(extra: Any) -> None:
-    """``ValueError`` unless ``extra`` survives ``torch.load(..., weights_only=True)``."""
+    """``ValueError`` unless ``extra`` survives ``torch.save`` and then
+    ``torch.load(..., weights_only=True)`` (an object that cannot be pickled at all, such as a
+    lambda, a generator or a lock, included)."""
     buffer = io.BytesIO()
-    torch.save(extra, buffer)
-    buffer.seek(0)
     try:
+        torch.save(extra, buffer)
+        buffer.seek(0)
         torch.load(buffer, weights_only=True)
     except Exception as error:
         raise ValueError(
