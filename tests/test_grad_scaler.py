@@ -223,6 +223,10 @@ def test_a_plain_modules_loop_trains_as_with_torchs_scaler() -> None:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
+        # Ours: the last update() is queued on the optimizer thread; up_to_date waits for it
+        # (without it the read races the update and may return the scale before it).
+        if isinstance(scaler, GradScaler):
+            return net.weight.detach().clone(), scaler.get_scale(up_to_date=True)
         return net.weight.detach().clone(), float(scaler.get_scale())
 
     expected = train(torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3))
