@@ -390,3 +390,67 @@ def test_native_entry_points_name_the_bad_argument() -> None:
     assert float(s) == 0.0  # nothing ran
     with pytest.raises(ValueError, match="dsts has 2 tensors"):
         _C.grad_accumulate([m, v], [g], True)
+
+
+def test_a_step_saved_as_a_number_loads_as_in_torch() -> None:
+    """torch < 1.12 saved ``step`` as a Python number; torch.optim.Adam.__setstate__ (run by
+    load_state_dict) turns it into a tensor, and the run goes on."""
+    reference = make_params([7, 100])
+    mine = [p.clone() for p in reference]
+    ours = Adam(mine, lr=1e-2, amsgrad=True)
+    theirs = torch.optim.Adam(reference, lr=1e-2, amsgrad=True, foreach=False)
+    run_both(ours, theirs, steps=2)
+    for optimizer in (ours, theirs):
+        legacy = copy.deepcopy(optimizer.state_dict())
+        for state in legacy["state"].values():
+            state["step"] = int(state["step"])
+        optimizer.load_state_dict(legacy)
+    for p, q in zip(mine, reference, strict=True):
+        assert torch.is_tensor(ours.state[p]["step"])
+        assert ours.state[p]["step"].dtype == theirs.state[q]["step"].dtype
+    run_both(ours, theirs, steps=2)
+    assert_same_optimizer_state(ours, theirs)
+
+
+def test_another_optimizers_state_is_refused_where_torch_refuses_it() -> None:
+    """SGD's momentum state has no ``step``: torch.optim.Adam.load_state_dict raises
+    ``KeyError: 'step'`` (not the first step() with ``KeyError: 'exp_avg'``)."""
+    params = make_params([7])
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    params[0].grad = torch.ones(7)
+    sgd.step()
+    errors = []
+    for adam in (torch.optim.Adam, Adam):
+        with pytest.raises(KeyError) as error:
+            adam([params[0].clone()]).load_state_dict(copy.deepcopy(sgd.state_dict()))
+        errors.append(error.value.args)
+    assert errors[0] == errors[1] == ("step",)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("param_kind", ["strided float32", "float64"])
+def test_torchs_adam_path_unscales_in_float32_as_the_native_pass(
+    grad_dtype: torch.dtype, param_kind: str
+) -> None:
+    """Parameters the native pass does not take (torch's single-tensor Adam updates them) get
+    their gradients unscaled as step_fused documents, as an fp32 (or wider) copy: unscaled in
+    bf16/fp16, a scaled 1e-9 underflows to 0 in fp16 and every product rounds to bf16/fp16."""
+    generator = torch.Generator().manual_seed(0)
+    if param_kind == "float64":
+        start = torch.randn(4, 6, generator=generator, dtype=torch.float64)
+    else:
+        start = torch.randn(6, 4, generator=generator).t()  # not contiguous
+    mine, reference = start.clone(), start.clone()
+    if param_kind != "float64":
+        mine, reference = start.t().clone().t(), start.t().clone().t()
+    assert mine.is_contiguous() == (param_kind == "float64")
+    ours = Adam([mine], lr=1e-2)
+    theirs = torch.optim.Adam([reference], lr=1e-2, foreach=False)
+    inv_scale = 1.0 / 3.0 / 2.0**15  # not a power of two: the product rounds
+    for step in range(3):
+        true = torch.randn(4, 6, generator=generator) * 10.0 ** torch.randint(-9, 0, (4, 6))
+        grad = (true / inv_scale).to(grad_dtype)
+        assert ours.step_fused([grad], grad_scale_inv=inv_scale)
+        reference.grad = grad.to(reference.dtype) * inv_scale
+        theirs.step()
+        assert torch.equal(mine, reference), step

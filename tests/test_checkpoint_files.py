@@ -4,6 +4,7 @@ would run code are refused before the model changes, and bad arguments fail up f
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -450,3 +451,146 @@ def test_extra_as_a_callable_is_read_after_the_step_in_flight(tmp_path: Path) ->
     with pytest.raises(ValueError, match="weights_only"):
         save_checkpoint(path, model, optimizer, extra=lambda: {"bad": object()})
     assert torch.load(path, weights_only=True)["extra"]["scheduler"]["last_epoch"] == 1
+
+
+def live_state(trainer: Trainer) -> dict[str, Any]:
+    """What a failed load must leave as it was, read without changing the training (unlike
+    ``snapshot``, whose synchronize() writes the step in flight back): the model's state_dict
+    (with ``_roundpipe.pending_writeback`` while a step is in flight), the optimizer's and the
+    scaler's."""
+    return {
+        "model": {key: value.clone() for key, value in trainer.model.state_dict().items()},
+        "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
+        "scaler": trainer.scaler.state_dict(),
+    }
+
+
+def test_a_load_that_fails_changes_nothing_not_even_the_step_in_flight(tmp_path: Path) -> None:
+    """Every refusal (a corrupt file, a model of other entries, optimizer or scaler state that
+    the file lacks or that is another optimizer's) comes before the asynchronous step in flight
+    is drained: draining writes its weights back, and the next iteration would then train on
+    fresh weights instead of the one-step-stale ones of a run that never tried the load."""
+    source = Trainer()
+    source.train(range(2))
+    good = tmp_path / "good.rp"
+    save_checkpoint(good, source.model, source.optimizer, source.scaler)
+    damaged = bytearray(good.read_bytes())
+    damaged[100:164] = bytes(b ^ 0xA5 for b in damaged[100:164])
+    (tmp_path / "corrupt.rp").write_bytes(damaged)
+    save_checkpoint(tmp_path / "no-scaler.rp", source.model, source.optimizer)
+    disabled = roundpipe.GradScaler(enabled=False)
+    save_checkpoint(tmp_path / "disabled-scaler.rp", source.model, source.optimizer, disabled)
+    torch.manual_seed(1)
+    shallower = RoundPipe(
+        nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(3)]).bfloat16(),
+        optim_dtype=torch.float32,
+    )
+    shallow_adam = roundpipe.optim.Adam(shallower.optim_parameters())
+    save_checkpoint(tmp_path / "other-model.rp", shallower, shallow_adam, source.scaler)
+    sgd = torch.optim.SGD(source.model.optim_parameters(), lr=0.1, momentum=0.9)
+    x, y = batch(0)
+    source.model.forward_backward(
+        input_args=(x.bfloat16(),),
+        label=y,
+        loss_fn=lambda out, label: ((out.float() - label) ** 2).mean(),
+        run_config=CONFIG,
+    )
+    source.model.step(lambda: (sgd.step(), sgd.zero_grad()), is_async=False)
+    save_checkpoint(tmp_path / "sgd.rp", source.model, sgd, source.scaler)
+
+    target, twin = Trainer(), Trainer()
+    assert target.train(range(3)) == twin.train(range(3))
+    before = live_state(target)
+    assert "_roundpipe.pending_writeback" in before["model"]  # a step is in flight
+    cases = [
+        ("corrupt.rp", CheckpointError, "corrupt"),
+        ("no-scaler.rp", CheckpointError, "holds no scaler state"),
+        ("disabled-scaler.rp", CheckpointError, r"disabled GradScaler \(enabled=False\)"),
+        ("other-model.rp", RuntimeError, "Missing key"),
+        ("sgd.rp", CheckpointError, "exp_avg"),
+    ]
+    for name, error, match in cases:
+        with pytest.raises(error, match=match):
+            load_checkpoint(tmp_path / name, target.model, target.optimizer, target.scaler)
+        assert_same(live_state(target), before, name)
+    assert target.train(range(3, 6)) == twin.train(range(3, 6))
+    assert_same(target.snapshot(), twin.snapshot())
+    load_checkpoint(good, target.model, target.optimizer, target.scaler)  # still loads
+
+
+@pytest.mark.parametrize("kind", ["roundpipe", "torch"])
+def test_a_disabled_scalers_checkpoint_loads_nothing_into_an_enabled_scaler(
+    tmp_path: Path, kind: str
+) -> None:
+    """A disabled scaler saves ``{}``; an enabled one asked to load it is refused before the
+    model and the optimizer are loaded (it raised only after both had been replaced)."""
+
+    def scaler(enabled: bool) -> Any:
+        if kind == "roundpipe":
+            return roundpipe.GradScaler(init_scale=8.0, enabled=enabled)
+        return torch.amp.GradScaler("cpu", init_scale=8.0, enabled=enabled)
+
+    def trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = nn.Linear(3, 3)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.randn(2, 3)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    path = tmp_path / "ckpt.rp"
+    save_checkpoint(path, *trained(0), scaler(enabled=False))
+    model, optimizer = trained(1)
+    target = scaler(enabled=True)
+    before = copy.deepcopy((model.state_dict(), optimizer.state_dict(), target.state_dict()))
+    with pytest.raises(CheckpointError, match=r"saved with a disabled GradScaler"):
+        load_checkpoint(path, model, optimizer, target)
+    assert_same((model.state_dict(), optimizer.state_dict(), target.state_dict()), before)
+    load_checkpoint(path, model, optimizer)  # without the scaler it loads
+    load_checkpoint(path, model, optimizer, scaler(enabled=False))  # a disabled one ignores it
+
+
+def test_a_plain_modules_mismatched_entry_is_refused_before_any_layer_loads(
+    tmp_path: Path,
+) -> None:
+    """nn.Module.load_state_dict loads the layers that fit before it raises; load_checkpoint
+    raises the same error before any layer changes (and before the optimizer or scaler)."""
+    torch.manual_seed(0)
+    path = tmp_path / "ckpt.rp"
+    save_checkpoint(path, nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 2)))
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 3))
+    plain = copy.deepcopy(model)
+    with pytest.raises(RuntimeError) as theirs:
+        plain.load_state_dict(torch.load(path, weights_only=True)["model"])
+    assert not torch.equal(plain[0].weight, model[0].weight)  # torch loaded layer 0
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError) as ours:
+        load_checkpoint(path, model)
+    assert str(ours.value) == str(theirs.value)
+    assert_same(model.state_dict(), before)
+    # Extra and missing keys under strict, as torch words them too.
+    save_checkpoint(path, nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    with pytest.raises(RuntimeError) as theirs:
+        copy.deepcopy(model).load_state_dict(torch.load(path, weights_only=True)["model"])
+    with pytest.raises(RuntimeError) as ours:
+        load_checkpoint(path, model)
+    assert str(ours.value) == str(theirs.value)
+    assert_same(model.state_dict(), before)
+
+
+def test_an_extra_that_cannot_be_pickled_is_a_value_error_before_writing(tmp_path: Path) -> None:
+    """A lambda, a generator or a lock inside ``extra`` is refused as a numpy array is."""
+    model = nn.Linear(2, 2)
+    path = tmp_path / "ckpt.rp"
+    save_checkpoint(path, model, extra={"epoch": 1})
+    before = path.read_bytes()
+    for extra in (
+        {"fn": lambda: 1},
+        {"numbers": (i for i in range(2))},
+        {"lock": threading.Lock()},
+        lambda: {"lock": threading.Lock()},  # a callable's result is checked alike
+    ):
+        with pytest.raises(ValueError, match="extra must be loadable"):
+            save_checkpoint(path, model, extra=extra)
+        assert path.read_bytes() == before
+        assert [p.name for p in tmp_path.iterdir()] == ["ckpt.rp"]

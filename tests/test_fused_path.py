@@ -77,6 +77,41 @@ def test_adam_reads_bf16_gradients_from_the_arena_without_casting(
     assert spy.grad_dtypes == [{torch.bfloat16}, {torch.float32}] * 3
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "GradScaler"])
+def test_an_fp64_models_fp32_copies_step_as_after_casting_the_gradients(
+    num_devices: int, casts: list[torch.dtype], scaled: bool
+) -> None:
+    """The native pass does not read fp64 gradients: they are cast into the copies' fp32 .grad,
+    as the unfused path (and the reference) casts them, so the step is bit for bit that path's
+    (not torch's single-tensor Adam, which rounds differently)."""
+    reference = mlp(torch.float64)
+    model = RoundPipe(copy.deepcopy(reference), optim_dtype=torch.float32)
+    ours = roundpipe.optim.Adam(model.optim_parameters(), lr=0.01)
+    masters = [p.detach().float().requires_grad_(True) for p in reference.parameters()]
+    theirs = roundpipe.optim.Adam(masters, lr=0.01)
+    scaler = GradScaler(init_scale=2.0**4)
+
+    def step_fn() -> None:
+        if scaled:
+            scaler.step(ours)
+            scaler.update()
+        else:
+            ours.step()
+        ours.zero_grad()
+
+    for x, y in batches(3, torch.float64):
+        loss_fn = (lambda o, t: scaler.scale(mse(o, t))) if scaled else mse
+        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=CONFIG)
+        model.step(step_fn, is_async=False)
+        plain_grads(reference, x, y)
+        master_step(reference, masters, theirs)  # a power-of-two scale unscales exactly
+        for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p, q)
+        for copy_, master in zip(model.optim_parameters(), masters, strict=True):
+            assert torch.equal(copy_, master)
+    assert set(casts) == {torch.float64}
+
+
 def test_asynchronous_fused_steps_equal_a_staleness_one_simulation(num_devices: int) -> None:
     """Asynchronous steps stage the bf16 weights and write them back one iteration later."""
     reference = mlp(torch.bfloat16)

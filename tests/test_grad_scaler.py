@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+import re
+from collections.abc import Callable
 
 import pytest
+import roundpipe
 import torch
 from reference import stale_step
 from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig
@@ -220,8 +223,116 @@ def test_a_plain_modules_loop_trains_as_with_torchs_scaler() -> None:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
+        # Ours: the last update() is queued on the optimizer thread; up_to_date waits for it
+        # (without it the read races the update and may return the scale before it).
+        if isinstance(scaler, GradScaler):
+            return net.weight.detach().clone(), scaler.get_scale(up_to_date=True)
         return net.weight.detach().clone(), float(scaler.get_scale())
 
     expected = train(torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3))
     weight, scale = train(GradScaler(init_scale=2.0**10, growth_interval=3))
     assert torch.equal(weight, expected[0]) and scale == expected[1]
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64]
+)
+@pytest.mark.parametrize("shape", [(), (1,), (3,)], ids=["0-dim", "1", "3"])
+def test_scale_returns_the_dtype_and_value_torchs_scaler_returns(
+    dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    """torch multiplies by its scale held as a 0-dim float32 tensor: a 0-dim fp16 loss becomes
+    float32 (no overflow at 3 * 2**15), an n-dim one keeps its dtype."""
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**15)
+    ours = GradScaler(init_scale=2.0**15)
+    loss = torch.full(shape, 3, dtype=dtype)
+    for outputs in (loss, [loss], (loss, loss)):
+        expected, got = theirs.scale(outputs), ours.scale(outputs)
+        pairs = [(expected, got)] if torch.is_tensor(expected) else zip(expected, got, strict=True)
+        for a, b in pairs:
+            assert (b.dtype, b.shape) == (a.dtype, a.shape)
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("outputs", [1.0, None, [1.0], (torch.ones(()), 2)], ids=repr)
+def test_scale_refuses_what_is_not_a_tensor_as_torch_does(outputs: object) -> None:
+    with pytest.raises(ValueError) as theirs:
+        torch.amp.GradScaler("cpu").scale(outputs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError) as ours:
+        GradScaler().scale(outputs)
+    assert str(ours.value) == str(theirs.value)
+
+
+def _unscaling_outcome(
+    scaler: GradScaler | torch.amp.GradScaler,
+    call: str,
+    optimizer_class: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    grads: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """(weights, gradients) after ``scaler.<call>(optimizer)``, or the ValueError's message, the
+    parameter and its gradient then checked unchanged."""
+    param = nn.Parameter(torch.zeros(4, dtype=grads.dtype))
+    param.grad = grads.clone()
+    optimizer = optimizer_class([param])
+    scaler.scale(torch.ones(()))
+    try:
+        getattr(scaler, call)(optimizer)
+    except ValueError as error:
+        assert torch.equal(param.grad, grads) and not param.any()
+        return str(error)
+    return param.detach().clone(), param.grad.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp16_gradients_are_refused_as_torch_refuses_them(dtype: torch.dtype) -> None:
+    """torch.amp.GradScaler will not unscale fp16 gradients (the small ones would underflow in
+    fp16): unscale_ and step raise ValueError and leave them as they were; bf16 ones are
+    unscaled. Our Adam, stepped through the scaler, is held to torch's Adam's rule."""
+    grads = torch.tensor([1e-3, 2e-3, 60000.0, 1.0]).to(dtype)
+
+    def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=1.0)
+
+    def torch_adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=1.0, foreach=False)
+
+    def our_adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return roundpipe.optim.Adam(params, lr=1.0)
+
+    cases = [("unscale_", sgd, sgd), ("step", sgd, sgd), ("step", torch_adam, our_adam)]
+    for call, theirs, ours in cases:
+        expected = _unscaling_outcome(
+            torch.amp.GradScaler("cpu", init_scale=2.0**16), call, theirs, grads
+        )
+        got = _unscaling_outcome(GradScaler(init_scale=2.0**16), call, ours, grads)
+        if isinstance(expected, str):
+            assert got == expected == "Attempting to unscale FP16 gradients."
+        else:
+            assert not isinstance(got, str)
+            assert torch.equal(got[0], expected[0])  # the weights
+            if ours is not our_adam:  # which unscales as it reads, leaving .grad scaled
+                assert torch.equal(got[1], expected[1])
+    assert isinstance(expected, str) == (dtype == torch.float16)
+
+
+def test_an_fp16_model_without_fp32_copies_is_refused_as_by_torch(num_devices: int) -> None:
+    """The realistic case: an fp16 model whose optimizer copies stay fp16 (optim_dtype=None)."""
+    net = mlp(torch.float16)
+    plain = copy.deepcopy(net)
+    x, y = batches(1, torch.float16)[0]
+    theirs = torch.amp.GradScaler("cpu")
+    for xm, ym in zip(x.tensor_split(2), y.tensor_split(2), strict=True):
+        theirs.scale(mse(plain(xm), ym)).backward()
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients") as expected:
+        theirs.step(torch.optim.Adam(plain.parameters(), foreach=False))
+    model = RoundPipe(net)
+    optimizer = roundpipe.optim.Adam(model.optim_parameters())
+    scaler = GradScaler()
+    before = [p.detach().clone() for p in model.parameters()]
+    model.forward_backward(
+        input_args=(x,), label=y, loss_fn=lambda o, t: scaler.scale(mse(o, t)), run_config=CONFIG
+    )
+    with pytest.raises(ValueError, match=re.escape(str(expected.value))):
+        model.step(lambda: scaler.step(optimizer), is_async=False)
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, q)

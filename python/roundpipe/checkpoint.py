@@ -46,13 +46,13 @@ from torch import nn
 
 from roundpipe._native import BUILD_INFO
 from roundpipe.checkpoint_sharded import (
-    check_optimizer_groups,
+    check_parts,
+    drain_for_load,
     is_sharded,
     load_sharded,
     save_sharded,
 )
 from roundpipe.sharded_files import CheckpointError
-from roundpipe.step import drain_optimizer_thread
 
 FORMAT = "roundpipe.checkpoint"
 FORMAT_VERSION = 1
@@ -186,10 +186,13 @@ def load_checkpoint(
 
     Every byte is checked against the file's checksums before anything is deserialised; the
     payload is read with ``torch.load(..., weights_only=True)``, so a checkpoint cannot run
-    code. Then the model is loaded first (weights, optimizer copies, pending gradients), then
-    the optimizer, then the scaler. Nothing is changed when the file is bad or lacks a part
-    that was asked for. Optimizer or scaler state in the file is ignored when the argument is
-    None.
+    code. Then every part asked for is checked against what it goes into: the model's entries
+    (what ``model.load_state_dict`` would refuse), the optimizer's parameter groups (and for
+    Adam its per-parameter state) and the scaler's state. Only then is the asynchronous step in
+    flight finished (its weights written back) and the model loaded (weights, optimizer copies,
+    pending gradients), then the optimizer, then the scaler. So nothing is changed, not even the
+    step in flight, when the file is bad, lacks a part that was asked for or does not fit.
+    Optimizer or scaler state in the file is ignored when the argument is None.
 
     A checkpoint folder (saved by a data-parallel model) loads at any number of ranks (every
     rank of the model's group calls this), or into a RoundPipe without data parallelism: each
@@ -206,7 +209,9 @@ def load_checkpoint(
         TypeError / ValueError: an invalid argument, before the file is opened.
         FileNotFoundError: no file at ``path``.
         CheckpointError: the file is corrupt or truncated, is not a RoundPipe checkpoint, or
-            lacks the optimizer or scaler state asked for.
+            lacks the optimizer or scaler state asked for (another optimizer's state for an
+            Adam, a disabled scaler's ``{}`` for an enabled one).
+        RuntimeError: the model's entries do not fit (``model.load_state_dict``'s error).
     """
     target = _checked_path(path)
     _check_parts(model, optimizer, scaler)
@@ -214,12 +219,6 @@ def load_checkpoint(
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
     if not target.exists():
         raise FileNotFoundError(f"no checkpoint file or folder at {str(target)!r}")
-    # The step in flight ends first: it would change the optimizer state being replaced, and
-    # with data parallelism its collectives would interleave with the load's.
-    drain = getattr(model, "drain", None)
-    if callable(drain):
-        drain()
-    drain_optimizer_thread()
     if target.is_dir():
         return load_sharded(target, model, optimizer, scaler, strict)
     if is_sharded(model):
@@ -253,10 +252,20 @@ def load_checkpoint(
             f"checkpoint {str(target)!r} holds no {' or '.join(missing)} state "
             f"(it holds: {', '.join(manifest['entries'])})"
         )
-    if optimizer is not None:
-        check_optimizer_groups(
-            optimizer, state["optimizer"].get("param_groups"), f"checkpoint {str(target)!r}"
-        )
+    # Everything is checked before the step in flight is drained: draining writes its weights
+    # back, which changes the training, so a load that fails must not have done it.
+    check_parts(
+        f"checkpoint {str(target)!r}",
+        model,
+        state["model"],
+        strict,
+        optimizer,
+        state.get("optimizer"),
+        scaler,
+        state.get("scaler"),
+    )
+    # The step in flight ends first: it would change the optimizer state being replaced.
+    drain_for_load(model)
     model.load_state_dict(state["model"], strict=strict)
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
@@ -413,11 +422,13 @@ def _resolved(extra: Any) -> Any:
 
 
 def _check_weights_only(extra: Any) -> None:
-    """``ValueError`` unless ``extra`` survives ``torch.load(..., weights_only=True)``."""
+    """``ValueError`` unless ``extra`` survives ``torch.save`` and then
+    ``torch.load(..., weights_only=True)`` (an object that cannot be pickled at all, such as a
+    lambda, a generator or a lock, included)."""
     buffer = io.BytesIO()
-    torch.save(extra, buffer)
-    buffer.seek(0)
     try:
+        torch.save(extra, buffer)
+        buffer.seek(0)
         torch.load(buffer, weights_only=True)
     except Exception as error:
         raise ValueError(

@@ -15,7 +15,7 @@ What a folder holds, by entry name:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from roundpipe.distributed import DataParallelShard, ShardPiece
+from roundpipe.grad_scaler import GradScaler
+from roundpipe.optim import Adam
+from roundpipe.optimizer_copy import check_state_dict
 from roundpipe.sharded_files import (
     CheckpointError,
     Piece,
@@ -31,6 +34,7 @@ from roundpipe.sharded_files import (
     read_saved_entries,
     save_folder,
 )
+from roundpipe.step import drain_optimizer_thread, wait_optimizer_thread
 
 # The prefix of the optimizer copies' entries in a RoundPipe's state_dict().
 _COPY = "_roundpipe.optim."
@@ -89,7 +93,8 @@ def save_sharded(
 def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, strict: bool) -> Any:
     """Restore a folder written by :func:`save_sharded` (at any number of ranks) into this
     rank's ``model`` (a data-parallel RoundPipe, or a RoundPipe alone) and ``optimizer``;
-    returns ``extra``. Nothing is changed when a file is bad or an entry is missing."""
+    returns ``extra``. Nothing is changed when a file is bad, an entry is missing or the state
+    does not fit: all is checked before the step in flight is drained and anything loaded."""
     shard = _shard_of(model)
     if shard is None:
         raise TypeError(
@@ -137,6 +142,9 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, st
     if scaler is not None:
         entries["scaler"] = None
     entries["extra"] = None
+    # Ends the collectives in flight; the step is written back only once the load is known to
+    # succeed (drain_for_load).
+    wait_for_load(model)
     load_folder(folder, entries, pieces, shard.group if shard.world_size > 1 else None)
 
     model_state = {
@@ -145,11 +153,11 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, st
     for name, piece in by_name.items():
         if f"{_COPY}{name}" in model_state:
             model_state[f"{_COPY}{name}"] = model_state[f"{_COPY}{name}"].view(piece.copy.shape)
+    where = f"checkpoint {str(folder)!r}"
     groups: Any = entries.get("optimizer/param_groups")
+    optimizer_state: dict[str, Any] = {}
     if optimizer is not None:
-        check_optimizer_groups(optimizer, groups, f"checkpoint {str(folder)!r}", sizes=False)
-    model.load_state_dict(model_state, strict=strict)
-    if optimizer is not None:
+        check_optimizer_groups(optimizer, groups, where, sizes=False)
         state: dict[int, dict[str, Any]] = {}
         for index, param in enumerate(params):
             piece = by_copy[id(param)]
@@ -161,20 +169,137 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, st
             }
             if own:
                 state[index] = own
-        optimizer.load_state_dict(
-            {
-                "state": state,
-                "param_groups": [
-                    {**saved_group, "params": list(range(first, first + len(group["params"])))}
-                    for saved_group, group, first in zip(
-                        groups, optimizer.param_groups, _firsts(optimizer), strict=True
-                    )
-                ],
-            }
-        )
+        optimizer_state = {
+            "state": state,
+            "param_groups": [
+                {**saved_group, "params": list(range(first, first + len(group["params"])))}
+                for saved_group, group, first in zip(
+                    groups, optimizer.param_groups, _firsts(optimizer), strict=True
+                )
+            ],
+        }
+    check_parts(
+        where, model, model_state, strict, optimizer, optimizer_state, scaler, entries.get("scaler")
+    )
+    drain_for_load(model)
+    model.load_state_dict(model_state, strict=strict)
+    if optimizer is not None:
+        optimizer.load_state_dict(optimizer_state)
     if scaler is not None:
         scaler.load_state_dict(entries["scaler"])
     return entries["extra"]
+
+
+def check_parts(
+    where: str,
+    model: nn.Module,
+    model_state: Any,
+    strict: bool,
+    optimizer: Any,
+    optimizer_state: Any,
+    scaler: Any,
+    scaler_state: Any,
+) -> None:
+    """Raise, before anything is drained or loaded, what loading ``model_state`` (with
+    ``strict``), ``optimizer_state`` and ``scaler_state`` would raise: the model's own
+    ``load_state_dict`` error, or ``CheckpointError`` for optimizer or scaler state that the
+    checkpoint lacks or that does not fit (``optimizer``/``scaler`` None: not checked)."""
+    check_state_dict(model, model_state, strict)
+    if optimizer is not None:
+        check_optimizer_state(optimizer, optimizer_state, where)
+    if scaler is not None:
+        check_scaler_state(scaler, scaler_state, where)
+
+
+def drain_for_load(model: nn.Module) -> None:
+    """Finish the asynchronous step in flight (its weights written back) and the queued
+    optimizer jobs: a load replaces what they would change. Only once the load is known to
+    succeed: draining changes the training (the next iteration gets fresh weights)."""
+    drain = getattr(model, "drain", None)
+    if callable(drain):
+        drain()
+    drain_optimizer_thread()
+
+
+def wait_for_load(model: nn.Module) -> None:
+    """Wait for the step in flight and the queued optimizer jobs without writing the step back
+    or settling anything (as a save does): with data parallelism their collectives must not
+    interleave with those of a sharded load, which may still fail."""
+    wait = getattr(model, "wait_for_step", None)
+    if callable(wait):
+        wait()
+    wait_optimizer_thread()
+
+
+# What a parameter's non-empty state holds for torch's Adam and AdamW and roundpipe.optim.Adam.
+_ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+
+
+def check_optimizer_state(optimizer: Any, saved: Any, where: str) -> None:
+    """``CheckpointError`` unless ``optimizer.load_state_dict(saved)`` can take ``saved``: its
+    parameter groups (:func:`check_optimizer_groups`) and, for Adam (torch's, AdamW, ours),
+    every parameter's state, which must be Adam's (another optimizer's, such as SGD's momentum,
+    would fail at the load or at the first step)."""
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("state"), Mapping):
+        raise CheckpointError(
+            f"{where} holds no optimizer state dict (with 'state' and 'param_groups'), got "
+            f"{type(saved).__name__}"
+        )
+    check_optimizer_groups(optimizer, saved.get("param_groups"), where)
+    if not isinstance(optimizer, (torch.optim.Adam, Adam)) or getattr(
+        optimizer, "_optimizer_load_state_dict_pre_hooks", None
+    ):
+        return  # a load pre-hook may convert the state
+    for group in saved["param_groups"]:
+        keys = _ADAM_STATE + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+        for index in group["params"]:
+            entry = saved["state"].get(index)
+            if not entry:
+                continue  # a parameter not stepped yet
+            lacking = [key for key in keys if key not in entry]
+            if lacking:
+                raise CheckpointError(
+                    f"{where}: the optimizer state of parameter {index} has no "
+                    f"{', '.join(lacking)} (it holds {', '.join(map(str, entry))}): not the "
+                    f"state of {type(optimizer).__name__}"
+                )
+
+
+# What torch.amp.GradScaler.load_state_dict reads.
+_TORCH_SCALER_STATE = (
+    "scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "_growth_tracker",
+)
+
+
+def check_scaler_state(scaler: Any, saved: Any, where: str) -> None:
+    """``CheckpointError`` unless ``scaler.load_state_dict(saved)`` can take ``saved``: an enabled
+    scaler needs the state of an enabled one (a disabled scaler saves ``{}``)."""
+    is_enabled = getattr(scaler, "is_enabled", None)
+    if callable(is_enabled) and not is_enabled():
+        return  # a disabled scaler ignores the state, as torch's does
+    if isinstance(saved, Mapping) and not saved:
+        raise CheckpointError(
+            f"{where} holds no scaler state: it was saved with a disabled GradScaler "
+            "(enabled=False); load it with scaler=None or a disabled scaler"
+        )
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(f"{where} holds no scaler state dict, got {type(saved).__name__}")
+    if isinstance(scaler, GradScaler):
+        try:
+            scaler._checked_state(saved)
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:
+            raise CheckpointError(
+                f"{where} holds a scaler state that cannot be loaded: {error!r}"
+            ) from error
+        return
+    if isinstance(scaler, torch.amp.GradScaler):
+        lacking = [key for key in _TORCH_SCALER_STATE if key not in saved]
+        if lacking:
+            raise CheckpointError(f"{where}: the scaler state has no {', '.join(lacking)}")
 
 
 def check_optimizer_groups(optimizer: Any, saved: Any, where: str, sizes: bool = True) -> None:

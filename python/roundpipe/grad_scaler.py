@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, TypeVar
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from roundpipe._native import _C
 from roundpipe.distributed import any_rank
 from roundpipe.optim import Adam
-from roundpipe.optimizer_copy import gradient_of
+from roundpipe.optimizer_copy import grad_dtype, gradient_of
 from roundpipe.step import (
     current_iteration,
     drain_optimizer_thread,
@@ -122,12 +122,23 @@ class GradScaler:
     # -- main thread ---------------------------------------------------------------------------
 
     def scale(self, outputs: Any) -> Any:
-        """Multiply ``outputs`` (a tensor or any pytree of tensors) by this iteration's scale."""
+        """Multiply ``outputs`` (a tensor or any pytree of tensors) by this iteration's scale.
+
+        As ``torch.amp.GradScaler.scale``, each tensor is multiplied by the scale held as a
+        0-dim float32 tensor, so type promotion is torch's: a 0-dim fp16/bf16 loss gives a
+        float32 product (no fp16 overflow), an n-dim one keeps its dtype. A leaf that is not a
+        tensor (``scale(1.0)``) raises ``ValueError`` before the iteration's scale is fixed."""
         if not self._enabled:
             return outputs
+        leaves = tree_leaves(outputs, is_leaf=lambda leaf: leaf is None)
+        if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
         with self._lock:
             scale = self._iteration_scales.setdefault(current_iteration(), self._usable_scale())
-        return tree_map(lambda t: t * scale if isinstance(t, torch.Tensor) else t, outputs)
+        # On the host, whatever the outputs' device: a CPU 0-dim tensor enters a device
+        # kernel as a scalar, promoted as torch's device-resident scale tensor.
+        factor = torch.tensor(scale, dtype=torch.float32)
+        return tree_map(lambda t: t * factor, outputs)
 
     def _usable_scale(self) -> float:
         """The scale a new iteration takes now: after the updates of the settled steps (the
@@ -148,7 +159,11 @@ class GradScaler:
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients of ``optimizer``'s parameters by their scale, in place, and note
-        whether any is inf/NaN. At most once per optimizer between ``update()`` calls."""
+        whether any is inf/NaN. At most once per optimizer between ``update()`` calls.
+
+        As ``torch.amp.GradScaler``, fp16 gradients are refused (``ValueError``, nothing
+        unscaled): unscaled in fp16 the small ones would underflow. Keep fp32 optimizer copies
+        (``optim_dtype=torch.float32``) for an fp16 model."""
         if not self._enabled:
             return
         self._settle_outside_step_fn()
@@ -156,7 +171,8 @@ class GradScaler:
             raise RuntimeError("unscale_() was already called on this optimizer since update()")
         inverse = 1.0 / self._scale_of_gradients()
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [grad for grad in (p.grad for p in params) if grad is not None]
+        _refuse_fp16([grad.dtype for grad in grads])
         with torch.no_grad():
             for grad in grads:
                 grad.mul_(inverse)
@@ -168,12 +184,17 @@ class GradScaler:
 
         With :class:`roundpipe.optim.Adam` the gradients are unscaled inside its update pass,
         after a read-only inf/NaN check, as torch's fused optimizers do: ``.grad`` then stays
-        scaled. Call :meth:`unscale_` first to get unscaled ``.grad``."""
+        scaled. Call :meth:`unscale_` first to get unscaled ``.grad``. fp16 gradients raise
+        ``ValueError`` as in :meth:`unscale_`."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         self._settle_outside_step_fn()
         if isinstance(optimizer, Adam) and id(optimizer) not in self._unscaled:
-            grads = [gradient_of(p) for group in optimizer.param_groups for p in group["params"]]
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            grads = [gradient_of(p) for p in params]
+            # What unscale_ would refuse, judged by the dtype .grad has (a pending gradient
+            # becomes one of its copy's dtype).
+            _refuse_fp16([dtype for dtype in map(grad_dtype, params) if dtype is not None])
             _check_some_gradient(grads)
             found_inf = any_rank(not _all_finite([g for g in grads if g is not None]))
             self._unscaled[id(optimizer)] = found_inf
@@ -309,11 +330,38 @@ class GradScaler:
         """Restore a ``state_dict()`` (of this class or of ``torch.amp.GradScaler``), checked
         before anything changes. The resumed run's iterations take the scales the saving run's
         took: ``_iteration_scale`` until the loaded model's pending write-back is applied (its
-        first ``step()``), ``scale`` after it, and the iteration in progress ``_current_scale``."""
+        first ``step()``), ``scale`` after it, and the iteration in progress ``_current_scale``.
+
+        Raises (a disabled scaler ignores ``state_dict``, as torch's does):
+            RuntimeError: ``state_dict`` is empty (saved by a disabled scaler), as torch's.
+            KeyError / TypeError / ValueError: an entry is missing or invalid."""
         if not self._enabled:
             return
+        loaded = self._checked_state(state_dict)
+        drain_optimizer_thread()
+        with self._lock:
+            self._scale, self._growth_tracker = loaded.scale, loaded.growth_tracker
+            self._growth_factor, self._backoff_factor = loaded.growth, loaded.backoff
+            self._growth_interval = loaded.interval
+            self._settled_scale, self._updates = loaded.iteration_scale, []
+            if loaded.scale != loaded.iteration_scale:
+                self._updates.append((restored_iteration(), loaded.scale))
+            self._iteration_scales = (
+                {} if loaded.current is None else {current_iteration(): loaded.current}
+            )
+            self._unscaled.clear()
+
+    def _checked_state(self, state_dict: Any) -> _LoadedState:
+        """What :meth:`load_state_dict` would restore from ``state_dict``, or the error it would
+        raise; changes nothing (``roundpipe.load_checkpoint`` checks a file's scaler state with
+        it before loading anything)."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         if not state_dict:
-            raise RuntimeError("the checkpoint holds no scaler state (saved with enabled=False)")
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled "
+                "instance of GradScaler."
+            )
         scale = _float32(_positive("scale", state_dict["scale"]))
         iteration_scale = _float32(
             _positive("_iteration_scale", state_dict.get("_iteration_scale", scale))
@@ -326,22 +374,31 @@ class GradScaler:
         if backoff >= 1.0:
             raise ValueError(f"backoff_factor must be < 1, got {backoff}")
         interval = self._check_interval(state_dict["growth_interval"])
-        growth_tracker = int(state_dict["_growth_tracker"])
-        drain_optimizer_thread()
-        with self._lock:
-            self._scale, self._growth_tracker = scale, growth_tracker
-            self._growth_factor, self._backoff_factor = growth, backoff
-            self._growth_interval = interval
-            self._settled_scale, self._updates = iteration_scale, []
-            if scale != iteration_scale:
-                self._updates.append((restored_iteration(), scale))
-            self._iteration_scales = {} if current is None else {current_iteration(): current}
-            self._unscaled.clear()
+        tracker = int(state_dict["_growth_tracker"])
+        return _LoadedState(scale, iteration_scale, current, growth, backoff, interval, tracker)
+
+
+class _LoadedState(NamedTuple):
+    """A scaler state checked by ``GradScaler._checked_state``."""
+
+    scale: float
+    iteration_scale: float
+    current: float | None
+    growth: float
+    backoff: float
+    interval: int
+    growth_tracker: int
 
 
 def _float32(value: float) -> float:
     """``value`` rounded to float32, in which ``torch.amp.GradScaler`` keeps its scale."""
     return float(torch.tensor(value, dtype=torch.float32))
+
+
+def _refuse_fp16(dtypes: list[torch.dtype]) -> None:
+    """``torch.amp.GradScaler.unscale_``'s check, before any gradient is unscaled."""
+    if torch.float16 in dtypes:
+        raise ValueError("Attempting to unscale FP16 gradients.")
 
 
 def _check_some_gradient(grads: list[torch.Tensor | None]) -> None:

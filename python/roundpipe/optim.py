@@ -89,6 +89,17 @@ def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
+def _unscaled(grad: Tensor, dtype: torch.dtype, grad_scale_inv: float) -> Tensor:
+    """``grad`` in ``dtype``, multiplied by ``grad_scale_inv`` in the wider of the two dtypes and
+    at least float32 (as torch's unscale kernel computes), so that neither a bf16/fp16 product
+    underflows nor a scaled float32 gradient overflows in a cast to bf16/fp16 before it; for a
+    gradient no wider than ``dtype``, the same bits as casting it first and unscaling that."""
+    if grad_scale_inv == 1.0:
+        return grad.to(dtype)
+    opmath = torch.promote_types(torch.promote_types(grad.dtype, dtype), torch.float32)
+    return (grad.to(opmath) * grad_scale_inv).to(dtype)
+
+
 @contextmanager
 def fused_writeback(targets: Mapping[Tensor, Tensor]) -> Iterator[dict[Tensor, int]]:
     """Makes :meth:`Adam.step` on this thread also write the new weights into ``targets``.
@@ -188,6 +199,10 @@ class Adam(torch.optim.Optimizer):
         super().add_param_group({**param_group, "params": params})
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        """As ``torch.optim.Adam.__setstate__`` (which ``load_state_dict`` runs): missing group
+        options get their defaults, and a ``step`` saved as a Python number (torch < 1.12)
+        becomes a tensor. A parameter's non-empty state without ``step`` (another optimizer's,
+        such as SGD's momentum) raises ``KeyError: 'step'`` there, as torch's does."""
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -195,8 +210,14 @@ class Adam(torch.optim.Optimizer):
             group.setdefault("foreach", None)
             group.setdefault("capturable", False)
             group.setdefault("differentiable", False)
-            group.setdefault("fused", None)
             group.setdefault("decoupled_weight_decay", False)
+            fused = group.setdefault("fused", None)
+            for param in group["params"]:
+                param_state = self.state.get(param, [])
+                if len(param_state) != 0 and not torch.is_tensor(param_state["step"]):
+                    # torch keeps it in float32 for fused/capturable groups, which we ignore.
+                    dtype = torch.float32 if fused or group["capturable"] else _scalar_dtype()
+                    param_state["step"] = torch.tensor(float(param_state["step"]), dtype=dtype)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -388,9 +409,10 @@ class Adam(torch.optim.Optimizer):
         native kernel does not take, so their results are torch's bit for bit."""
         amsgrad = bool(group["amsgrad"])
         states = [self._state_of(param, amsgrad) for param in params]
-        # Unscaling multiplies by 1/scale as GradScaler.unscale_ does, leaving grads as they are.
+        # Unscaled as GradScaler.unscale_ unscales .grad (in the parameter's dtype, computed in
+        # at least float32), leaving the gradients themselves as they are.
         ready = [
-            (grad if grad_scale_inv == 1.0 else grad * grad_scale_inv).to(param.dtype)
+            _unscaled(grad, param.dtype, grad_scale_inv)
             for param, grad in zip(params, grads, strict=True)
         ]
         beta1, beta2 = group["betas"]

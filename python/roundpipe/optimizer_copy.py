@@ -17,7 +17,7 @@ resolves what is left when ``step_fn`` returns (:meth:`OptimizerCopy.resolve_gra
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -85,14 +85,37 @@ class OptimizerCopy(nn.Parameter):
         self.drop_grad()
 
 
+# The dtypes in which roundpipe.optim.Adam's native pass reads gradients, casting them to float32
+# exactly as .grad would be cast.
+_READ_AS_IS = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def gradient_of(param: Tensor) -> Tensor | None:
     """``param.grad``, except that a pending gradient is returned as it is (in the model's dtype,
-    not cast); it holds the same values."""
+    not cast) when that reads the same as the cast: it is in the copy's dtype, or in one that
+    ``roundpipe.optim.Adam``'s native pass reads (fp32, bf16, fp16) and casts as ``.grad``
+    would be. Others (an fp64 model's gradients for fp32 copies) are cast into ``.grad``, so
+    that a step on them takes the same path, with the same bits, as one after reading
+    ``.grad``."""
     if isinstance(param, OptimizerCopy):
         pending = param._pending_grad
-        if pending is not None and _slot_grad(param) is None:
+        if (
+            pending is not None
+            and _slot_grad(param) is None
+            and (pending.dtype in _READ_AS_IS or pending.dtype == param.dtype)
+        ):
             return pending
     return param.grad
+
+
+def grad_dtype(param: Tensor) -> torch.dtype | None:
+    """The dtype of ``param.grad`` (``None`` without a gradient), without casting a pending
+    gradient into it."""
+    if isinstance(param, OptimizerCopy) and param._pending_grad is not None:
+        current = _slot_grad(param)
+        return param.dtype if current is None else current.dtype
+    grad = param.grad
+    return None if grad is None else grad.dtype
 
 
 _saving = threading.local()
@@ -117,6 +140,124 @@ def _load_error(module: nn.Module, error_msgs: list[str]) -> RuntimeError:
     return RuntimeError(
         f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(error_msgs)
     )
+
+
+def _views(module: nn.Module) -> list[tuple[str, OptimizerCopiesView]]:
+    """(prefix of its own entries, view) of every OptimizerCopiesView in ``module``."""
+    return [
+        (f"{path}.{view._own_state_prefix}" if path else view._own_state_prefix, view)
+        for path, view in module.named_modules(remove_duplicate=False)
+        if isinstance(view, OptimizerCopiesView)
+    ]
+
+
+def _unstage(module: nn.Module) -> None:
+    """Drop the own entries that a check staged in the views of ``module``."""
+    for own, view in _views(module):
+        view._load_own_state({}, own, [])
+
+
+def _check_entries(
+    module: nn.Module,
+    state_dict: Any,
+    strict: bool,
+    same_kind: bool,
+    optional: Collection[str] = (),
+) -> None:
+    """The checks of :meth:`OptimizerCopiesView._check_state_dict`, for any module: with
+    ``same_kind`` an entry's dtype must be of its tensor's kind (see ``_check_entry``), else any
+    tensor-like value of the right shape passes, as in ``nn.Module.load_state_dict`` (whose
+    exceptions it keeps too: a 1-element entry for a 0-dim tensor, lazy parameters). Keys in
+    ``optional`` may be missing."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
+    with _regular_entries_only():
+        expected = nn.Module.state_dict(module, keep_vars=True)
+    error_msgs: list[str] = []
+    missing = [key for key in expected if key not in state_dict and key not in optional]
+    for key, like in expected.items():
+        if key not in state_dict or not isinstance(like, Tensor):
+            continue
+        if same_kind:
+            OptimizerCopiesView._check_entry(key, state_dict[key], like, error_msgs)
+        elif key.rpartition(".")[2] != "_extra_state":  # set_extra_state takes any object
+            _check_torch_entry(key, state_dict[key], like, error_msgs)
+    unexpected = [key for key in state_dict if key not in expected]
+    views = _views(module)
+    for own, view in views:
+        entries = {
+            key.removeprefix(own): value for key, value in state_dict.items() if key.startswith(own)
+        }
+        view._load_own_state(entries, own, error_msgs)
+        left = {f"{own}{key}" for key in entries}  # not taken: unexpected
+        unexpected = [key for key in unexpected if not key.startswith(own) or key in left]
+    if strict and (missing or unexpected):
+        keys = [("Missing", missing), ("Unexpected", unexpected)]
+        error_msgs[:0] = [
+            f"{kind} key(s) in state_dict: {_quoted(found)}. " for kind, found in keys if found
+        ]
+    if error_msgs:
+        _unstage(module)  # nothing staged stays behind
+        raise _load_error(module, error_msgs)
+
+
+def _check_torch_entry(key: str, value: Any, like: Tensor, error_msgs: list[str]) -> None:
+    """``nn.Module._load_from_state_dict``'s checks of one entry, with its wording."""
+    if not torch.overrides.is_tensor_like(value):  # type: ignore[no-untyped-call]
+        error_msgs.append(
+            f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like '
+            f"object from checkpoint but received {type(value)}"
+        )
+        return
+    if nn.parameter.is_lazy(like):
+        return
+    shape = value.shape
+    if len(like.shape) == 0 and len(shape) == 1 and shape[0] == 1:
+        shape = torch.Size([])  # torch loads a 1-element entry into a 0-dim tensor
+    if shape != like.shape:
+        error_msgs.append(
+            f"size mismatch for {key}: copying a param with shape {value.shape} from "
+            f"checkpoint, the shape in current model is {like.shape}."
+        )
+
+
+# Loaders whose keys nn.Module's rules describe: their overrides only adapt checkpoints of old
+# versions (BatchNorm adds a missing num_batches_tracked).
+_PLAIN_LOADERS = {
+    nn.Module._load_from_state_dict,
+    nn.modules.batchnorm._NormBase._load_from_state_dict,
+    nn.modules.instancenorm._InstanceNorm._load_from_state_dict,
+}
+
+
+def check_state_dict(module: nn.Module, state_dict: Any, strict: bool) -> None:
+    """Raise what ``module.load_state_dict(state_dict, strict)`` would raise for its entries
+    (the wrong shape, not a tensor, and under ``strict`` missing or unexpected keys), changing
+    nothing: ``roundpipe.load_checkpoint`` checks the whole file before it drains the step in
+    flight or loads any part.
+
+    A RoundPipe or AutoRoundPipe runs its own check (its own entries and dtypes included). A
+    plain module is held to ``nn.Module``'s rules, and not checked at all (its load decides)
+    where hooks or a custom ``_load_from_state_dict`` may rewrite the entries."""
+    if isinstance(module, OptimizerCopiesView):
+        module._check_state_dict_only(state_dict, strict)
+        return
+    modules = [m for _, m in module.named_modules(remove_duplicate=False)]
+    if any(
+        m._load_state_dict_pre_hooks
+        or m._load_state_dict_post_hooks
+        or m._state_dict_hooks
+        or m._state_dict_pre_hooks
+        or type(m)._load_from_state_dict not in _PLAIN_LOADERS
+        for m in modules
+    ):
+        return
+    optional = {  # BatchNorm and the like load a checkpoint without it
+        f"{path}.num_batches_tracked" if path else "num_batches_tracked"
+        for path, m in module.named_modules(remove_duplicate=False)
+        if isinstance(m, nn.modules.batchnorm._NormBase)
+    }
+    _check_entries(module, state_dict, strict, same_kind=False, optional=optional)
 
 
 class OptimizerCopiesView(nn.Module):
@@ -167,40 +308,17 @@ class OptimizerCopiesView(nn.Module):
         """Raise what ``load_state_dict(state_dict, strict)`` would raise, before it changes
         anything: a ``TypeError`` for a non-mapping, a ``RuntimeError`` worded as
         ``nn.Module.load_state_dict``'s for entries of the wrong shape or dtype and, under
-        ``strict``, missing or unexpected keys (unknown own entries included)."""
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
-        with _regular_entries_only():
-            expected = nn.Module.state_dict(self, keep_vars=True)
-        error_msgs: list[str] = []
-        missing = [key for key in expected if key not in state_dict]
-        for key, like in expected.items():
-            if key in state_dict and isinstance(like, Tensor):
-                self._check_entry(key, state_dict[key], like, error_msgs)
-        unexpected = [key for key in state_dict if key not in expected]
-        views = [
-            (f"{path}.{view._own_state_prefix}" if path else view._own_state_prefix, view)
-            for path, view in self.named_modules(remove_duplicate=False)
-            if isinstance(view, OptimizerCopiesView)
-        ]
-        for own, view in views:
-            entries = {
-                key.removeprefix(own): value
-                for key, value in state_dict.items()
-                if key.startswith(own)
-            }
-            view._load_own_state(entries, own, error_msgs)
-            left = {f"{own}{key}" for key in entries}  # not taken: unexpected
-            unexpected = [key for key in unexpected if not key.startswith(own) or key in left]
-        if strict and (missing or unexpected):
-            keys = [("Missing", missing), ("Unexpected", unexpected)]
-            error_msgs[:0] = [
-                f"{kind} key(s) in state_dict: {_quoted(found)}. " for kind, found in keys if found
-            ]
-        if error_msgs:
-            for own, view in views:  # nothing staged stays behind
-                view._load_own_state({}, own, [])
-            raise _load_error(self, error_msgs)
+        ``strict``, missing or unexpected keys (unknown own entries included). The own entries
+        stay staged for the load that follows."""
+        _check_entries(self, state_dict, strict, same_kind=True)
+
+    def _check_state_dict_only(self, state_dict: Any, strict: bool) -> None:
+        """:meth:`_check_state_dict`, leaving nothing staged (a check before any state is
+        drained or loaded)."""
+        try:
+            self._check_state_dict(state_dict, strict)
+        finally:
+            _unstage(self)
 
     def _save_to_state_dict(
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
@@ -257,4 +375,4 @@ class OptimizerCopiesView(nn.Module):
             yield param
 
 
-__all__ = ["OptimizerCopiesView", "OptimizerCopy", "gradient_of"]
+__all__ = ["OptimizerCopiesView", "OptimizerCopy", "check_state_dict", "grad_dtype", "gradient_of"]

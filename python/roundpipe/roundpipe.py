@@ -600,6 +600,12 @@ class RoundPipe(ForwardingModule):
         self.refresh_copies()
         return result
 
+    @serialized
+    def _check_state_dict_only(self, state_dict: Any, strict: bool) -> None:
+        """As the base class's, under the model's lock (a load in another thread stages its own
+        entries meanwhile)."""
+        super()._check_state_dict_only(state_dict, strict)
+
     def refresh_copies(self) -> None:
         """Set the optimizer copies after the parameters were loaded: from the checkpoint's
         ``_roundpipe.optim.*`` entries, or from the loaded parameters (existing copies only,
