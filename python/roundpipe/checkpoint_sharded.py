@@ -290,7 +290,7 @@ def check_scaler_state(scaler: Any, saved: Any, where: str) -> None:
         raise CheckpointError(f"{where} holds no scaler state dict, got {type(saved).__name__}")
     if isinstance(scaler, GradScaler):
         try:
-            scaler._checked_state(saved)
+            scaler.check_state_dict(saved)
         except (KeyError, TypeError, ValueError, RuntimeError) as error:
             raise CheckpointError(
                 f"{where} holds a scaler state that cannot be loaded: {error!r}"

@@ -351,10 +351,15 @@ class GradScaler:
             )
             self._unscaled.clear()
 
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``; changes nothing
+        (``roundpipe.load_checkpoint`` checks a file's scaler state with it before loading
+        anything)."""
+        self._checked_state(state_dict)
+
     def _checked_state(self, state_dict: Any) -> _LoadedState:
         """What :meth:`load_state_dict` would restore from ``state_dict``, or the error it would
-        raise; changes nothing (``roundpipe.load_checkpoint`` checks a file's scaler state with
-        it before loading anything)."""
+        raise; changes nothing."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         if not state_dict:
