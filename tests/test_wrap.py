@@ -204,6 +204,44 @@ def test_tied_parts_are_refused() -> None:
         wrap_model_to_roundpipe(model, lower_threshold=1)
 
 
+def _structure(model: nn.Module) -> list[tuple[str, type[nn.Module], int]]:
+    return [(name, type(module), id(module)) for name, module in model.named_modules()]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    ["tied parts", "override never reached", "bad part argument"],
+)
+def test_a_failed_wrap_leaves_the_model_as_it_came(failure: str) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    kwargs: dict[str, Any] = {"lower_threshold": 500}
+    error: type[Exception] = ValueError
+    if failure == "tied parts":
+        # head.0 is the first part reached after blocks.*: they are built before the tie shows.
+        model.head[0].weight = nn.Parameter(torch.randn(2 * HIDDEN, HIDDEN))
+        model.blocks[2].up.weight = model.head[0].weight
+        match = "shares parameters"
+    elif failure == "override never reached":
+        kwargs["override_config"] = {"blocks.9": {}}
+        match = "never reached"
+    else:
+        # The last part's RoundPipe refuses its arguments after the others were built.
+        kwargs["override_config"] = {"head": {"pin_model": "sometimes"}}
+        match = "pin_model"
+    before = _structure(model)
+    tokens, _ = batch()
+    with torch.no_grad():
+        expected = model(tokens)
+    with pytest.raises(error, match=match):
+        wrap_model_to_roundpipe(model, **kwargs)
+    assert _structure(model) == before  # no module replaced by a RoundPipe
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), expected, rtol=0, atol=0)
+    loss_of(model).backward()  # still trains as a plain model
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_forward_backward_explains_what_to_do() -> None:
     _, wrapped = make_pair()
     with pytest.raises(NotImplementedError, match=r"loss.backward\(\)"):

@@ -113,10 +113,14 @@ class _Converter:
         self.unused_paths = set(self.path_overrides)
         self.unused_modules = set(self.module_overrides)
         self.wrapped_params: set[int] = set()
+        # (parent, attribute name or ModuleList index, child, what replaces it), in the order
+        # the strategy reached them.
+        self.replacements: list[tuple[nn.Module, str | int, nn.Module, nn.Module | _Part]] = []
 
     def make(
         self, module: nn.Module, path: str, chained: bool = False, single_microbatch: bool = False
-    ) -> RoundPipe:
+    ) -> _Part:
+        """The part ``module`` becomes, checked but not built yet (see :meth:`build`)."""
         override = self.override_for(module, path)
         kwargs: dict[str, Any] = {
             "name": f"{self.name}:{path or '<root>'}",
@@ -135,7 +139,7 @@ class _Converter:
                 "skip_modules, or untie the weights"
             )
         self.wrapped_params |= params
-        return RoundPipe(module, **kwargs)
+        return _Part(module, kwargs)
 
     def override_for(self, module: nn.Module, path: str) -> dict[str, Any]:
         entry = self.module_overrides.get(id(module))
@@ -152,8 +156,9 @@ class _Converter:
             or isinstance(module, self.skip_types)
         )
 
-    def convert(self, module: nn.Module, path: str) -> nn.Module:
-        """``module`` or its replacement; its children are converted in place."""
+    def convert(self, module: nn.Module, path: str) -> nn.Module | _Part:
+        """``module`` or the part replacing it; the replacements of its children are listed in
+        ``replacements`` (made by :meth:`build`)."""
         if self.skipped(module, path):
             return module
         if path in self.path_overrides:  # our extension: a path override forces one part
@@ -171,7 +176,7 @@ class _Converter:
         for child_name, child in list(module.named_children()):
             replacement = self.convert(child, f"{path}.{child_name}" if path else child_name)
             if replacement is not child:
-                setattr(module, child_name, replacement)
+                self.replacements.append((module, child_name, child, replacement))
         return module
 
     def convert_list(self, module: nn.ModuleList, path: str) -> None:
@@ -184,9 +189,11 @@ class _Converter:
             if self.skipped(child, child_path):
                 continue
             if isinstance(child, nn.Sequential) or _has_own_forward(child):
-                module[index] = self.make(child, child_path, chained=index < last)
+                replacement: nn.Module | _Part = self.make(child, child_path, chained=index < last)
             else:
-                module[index] = self.convert(child, child_path)
+                replacement = self.convert(child, child_path)
+            if replacement is not child:
+                self.replacements.append((module, index, child, replacement))
 
     def check_overrides_used(self) -> None:
         if self.unused_paths:
@@ -203,6 +210,43 @@ class _Converter:
                 "RoundPipe of its own (it was recursed into, skipped, or is inside a part)",
                 type(module).__name__,
             )
+
+
+@dataclass
+class _Part:
+    """A module the strategy turns into a RoundPipe, and that RoundPipe's keyword arguments."""
+
+    module: nn.Module
+    kwargs: dict[str, Any]
+
+
+def _built(converter: _Converter, root: nn.Module | _Part, name: str) -> RoundPipe | AutoRoundPipe:
+    """The parts ``converter`` planned, built and put in place of their modules, then the
+    RoundPipe or AutoRoundPipe over the root. If anything fails on the way, every module put
+    in place is taken out again: the model is left as it came (its parameters keep their values,
+    in the host memory of the parts built meanwhile)."""
+    placed: list[tuple[nn.Module, str | int, nn.Module]] = []
+    try:
+        for parent, key, child, replacement in converter.replacements:
+            assert isinstance(replacement, _Part)
+            _put(parent, key, RoundPipe(replacement.module, **replacement.kwargs))
+            placed.append((parent, key, child))
+        if isinstance(root, _Part):
+            return RoundPipe(root.module, **root.kwargs)
+        optim_dtype = converter.roundpipe_kwargs.get("optim_dtype")
+        return AutoRoundPipe(root, name=name, optim_dtype=optim_dtype)
+    except BaseException:
+        for parent, key, child in reversed(placed):
+            _put(parent, key, child)
+        raise
+
+
+def _put(parent: nn.Module, key: str | int, child: nn.Module) -> None:
+    if isinstance(key, int):
+        assert isinstance(parent, nn.ModuleList)
+        parent[key] = child
+    else:
+        setattr(parent, key, child)
 
 
 def _find_parts(model: nn.Module) -> list[tuple[str, RoundPipe]]:
@@ -680,11 +724,11 @@ def wrap_model_to_roundpipe(
         name,
         roundpipe_kwargs,
     )
+    # Every part is chosen and checked before the first is built, so that an error leaves the
+    # model as it came.
     root = converter.convert(model, "")
     converter.check_overrides_used()
-    if isinstance(root, RoundPipe):
-        return root
-    return AutoRoundPipe(root, name=name, optim_dtype=roundpipe_kwargs.get("optim_dtype"))
+    return _built(converter, root, name)
 
 
 __all__ = ["AutoRoundPipe", "wrap_model", "wrap_model_to_roundpipe"]
