@@ -1341,6 +1341,20 @@ class _Registered:
     h: torch.Tensor
 
 
+class _Plain:
+    """A class of the user's own, not a dataclass."""
+
+    def __init__(self, h: torch.Tensor) -> None:
+        self.h = h
+
+
+class _Slotted:
+    __slots__ = ("h",)
+
+    def __init__(self, h: torch.Tensor) -> None:
+        self.h = h
+
+
 torch.utils._pytree.register_dataclass(_Registered)
 
 
@@ -1358,17 +1372,19 @@ class _FromState(nn.Module):
         super().__init__()
         self.linear = nn.Linear(8, 8)
 
-    def forward(self, state: _Hidden | _Registered) -> torch.Tensor:
+    def forward(self, state: _Hidden | _Registered | _Plain | _Slotted) -> torch.Tensor:
         return self.linear(state.h)
 
 
+@pytest.mark.parametrize("hidden_kind", [_Hidden, _Plain, _Slotted])
 @pytest.mark.parametrize("path", ["forward_backward", "forward"])
-def test_dataclass_activations_pytree_cannot_see_raise_and_registered_ones_train(
-    num_devices: int, path: str
+def test_activations_in_objects_pytree_cannot_see_raise_and_registered_ones_train(
+    num_devices: int, path: str, hidden_kind: type
 ) -> None:
-    """A layer returning a dataclass torch's pytree does not know hides its tensors from the
-    pipeline, which could not pass their gradients back: a TypeError saying how to register it,
-    never zero gradients. Registered (register_dataclass), it trains as plain PyTorch."""
+    """A layer returning an object torch's pytree does not know (a dataclass, a class of the
+    user's own, one with __slots__) hides its tensors from the pipeline, which could not pass
+    their gradients back: a TypeError saying how to register it, never zero gradients.
+    Registered (register_dataclass), it trains as plain PyTorch."""
     plan = make_plan([range(0, 1)], [range(1, 2), range(0, 1)])
     config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
     x = torch.randn(4, 8)
@@ -1383,8 +1399,8 @@ def test_dataclass_activations_pytree_cannot_see_raise_and_registered_ones_train
             loss_of(model(x, roundpipe_run_config=two_call)).backward()
 
     torch.manual_seed(5)
-    hidden = RoundPipe(nn.Sequential(_ToState(_Hidden), _FromState()), name="hidden")
-    with pytest.raises(TypeError, match=r"'hidden'.*_Hidden.*register_dataclass"):
+    hidden = RoundPipe(nn.Sequential(_ToState(hidden_kind), _FromState()), name="hidden")
+    with pytest.raises(TypeError, match=rf"'hidden'.*{hidden_kind.__name__}.*register"):
         run(hidden)
     torch.manual_seed(5)
     reference = nn.Sequential(_ToState(_Registered), _FromState())

@@ -1103,10 +1103,10 @@ class Call:
                 kind = type(leaf).__name__
                 raise TypeError(
                     f"RoundPipe model '{self.runner.name}': the input of layer {layer} "
-                    f"(microbatch {microbatch}) holds tensors in a {kind}, a dataclass that "
-                    "torch's pytree does not know, so their gradients cannot reach the layers "
-                    f"before it; register it with torch.utils._pytree.register_dataclass({kind}) "
-                    "or pass a tuple, list or dict"
+                    f"(microbatch {microbatch}) holds tensors in a {kind}, a type that torch's "
+                    "pytree does not know, so their gradients cannot reach the layers before "
+                    "it; register it (torch.utils._pytree.register_dataclass for a dataclass, "
+                    "register_pytree_node otherwise) or pass a tuple, list or dict"
                 )
         if layer == 0:
             moved, _ = _flatten(self._model_input(microbatch, value, device_index))
@@ -1123,21 +1123,43 @@ class Call:
         return _unflatten(fresh, spec)
 
 
-def _hides_gradients(leaf: Any, user_input: bool) -> bool:
-    """Whether ``leaf``, a pytree leaf that is not a tensor, is a dataclass instance holding
-    tensors that gradients would flow through in plain PyTorch (floating point activations; of
-    the user's own inputs, those that require grad), which the pipeline cannot reach."""
-    if isinstance(leaf, type) or not dataclasses.is_dataclass(leaf):
+def _hides_gradients(leaf: Any, user_input: bool, seen: set[int] | None = None) -> bool:
+    """Whether ``leaf``, a pytree leaf that is not a tensor, is an object (a dataclass, or any
+    instance with attributes) holding tensors that gradients would flow through in plain PyTorch
+    (floating point activations; of the user's own inputs, those that require grad), which the
+    pipeline cannot reach. Modules are not looked into (their tensors are parameters)."""
+    attributes = _attributes(leaf)
+    if not attributes:
         return False
-    inner, _ = tree_flatten([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+    seen = set() if seen is None else seen
+    if id(leaf) in seen:
+        return False
+    seen.add(id(leaf))
+    inner, _ = tree_flatten(attributes)
     return any(
         (
             isinstance(t, torch.Tensor)
             and (t.requires_grad if user_input else t.is_floating_point() or t.is_complex())
         )
-        or (not isinstance(t, torch.Tensor) and _hides_gradients(t, user_input))
+        or (not isinstance(t, torch.Tensor) and _hides_gradients(t, user_input, seen))
         for t in inner
     )
+
+
+def _attributes(leaf: Any) -> list[Any]:
+    """The values of ``leaf``'s fields (a dataclass) or instance attributes (``__dict__``,
+    ``__slots__``); none for classes, modules and objects without attributes."""
+    if isinstance(leaf, (type, torch.nn.Module)):
+        return []
+    if dataclasses.is_dataclass(leaf):
+        return [getattr(leaf, f.name) for f in dataclasses.fields(leaf)]
+    values = list(getattr(leaf, "__dict__", {}).values())
+    for cls in type(leaf).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(leaf, name):
+                values.append(getattr(leaf, name))
+    return values
 
 
 _NO_RANGE = nullcontext()  # what a call that marks no NVTX ranges enters (reusable)
