@@ -120,7 +120,7 @@ class _Converter:
     def make(
         self, module: nn.Module, path: str, chained: bool = False, single_microbatch: bool = False
     ) -> _Part:
-        """The part ``module`` becomes, checked but not built yet (see :meth:`build`)."""
+        """The part ``module`` becomes, checked but not built yet (see :func:`_built`)."""
         override = self.override_for(module, path)
         kwargs: dict[str, Any] = {
             "name": f"{self.name}:{path or '<root>'}",
@@ -158,7 +158,7 @@ class _Converter:
 
     def convert(self, module: nn.Module, path: str) -> nn.Module | _Part:
         """``module`` or the part replacing it; the replacements of its children are listed in
-        ``replacements`` (made by :meth:`build`)."""
+        ``replacements`` (built by :func:`_built`)."""
         if self.skipped(module, path):
             return module
         if path in self.path_overrides:  # our extension: a path override forces one part
@@ -685,6 +685,9 @@ def wrap_model_to_roundpipe(
             wrong type.
         ValueError: a negative threshold, an ``override_config`` path the strategy never
             reached, or two parts sharing parameters.
+
+    Whatever it raises, the model is left as it came: every part is chosen and checked before
+    the first is built, and a part that fails to build takes the others out again.
     """
     from roundpipe.models.presets import find_preset
 
