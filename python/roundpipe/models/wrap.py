@@ -113,9 +113,9 @@ class _Converter:
         self.unused_paths = set(self.path_overrides)
         self.unused_modules = set(self.module_overrides)
         self.wrapped_params: set[int] = set()
-        # (parent, attribute name or ModuleList index, child, what replaces it), in the order
-        # the strategy reached them.
-        self.replacements: list[tuple[nn.Module, str | int, nn.Module, nn.Module | _Part]] = []
+        # (parent, attribute name or ModuleList index, child, the part replacing it), in the
+        # order the strategy reached them.
+        self.replacements: list[tuple[nn.Module, str | int, nn.Module, _Part]] = []
 
     def make(
         self, module: nn.Module, path: str, chained: bool = False, single_microbatch: bool = False
@@ -175,7 +175,7 @@ class _Converter:
             return module
         for child_name, child in list(module.named_children()):
             replacement = self.convert(child, f"{path}.{child_name}" if path else child_name)
-            if replacement is not child:
+            if isinstance(replacement, _Part):
                 self.replacements.append((module, child_name, child, replacement))
         return module
 
@@ -192,7 +192,7 @@ class _Converter:
                 replacement: nn.Module | _Part = self.make(child, child_path, chained=index < last)
             else:
                 replacement = self.convert(child, child_path)
-            if replacement is not child:
+            if isinstance(replacement, _Part):
                 self.replacements.append((module, index, child, replacement))
 
     def check_overrides_used(self) -> None:
@@ -227,9 +227,8 @@ def _built(converter: _Converter, root: nn.Module | _Part, name: str) -> RoundPi
     in the host memory of the parts built meanwhile)."""
     placed: list[tuple[nn.Module, str | int, nn.Module]] = []
     try:
-        for parent, key, child, replacement in converter.replacements:
-            assert isinstance(replacement, _Part)
-            _put(parent, key, RoundPipe(replacement.module, **replacement.kwargs))
+        for parent, key, child, part in converter.replacements:
+            _put(parent, key, RoundPipe(part.module, **part.kwargs))
             placed.append((parent, key, child))
         if isinstance(root, _Part):
             return RoundPipe(root.module, **root.kwargs)
