@@ -105,14 +105,19 @@ def typed_view(arena: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Te
     return arena[offset : offset + nbytes].view(like.dtype).view(like.shape)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StageLayout:
     """What a stage over ``layers`` needs of the arena layout, worked out once per range and
     reused by every call whose plan has that stage (:meth:`ModelMemory.stage_layout`): the host
     work a stage repeats per call is then a few native calls and the binding itself.
 
     Only what cannot change after wrapping is kept: which parameters are frozen follows
-    ``requires_grad``, which the user may flip, so it is asked per upload (:meth:`frozen`)."""
+    ``requires_grad``, which the user may flip, so it is asked per upload (:meth:`frozen`).
+
+    A plan that changes from call to call caches new layouts every call, which outlive the
+    call and so end up in the garbage collector's oldest generation, where enough of them set
+    off a full collection (over 100 ms with torch loaded). So a layout is made of few objects
+    the collector tracks: flat tuples, mostly of ints and strings, which it does not track."""
 
     layers: range
     param_begin: int
@@ -121,17 +126,22 @@ class StageLayout:
     grad_end: int
     slots: tuple[ParamSlot, ...]
     #: Parameter byte offsets and the parameters, in ``slots`` order (for ``typed_views``).
-    offsets: list[int]
-    params: list[nn.Parameter]
+    offsets: tuple[int, ...]
+    params: tuple[nn.Parameter, ...]
     #: The layer of each slot.
     layer_of: tuple[int, ...]
     #: Indices into ``slots`` of the parameters with a gradient slot, their gradient offsets.
     trained: tuple[int, ...]
-    grad_offsets: list[int]
-    #: Where each slot's device copy is bound: (module, attribute, the slot's index).
-    owners: tuple[tuple[nn.Module, str, int], ...]
-    #: The layers' buffers: (layer, module, attribute).
-    buffers: tuple[tuple[int, nn.Module, str], ...]
+    grad_offsets: tuple[int, ...]
+    #: Where each slot's device copy is bound, one entry per binding in the three tuples:
+    #: module, attribute and the slot's index.
+    owner_modules: tuple[nn.Module, ...]
+    owner_names: tuple[str, ...]
+    owner_slots: tuple[int, ...]
+    #: The layers' buffers, one entry per buffer in the three tuples: layer, module, attribute.
+    buffer_layers: tuple[int, ...]
+    buffer_modules: tuple[nn.Module, ...]
+    buffer_names: tuple[str, ...]
     #: Maximal runs of same-dtype gradients: (begin, end, dtype) in the gradient arena.
     grad_runs: tuple[tuple[int, int, torch.dtype], ...]
     #: Slots that may be frozen (no gradient slot): indices into ``slots``.
@@ -254,8 +264,8 @@ class ModelMemory:
         trained: list[int] = []
         grad_offsets: list[int] = []
         maybe_frozen: list[int] = []
-        owners: list[tuple[nn.Module, str, int]] = []
-        buffers: list[tuple[int, nn.Module, str]] = []
+        owners: tuple[list[nn.Module], list[str], list[int]] = ([], [], [])
+        buffers: tuple[list[int], list[nn.Module], list[str]] = ([], [], [])
         for index in layers:
             layer = self.layers[index]
             for slot in layer.slots:
@@ -267,8 +277,14 @@ class ModelMemory:
                 else:
                     trained.append(i)
                     grad_offsets.append(slot.grad_offset)
-                owners.extend((owner, name, i) for owner, name in slot.owners)
-            buffers.extend((index, owner, name) for owner, name in layer.buffers)
+                for owner, name in slot.owners:
+                    owners[0].append(owner)
+                    owners[1].append(name)
+                    owners[2].append(i)
+            for owner, name in layer.buffers:
+                buffers[0].append(index)
+                buffers[1].append(owner)
+                buffers[2].append(name)
         return StageLayout(
             layers=layers,
             param_begin=self.layers[layers.start].begin,
@@ -276,13 +292,17 @@ class ModelMemory:
             grad_begin=self.layers[layers.start].grad_begin,
             grad_end=self.layers[layers.stop - 1].grad_end,
             slots=tuple(slots),
-            offsets=[slot.offset for slot in slots],
-            params=[slot.param for slot in slots],
+            offsets=tuple(slot.offset for slot in slots),
+            params=tuple(slot.param for slot in slots),
             layer_of=tuple(layer_of),
             trained=tuple(trained),
-            grad_offsets=grad_offsets,
-            owners=tuple(owners),
-            buffers=tuple(buffers),
+            grad_offsets=tuple(grad_offsets),
+            owner_modules=tuple(owners[0]),
+            owner_names=tuple(owners[1]),
+            owner_slots=tuple(owners[2]),
+            buffer_layers=tuple(buffers[0]),
+            buffer_modules=tuple(buffers[1]),
+            buffer_names=tuple(buffers[2]),
             grad_runs=tuple(
                 _coalesced(run for index in layers for run in self._layer_grad_runs[index])
             ),

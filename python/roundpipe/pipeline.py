@@ -420,12 +420,14 @@ class ResidentStage:
             if trace is not None:
                 trace.span("wait", start)
             layout, views = self.layout, self.views
+            owners = layout.owner_modules, layout.owner_names
             try:
-                for owner, name, i in layout.owners:
+                for owner, name, i in zip(*owners, layout.owner_slots, strict=True):
                     # The device copy (a plain tensor) stands in for the parameter.
                     before.append(cast(torch.Tensor, owner._parameters[name]))
                     owner._parameters[name] = cast(torch.nn.Parameter, views[i])
-                for index, owner, name in layout.buffers:
+                buffers = layout.buffer_layers, layout.buffer_modules, layout.buffer_names
+                for index, owner, name in zip(*buffers, strict=True):
                     host = owner._buffers[name]
                     assert host is not None
                     working = _buffer_to_device(host, device)
@@ -439,7 +441,7 @@ class ResidentStage:
                     for index, _, _, host, working in bound_buffers:
                         memory.defer_buffer_write(index, host, *self._buffer_to_host(working))
             finally:
-                for (owner, name, _), previous in zip(layout.owners, before, strict=False):
+                for owner, name, previous in zip(*owners, before, strict=False):
                     owner._parameters[name] = cast(torch.nn.Parameter, previous)
                 for _, owner, name, host, _ in bound_buffers:
                     owner._buffers[name] = host
@@ -520,17 +522,18 @@ class ResidentStage:
 # --------------------------------------------------------------------------------------------
 
 
-class _StageClock:
-    """Times the pieces of one stage for the model's timer (none: times nothing): the layers the
-    stage's ``_C.LayerLoop`` runs, and the backward passes (:meth:`start` / :meth:`stop`).
+class _LoopClock:
+    """Times the pieces of the stages one ``_LayerCalls`` runs for the model's timer (none: times
+    nothing): the layers its ``_C.LayerLoop`` runs, and the backward passes (:meth:`start` /
+    :meth:`stop`).
 
     Virtual CPU devices compute synchronously, so the host clock times them; on CUDA a piece is
     timed by events on the device's current stream, which the timer reads once they completed, so
-    nothing waits for the GPU. Either way the times are handed to the timer once per stage
+    nothing waits for the GPU. Either way the times are handed to the timer once per run
     (:meth:`flush`), not once per layer x microbatch, and not at all when a full garbage
-    collection ran meanwhile: its pause (about 15 ms with torch loaded) would land in whichever
-    layer was running, on the host clock and between a GPU's events alike, and mislead the
-    planner for many calls."""
+    collection ran meanwhile: its pause (a hundred milliseconds or more with torch loaded) would
+    land in whichever layer was running, on the host clock and between a GPU's events alike, and
+    mislead the planner for many calls."""
 
     def __init__(self, timer: ModelTimer | None, device_index: int, on_cuda: bool) -> None:
         self.timer = timer
@@ -718,6 +721,10 @@ class Call:
     reached: set[int] = field(init=False, default_factory=set)
     # The CPU generator states the forward stages' layers were seeded with, for their recompute.
     rng_states: Any = field(init=False, default=None)
+    # The layer calls of the run in progress, one per kind and device (see _layer_calls).
+    layer_calls: dict[tuple[bool, bool, bool, int], _LayerCalls] = field(
+        init=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         self.saving = self.run_type != "infer"
@@ -784,7 +791,12 @@ class Call:
                     # No reference to a stage outlives its turn: its device buffers are freed
                     # before the upload after next is allocated.
                     values = self._run_stage(stage.kind, uploads.next(), values, loss)
+                # The layer times go to the timer once the run succeeded (a failed run's are
+                # incomplete: none are kept).
+                for calls in self.layer_calls.values():
+                    calls.clock.flush(calls.loop, calls.action)
             finally:
+                self.layer_calls.clear()
                 memory.settle_buffers()
         return values
 
@@ -806,6 +818,20 @@ class Call:
             self.backward_starts = {stage.start for stage in backward_stages}
 
     # -- layer calls -------------------------------------------------------------------------
+
+    def _layer_calls(
+        self, stage: ResidentStage, recompute: bool, recomputed: bool = False, cut: bool = False
+    ) -> _LayerCalls:
+        """The layer calls of ``stage`` (see :class:`_LayerCalls` for the flags): one object per
+        kind and device for the whole run, as building one per stage is measurable host work at
+        short sequences; its times are handed to the timer at the end of the run."""
+        key = (recompute, recomputed, cut, stage.device_index)
+        calls = self.layer_calls.get(key)
+        if calls is None:
+            calls = _LayerCalls(self, stage, recompute, recomputed, cut)
+            self.layer_calls[key] = calls
+        calls.stage = stage
+        return calls
 
     def _where(self, layers: int | range, phase: Phase, microbatch: int) -> str:
         """Who failed: one layer, or, for the backward of a stage (one autograd pass, whose
@@ -862,7 +888,7 @@ class Call:
         # A training call's forward runs in grad mode, as plain PyTorch's (layers may branch on
         # it, kernels choose their path by requires_grad); each layer's output is cut from its
         # graph, which the recompute builds again.
-        run = _LayerCalls(self, stage, recompute=False, recomputed=self.saving, cut=self.saving)
+        run = self._layer_calls(stage, recompute=False, recomputed=self.saving, cut=self.saving)
         grad_mode = torch.enable_grad() if self.saving else torch.no_grad()
         # The layers whose inputs backward recomputes from (layer 0's, the user's own, are kept
         # as they came in, below).
@@ -873,7 +899,7 @@ class Call:
         # virtual CPU devices, with no timeline or NVTX ranges to record.
         copy_tensors = not self.on_cuda and trace is None and not self.nvtx
         keeper = functools.partial(self._keep_input, stage)
-        with stage.bound(keep_buffer_updates=True, recomputed=self.saving), grad_mode, run:
+        with stage.bound(keep_buffer_updates=True, recomputed=self.saving), grad_mode:
             for m, value in enumerate(activations):
                 start = trace.mark() if trace is not None else None
                 if stage.layers.start == 0:
@@ -919,8 +945,8 @@ class Call:
         """Forward + loss + backward of the last stage; returns the input grads and appends to
         ``losses`` (and ``outputs``, if kept)."""
         grads, trace = [], stage.trace
-        run = _LayerCalls(self, stage, recompute=False)
-        with stage.bound(keep_buffer_updates=True, recomputed=False), torch.enable_grad(), run:
+        run = self._layer_calls(stage, recompute=False)
+        with stage.bound(keep_buffer_updates=True, recomputed=False), torch.enable_grad():
             for m, value in enumerate(activations):
                 start_mark = trace.mark() if trace is not None else None
                 first, device = stage.layers.start, stage.device_index
@@ -957,7 +983,7 @@ class Call:
 
     def backward_stage(self, stage: ResidentStage, grads: list[Any]) -> list[Any]:
         """Recompute + backward of one backward stage for every microbatch; returns input grads."""
-        run = _LayerCalls(self, stage, recompute=True)
+        run = self._layer_calls(stage, recompute=True)
         per_layer = self.recompute_grain == "layer"
         # The layers recomputed natively: not layer 0 (it takes the user's (args, kwargs)), and
         # none while a timeline or NVTX ranges mark each microbatch.
@@ -970,7 +996,7 @@ class Call:
         order = range(len(grads))
         if self.run_type == "train":
             order = order[::-1]
-        with stage.bound(keep_buffer_updates=False, recomputed=True), run:
+        with stage.bound(keep_buffer_updates=False, recomputed=True):
             new_grads: list[Any] = [None] * len(grads)
             for m in order:
                 grad = grads[m]
@@ -1166,15 +1192,16 @@ _NO_RANGE = nullcontext()  # what a call that marks no NVTX ranges enters (reusa
 
 
 class _LayerCalls:
-    """Runs runs of layers of one stage for a call (``run(layers, microbatch, value)``), in
-    forward or in recompute, and times them (``clock``) while entered.
+    """Runs runs of layers of the current ``stage`` for a call (``run(layers, microbatch,
+    value)``), in forward or in recompute, and times them (``clock``), for every stage of one
+    kind on one device in a run (:meth:`Call._layer_calls`).
 
     At short sequences the host's work per layer x microbatch is what caps a GPU's throughput
     (benchmarks/overhead_cpu.py, the dispatch table), so the loop over the layers is native
-    (``_C.LayerLoop``), and what does not change from layer to layer is given to it once per
-    stage: the modules, the kind of random stream, the generators to reseed, the recompute
-    context (one object moved from layer to layer), the NVTX marking, the timing. The message
-    naming layer, phase and microbatch is built only when a layer fails."""
+    (``_C.LayerLoop``), and what does not change from layer to layer is given to it once: the
+    modules, the kind of random stream, the generators to reseed, the recompute context (one
+    object moved from layer to layer), the NVTX marking, the timing. The message naming layer,
+    phase and microbatch is built only when a layer fails."""
 
     def __init__(
         self,
@@ -1199,7 +1226,7 @@ class _LayerCalls:
             device = device_at(stage.device_index)
             generators.append(torch.cuda.default_generators[device.index])
         self.context = context.LayerCall(call.recompute_store, recompute, call.saving)
-        self.clock = _StageClock(call.runner.timer, stage.device_index, call.on_cuda)
+        self.clock = _LoopClock(call.runner.timer, stage.device_index, call.on_cuda)
         timing = "off" if self.clock.timer is None else "device" if call.on_cuda else "host"
         mark = functools.partial(_mark_layer, call, self.phase) if call.nvtx else None
         replay = recompute and not fresh
@@ -1216,13 +1243,6 @@ class _LayerCalls:
             replay,
             _cut_graphs if cut else None,
         )
-
-    def __enter__(self) -> _LayerCalls:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if exc_type is None:  # a failed stage's timings are incomplete: none are kept
-            self.clock.flush(self.loop, self.action)
 
     def __call__(self, layers: range, microbatch: int, value: Any) -> Any:
         """Run ``layers`` on ``microbatch`` (layer 0 takes ``(args, kwargs)``)."""
