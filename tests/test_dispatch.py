@@ -596,3 +596,53 @@ def test_stage_layout_matches_the_arena_layout_and_stays_bounded() -> None:
             if (start, stop) != (0, 1):
                 deep.stage_layout(range(start, stop))
     assert deep.stage_layout(range(0, 1)) is not cold  # the least recently used went first
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_at_most_two_stages_are_resident_at_once(
+    grain: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The running stage and the prefetched next one, never more: a stage's buffers are freed
+    before the upload after next is allocated (what ``model_memory_limit / 2`` per stage rests
+    on), in forward, fused and backward stages, with either recompute grain."""
+    import weakref
+
+    from roundpipe import RoundPipe, RoundPipeRunConfig, pipeline
+
+    alive: weakref.WeakSet[pipeline.ResidentStage] = weakref.WeakSet()
+    init = pipeline.ResidentStage.__init__
+
+    def tracked(self: pipeline.ResidentStage, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        alive.add(self)
+
+    monkeypatch.setattr(pipeline.ResidentStage, "__init__", tracked)
+    seen: list[int] = []
+
+    class Counts(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(len(alive))
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    roundpipe.configure_devices(kind="cpu", num_cpu_devices=2)
+    model = RoundPipe(nn.Sequential(*[Counts(4, 4) for _ in range(6)]))
+    plan = roundpipe.ModelExecutePlan()
+    plan.fwd_plan = [range(i, i + 1) for i in range(5)]
+    plan.bwd_plan = [range(i, i + 1) for i in reversed(range(6))]
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan, recompute_grain=grain)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    model.forward_backward(
+        input_args=(x,),
+        label=y,
+        loss_fn=lambda out, label: ((out - label) ** 2).mean(),
+        run_config=config,
+    )
+    train = roundpipe.ModelExecutePlan()
+    train.fwd_plan = [range(i, i + 1) for i in range(6)]
+    train.bwd_plan = plan.bwd_plan
+    model(
+        x, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=train)
+    ).sum().backward()
+    model.synchronize()
+    assert len(seen) > 24 and max(seen) == 2, seen

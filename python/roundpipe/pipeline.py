@@ -824,13 +824,13 @@ class Call:
     ) -> _LayerCalls:
         """The layer calls of ``stage`` (see :class:`_LayerCalls` for the flags): one object per
         kind and device for the whole run, as building one per stage is measurable host work at
-        short sequences; its times are handed to the timer at the end of the run."""
+        short sequences; its times are handed to the timer at the end of the run. It holds no
+        reference to the stage, whose buffers are freed after its turn."""
         key = (recompute, recomputed, cut, stage.device_index)
         calls = self.layer_calls.get(key)
         if calls is None:
-            calls = _LayerCalls(self, stage, recompute, recomputed, cut)
+            calls = _LayerCalls(self, stage.device_index, recompute, recomputed, cut)
             self.layer_calls[key] = calls
-        calls.stage = stage
         return calls
 
     def _where(self, layers: int | range, phase: Phase, microbatch: int) -> str:
@@ -1001,15 +1001,17 @@ class Call:
             for m in order:
                 grad = grads[m]
                 python = stage.layers
-                native_grad = self._recompute_backward_natively(native, m, grad, run)
+                native_grad = self._recompute_backward_natively(stage, native, m, grad, run)
                 if native_grad is not None:
                     grad = native_grad
                     python = range(stage.layers.start, native.start)
                 if python and per_layer:
                     for layer in reversed(python):
-                        grad = self._recompute_backward(range(layer, layer + 1), m, grad, run)
+                        grad = self._recompute_backward(
+                            stage, range(layer, layer + 1), m, grad, run
+                        )
                 elif python:
-                    grad = self._recompute_backward(python, m, grad, run)
+                    grad = self._recompute_backward(stage, python, m, grad, run)
                 new_grads[m] = grad
         if self.keep_param_grads:
             self.pending.extend(self._download_grads(stage))
@@ -1047,9 +1049,8 @@ class Call:
         return stage.download_grads(own)
 
     def _recompute_backward(
-        self, layers: range, microbatch: int, grad: Any, run: _LayerCalls
+        self, stage: ResidentStage, layers: range, microbatch: int, grad: Any, run: _LayerCalls
     ) -> Any:
-        stage = run.stage
         trace = stage.trace
         mark = trace.mark() if trace is not None else None
         saved, landed = self.saved_inputs[(layers.start, microbatch)]
@@ -1073,7 +1074,12 @@ class Call:
         return _grads_of(inputs)
 
     def _recompute_backward_natively(
-        self, layers: range, microbatch: int, grad: list[Any], run: _LayerCalls
+        self,
+        stage: ResidentStage,
+        layers: range,
+        microbatch: int,
+        grad: list[Any],
+        run: _LayerCalls,
     ) -> list[Any] | None:
         """:meth:`_recompute_backward` of ``layers`` (each layer on its own with layer grain) in
         one native call (``_C.LayerLoop.recompute_backward``), when every input recomputed from
@@ -1090,7 +1096,7 @@ class Call:
             return None
         inputs = values
         if self.on_cuda:
-            device = run.stage.device_index
+            device = stage.device_index
             inputs = [to_device(value, device, landed) for value, landed in saved]
         # A second backward through a retained graph recomputes from the saved inputs again; the
         # backward of forward_backward is the only one.
@@ -1192,7 +1198,7 @@ _NO_RANGE = nullcontext()  # what a call that marks no NVTX ranges enters (reusa
 
 
 class _LayerCalls:
-    """Runs runs of layers of the current ``stage`` for a call (``run(layers, microbatch,
+    """Runs runs of layers of stages on one device for a call (``run(layers, microbatch,
     value)``), in forward or in recompute, and times them (``clock``), for every stage of one
     kind on one device in a run (:meth:`Call._layer_calls`).
 
@@ -1206,7 +1212,7 @@ class _LayerCalls:
     def __init__(
         self,
         call: Call,
-        stage: ResidentStage,
+        device_index: int,
         recompute: bool,
         recomputed: bool = False,
         cut: bool = False,
@@ -1214,7 +1220,7 @@ class _LayerCalls:
         """``recomputed``: a forward stage whose layers backward recomputes (it keeps the CPU
         generator's seeded states for the recompute, see ``_C.RngStates``). ``cut``: each
         layer's output is cut from its graph (``_C.graph_cut``)."""
-        self.call, self.stage = call, stage
+        self.call = call
         self.phase: Phase = "recompute" if recompute else "forward"
         self.action: Action = "re" if recompute else "fwd"
         # Recompute replays the forward's draws, unless asked for fresh randomness.
@@ -1223,10 +1229,10 @@ class _LayerCalls:
         if call.on_cuda:
             if recompute and not fresh:
                 _warn_if_replay_differs(tuple(devices()))
-            device = device_at(stage.device_index)
+            device = device_at(device_index)
             generators.append(torch.cuda.default_generators[device.index])
         self.context = context.LayerCall(call.recompute_store, recompute, call.saving)
-        self.clock = _LoopClock(call.runner.timer, stage.device_index, call.on_cuda)
+        self.clock = _LoopClock(call.runner.timer, device_index, call.on_cuda)
         timing = "off" if self.clock.timer is None else "device" if call.on_cuda else "host"
         mark = functools.partial(_mark_layer, call, self.phase) if call.nvtx else None
         replay = recompute and not fresh
@@ -1238,7 +1244,7 @@ class _LayerCalls:
             self.context,
             mark,
             timing,
-            stage.device_index,
+            device_index,
             call.rng_states if replay or recomputed else None,
             replay,
             _cut_graphs if cut else None,
