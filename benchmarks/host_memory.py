@@ -10,7 +10,9 @@ Each case runs in a fresh subprocess (RSS is per process) on virtual CPU devices
    they are not bytes per parameter. The kernel's peak-RSS mark is reset there. ``process peak``
    adds them back (the peak above the RSS right after the import);
 2. the plain model is built (its weights count: wrapping must not double them) and wrapped;
-3. the optimizer is built and ``--iters`` training iterations run (``forward_backward`` + ``step``).
+3. the optimizer is built and ``--iters`` training iterations run (``forward_backward`` + ``step``;
+   in the last case two ``forward_backward`` per ``step``, the second adding to the gradients of
+   the first, which a failed call must leave as they were).
 
 ``peak`` is the kernel's high-water mark since the zero point (construction included), ``steady``
 the RSS after the last iteration, both in bytes per parameter of the model. The floor counts
@@ -59,6 +61,7 @@ class Case:
     scaler: bool = False
     lora: bool = False
     plain: bool = False  # the plain PyTorch loop instead of RoundPipe
+    accumulate: int = 1  # forward_backward calls per step (gradients of earlier calls kept)
 
     def floor(self) -> float:
         """Bytes per parameter the design must hold."""
@@ -83,6 +86,7 @@ CASES = [
         lora=True,
         plain=True,
     ),
+    Case("bf16 + fp32 Adam, sync, 2 calls per step", "bfloat16", "float32", False, accumulate=2),
 ]
 
 
@@ -198,7 +202,8 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
     plan.bwd_plan = [range(i, i + 1) for i in reversed(range(layers))]
     config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
     for _ in range(iters):
-        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=config)
+        for _ in range(case.accumulate):
+            model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=config)
         model.step(step_fn, case.is_async)
     steady = _rss() - zero
     peak = _peak_rss()
