@@ -418,8 +418,6 @@ def test_timings_of_a_stage_with_a_full_garbage_collection_are_dropped() -> None
     """A full collection's pause would land in one layer's timing and skew the plan for many
     calls: the times the run's layer loop of that stage took are not handed to the timer (those
     of the forward stages here), the other loops' are."""
-    import gc
-
     from roundpipe import RoundPipe, RoundPipeRunConfig, doing_recompute
 
     class Collects(nn.Linear):
