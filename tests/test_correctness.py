@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import ClassVar, cast
 
 import pytest
@@ -1105,6 +1105,71 @@ def test_forward_then_backward_calls_accumulate_as_one_pass_each(
     assert_grads_equal(model.model, reference)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_pass_through_several_forward_calls_accumulates_as_one_pass(
+    num_devices: int, dtype: torch.dtype
+) -> None:
+    """One backward pass through the outputs of two forward() calls (two views of a batch), with
+    gradients of earlier passes in .grad: plain PyTorch's engine sums each parameter's gradient
+    over the whole pass, both calls' microbatches, last first, and adds the sum to .grad once
+    (adding each call's sum in turn rounds differently)."""
+    reference, (x1, x2, x3) = accumulation_case(dtype)
+    model = RoundPipe(copy.deepcopy(reference))
+    config = RoundPipeRunConfig(num_microbatch=3)
+
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([reference(chunk) for chunk in x.tensor_split(3)])
+
+    loss_of(model(x3, roundpipe_run_config=config)).backward()
+    loss_of(plain(x3)).backward()
+    for _ in range(2):
+        ours = model(x1, roundpipe_run_config=config) * model(x2, roundpipe_run_config=config)
+        loss_of(ours).backward()
+        loss_of(plain(x1) * plain(x2)).backward()
+    model.synchronize()
+    assert_grads_equal(model.model, reference)
+
+
+def test_a_failure_in_a_pass_through_several_forward_calls_adds_none_of_it(
+    num_devices: int,
+) -> None:
+    """The backward of the second forward() call fails after the first one's ran: none of the
+    pass's gradients reach the parameters, and the next pass is plain PyTorch's again."""
+
+    class FailsOnLargeInputs(nn.Linear):
+        armed = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.armed and x.abs().max() > 100:
+                raise RuntimeError("large input")
+            return super().forward(x)
+
+    torch.manual_seed(21)
+    reference = nn.Sequential(FailsOnLargeInputs(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model = RoundPipe(copy.deepcopy(reference), name="pair")
+    small, large, y = torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4)
+    config = RoundPipeRunConfig(num_microbatch=2)
+    loss_of(model(small, roundpipe_run_config=config)).backward()
+    loss_of(torch.cat([reference(c) for c in small.tensor_split(2)])).backward()
+    # The pass runs the later call's backward first: the large one's recompute fails second.
+    loss = mse(model(large * 1000, roundpipe_run_config=config), y)
+    loss = loss + mse(model(large, roundpipe_run_config=config), y)
+    model.model[0].armed = True
+    with pytest.raises(RuntimeError, match=r"'pair'.*large input"):
+        loss.backward()
+    model.model[0].armed = False
+    model.synchronize()
+    assert_grads_equal(model.model, reference)
+    loss = mse(model(small, roundpipe_run_config=config), y)
+    loss = loss + mse(model(large, roundpipe_run_config=config), -y)
+    loss.backward()
+    expected = mse(torch.cat([reference(c) for c in small.tensor_split(2)]), y)
+    expected = expected + mse(torch.cat([reference(c) for c in large.tensor_split(2)]), -y)
+    expected.backward()
+    model.synchronize()
+    assert_grads_equal(model.model, reference)
+
+
 def test_accumulation_goes_on_exactly_after_a_failed_call_and_user_changed_grads(
     num_devices: int,
 ) -> None:
@@ -1312,6 +1377,120 @@ def test_parameter_hooks_run_once_per_backward_pass_of_a_forward(
     model.synchronize()
     assert len(ours) == len(plain) == 1
     assert_same_grads(model.model, reference)
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_parameter_hooks_run_once_per_pass_through_several_forward_calls(
+    num_devices: int, grain: str
+) -> None:
+    """One backward pass through the outputs of two forward() calls (two views of a batch, a
+    contrastive loss): plain PyTorch runs a parameter's hook once, on the sum of both calls'
+    gradients, and once per pass again through a retained graph. A clamp shows the difference
+    from clamping each call's part."""
+
+    def clipped(calls: list[int]) -> nn.Sequential:
+        torch.manual_seed(19)
+        net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+        net[0].weight.register_hook(lambda g: (calls.append(1), g.clamp(-0.01, 0.01))[1])
+        net[2].bias.register_hook(lambda g: g * 2)
+        return net
+
+    ours, plain = [], []
+    model, reference = RoundPipe(clipped(ours)), clipped(plain)
+    x1, x2, y = torch.randn(4, 6), torch.randn(4, 6), torch.randn(4, 3)
+    config = RoundPipeRunConfig(num_microbatch=1, recompute_grain=grain)
+    loss = mse(model(x1, roundpipe_run_config=config), y)
+    loss = loss + mse(model(x2, roundpipe_run_config=config), -y)
+    expected = mse(reference(x1), y) + mse(reference(x2), -y)
+    loss.backward(retain_graph=True)
+    expected.backward(retain_graph=True)
+    model.synchronize()
+    assert len(ours) == len(plain) == 1
+    assert_same_grads(model.model, reference, exact=True)
+    loss.backward()
+    expected.backward()
+    model.synchronize()
+    assert len(ours) == len(plain) == 2
+    assert_same_grads(model.model, reference, exact=True)
+
+
+def test_a_failing_parameter_hook_names_it_and_the_model_trains_on(num_devices: int) -> None:
+    """A parameter hook that raises fails the backward with the hook's error, naming model and
+    parameter; the next backward is plain PyTorch's again."""
+    fail = [True]
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if fail[0]:
+            raise ValueError("hook refused")
+        return grad * 3
+
+    torch.manual_seed(20)
+    reference = nn.Sequential(nn.Linear(5, 5), nn.ReLU(), nn.Linear(5, 2))
+    model = RoundPipe(copy.deepcopy(reference), name="hooked")
+    model.model[2].weight.register_hook(hook)
+    reference[2].weight.register_hook(lambda g: g * 3)
+    x, y = torch.randn(4, 5), torch.randn(4, 2)
+    with pytest.raises(ValueError, match=r"'hooked'.*a hook of parameter 'weight'.*hook refused"):
+        mse(model(x), y).backward()
+    with pytest.raises(ValueError, match=r"'hooked'.*a hook of parameter '2\.weight'.*refused"):
+        (mse(model(x), y) + mse(model(x * 2), y)).backward()
+    fail[0] = False
+    model.zero_grad()
+    config = RoundPipeRunConfig(num_microbatch=1)
+    mse(model(x, roundpipe_run_config=config), y).backward()
+    mse(reference(x), y).backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference, exact=True)
+
+
+def tied(seed: int = 22) -> nn.Sequential:
+    """Three layers, the first and the last sharing one trained weight."""
+    torch.manual_seed(seed)
+    first, last = nn.Linear(5, 5), nn.Linear(5, 5)
+    last.weight = first.weight
+    return nn.Sequential(first, nn.Tanh(), last)
+
+
+def clamp_counted(calls: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return grad.clamp(-0.1, 0.1)
+
+    return hook
+
+
+def test_a_hook_on_a_tied_weight_runs_once_on_its_whole_gradient(num_devices: int) -> None:
+    """A weight two layers share gets one gradient per backward pass, the sum of both uses':
+    its hook runs once, on the sum, as in plain PyTorch (not on each use's part)."""
+    ours, plain = [], []
+    model, reference = RoundPipe(tied()), tied()
+    model.model[0].weight.register_hook(clamp_counted(ours))
+    reference[0].weight.register_hook(clamp_counted(plain))
+    config = RoundPipeRunConfig(num_microbatch=1)
+    for x in torch.randn(2, 4, 5):
+        loss_of(model(x, roundpipe_run_config=config)).backward()
+        loss_of(reference(x)).backward()
+    model.synchronize()
+    assert len(ours) == len(plain) == 2
+    assert_grads_equal(model.model, reference)
+
+
+def test_forward_backward_refuses_a_hook_on_a_tied_weight(num_devices: int) -> None:
+    """forward_backward computes each use of a shared weight in its own stage, so a hook on it
+    would run on each part: refused, naming the parameter; the model trains on without it."""
+    model, reference = RoundPipe(tied(), name="tied"), tied()
+    handle = model.model[0].weight.register_hook(lambda g: g.clamp(-0.1, 0.1))
+    x = torch.randn(4, 5)
+    config = RoundPipeRunConfig(num_microbatch=2)
+    with pytest.raises(RuntimeError, match=r"'tied'.*'weight' of layer \d.*several layers"):
+        train_both(model, reference, x, config)
+    handle.remove()
+    train_both(model, reference, x, config)
+    model.synchronize()
+    for (name, p), (_, q) in zip(
+        model.model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_post_accumulate_grad_hooks_are_refused_and_the_model_trains_on(num_devices: int) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -104,11 +105,15 @@ class PipelineNode:
         ]
 
     def run_backward(
-        self, grad_outputs: Sequence[torch.Tensor | None], param_grads: bool
+        self, grad_outputs: Sequence[torch.Tensor | None], param_grads: bool, graph_node: Any
     ) -> list[Any]:
-        """The pipelined recompute + backward; returns per-microbatch input gradients. The
-        parameters' gradients are accumulated in the host arena with ``param_grads``, else
-        dropped."""
+        """The pipelined recompute + backward of the autograd node ``graph_node``; returns
+        per-microbatch input gradients. The parameters' gradients are accumulated in the host
+        arena with ``param_grads``, else dropped. When the backward pass goes through other
+        forward() calls of the model too, or hooks of tied weights need their whole gradient,
+        they are summed over the pass first (``GradientState.accumulating_in_pass``); not with
+        stage reduces, which sum each call's over the ranks (hooks then run once per call, on
+        each use's part)."""
         iterator = iter(grad_outputs)
         grads = [
             [next(iterator) if leaf is _TENSOR else None for leaf in leaves]
@@ -129,6 +134,13 @@ class PipelineNode:
             with self._forward_modes():
                 if not param_grads:
                     return self.call.backward(grads)
+                # Under the lock: forward() calls of other threads add to forward_nodes.
+                gradients = self.gradients
+                in_pass = _shares_pass(graph_node, gradients.forward_nodes)
+                in_pass = in_pass or gradients.hooks_on_tied()
+                if in_pass and self.call.runner.stage_reduce is None:
+                    with self.gradients.accumulating_in_pass(self.call, self.lock):
+                        return self.call.backward(grads)
                 with self.gradients.accumulating(self.call):
                     return self.call.backward(grads)
 
@@ -162,6 +174,12 @@ def _wants_param_grads(params_node: Any) -> bool:
         return True
 
 
+def _shares_pass(ctx: Any, nodes: weakref.WeakSet[Any]) -> bool:
+    """Whether the running backward pass also goes through another of ``nodes`` (the model's
+    forward() calls) and wants the parameters' gradients there."""
+    return any(other is not ctx and _wants_param_grads(other.params_node) for other in list(nodes))
+
+
 def connect(node: PipelineNode, anchor: torch.Tensor, inputs: list[torch.Tensor]) -> Any:
     """Run ``node``'s forward as one autograd node over ``anchor`` and the user's ``inputs``
     that require grad; returns its flat output tensors."""
@@ -179,6 +197,7 @@ class PipelineFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         ctx.node = node
         ctx.params_node = anchor.grad_fn
+        node.gradients.forward_nodes.add(ctx)
         ctx.set_materialize_grads(False)
         # Saved only to be read in backward: autograd frees it after a backward without
         # retain_graph, so a second backward raises exactly as PyTorch does for its own nodes.
@@ -199,7 +218,7 @@ class PipelineFunction(torch.autograd.Function):
                 "(double backward, e.g. a gradient penalty) through a forward() output is not "
                 "supported; compute such terms with a plain PyTorch model"
             )
-        grads = node.run_backward(grad_outputs, _wants_param_grads(ctx.params_node))
+        grads = node.run_backward(grad_outputs, _wants_param_grads(ctx.params_node), ctx)
         return (None, None, *(grad for _, grad in input_grads(node.inputs, grads)))
 
 

@@ -2,25 +2,55 @@
 
 Gradients accumulate in the model's host arena across calls until a ``step()`` takes them.
 This object keeps that consistent: it waits for a call's transfers before the next one (or a
-step) uses the arena, rolls back what a failed call accumulated, and takes back gradients that
+step) uses the arena, rolls back what a failed call accumulated, sums a backward pass through
+several ``forward()`` calls before adding it (:class:`PassGrads`), and takes back gradients that
 ``synchronize()`` published into ``param.grad`` as the user left them. The model owns it; the
 autograd node of a ``forward()`` is handed it for the backward.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from roundpipe._native import _C
-from roundpipe.context import interrupts_deferred
+from roundpipe.context import annotate, interrupts_deferred
 from roundpipe.memory import ModelMemory, clear_arena
 
 if TYPE_CHECKING:
     from roundpipe.pipeline import Call
+
+# Backward passes summed at once (accumulating_in_pass): a pass that fails elsewhere never ends,
+# and the oldest is dropped to make room for a new one.
+_OPEN_PASSES = 4
+
+
+class PassGrads:
+    """The gradients of one backward pass through several ``forward()`` calls of the model (or
+    through a tied weight with hooks), summed over them in an arena of the pass (``arena``, laid
+    out as the model's), and added to the model's arena once, when the pass ends, after the
+    parameters' hooks ran on their sums. Plain PyTorch sums a parameter's gradient over the
+    whole pass, runs its hooks on the sum and adds that to ``.grad``: adding each call's part in
+    turn would round differently, and a hook such as a clamp would clip each part."""
+
+    def __init__(self, arena: torch.Tensor) -> None:
+        self.arena: torch.Tensor | None = arena  # None once dropped
+        self.reached: set[int] = set()  # ``id`` of each parameter the pass gave a gradient
+
+
+def _settle(call: Call) -> None:
+    """Wait for the transfers of a failed ``call``, whatever their outcome (the call's own error
+    is what its caller needs)."""
+    for event in call.pending:
+        try:
+            event.synchronize()
+        except Exception:
+            pass
 
 
 class GradientState:
@@ -44,8 +74,14 @@ class GradientState:
         self._slots = [slot for slot in memory.slots() if slot.grad_offset is not None]
         self._offsets = [cast(int, slot.grad_offset) for slot in self._slots]
         self._params = [slot.param for slot in self._slots]
+        self._tied = [param for param in self._params if id(param) in memory.tied]
         # Frozen when the model was wrapped: no gradient slot (see begin_call).
         self._untrained = [slot.param for slot in memory.slots() if slot.grad_offset is None]
+        # The autograd nodes of the model's forward() calls still alive (roundpipe.autograd),
+        # to tell whether a backward pass goes through several of them.
+        self.forward_nodes: weakref.WeakSet[Any] = weakref.WeakSet()
+        # The backward passes through several forward() calls in progress, by graph task.
+        self._passes: dict[int, PassGrads] = {}
 
     def wait_pending(self) -> None:
         """Wait for every gradient transfer of earlier calls; the first error is raised and the
@@ -86,15 +122,12 @@ class GradientState:
         accumulated are rolled back, so the next call trains as if the failed one never ran."""
         self.begin_call()
         call.grads_in_arena = self.dirty
+        call.pass_arena = None
         backup = self.memory.grads.clone() if self.dirty else None
         try:
             yield
         except BaseException:
-            for event in call.pending:
-                try:
-                    event.synchronize()
-                except Exception:  # the call's own error is what the caller needs
-                    pass
+            _settle(call)
             if backup is None:
                 clear_arena(self.memory.grads)
             else:
@@ -105,10 +138,95 @@ class GradientState:
         self.dirty = True
 
     @contextmanager
+    def accumulating_in_pass(self, call: Call, lock: AbstractContextManager[Any]) -> Iterator[None]:
+        """Around the stages of ``call``, the backward of a ``forward()`` in a backward pass
+        whose gradients are summed before they are added (it goes through several forward()
+        calls, or a tied weight's hooks need its whole gradient): they go into the pass's arena
+        (``call.pass_arena``; see :class:`PassGrads`). The pass's first call makes it and has
+        the engine call :meth:`_end_pass` under ``lock`` (the model's call lock) when the pass
+        is done. On failure the pass's sums are dropped, and the model's arena is untouched."""
+        self.begin_call()
+        task = torch._C._current_graph_task_id()
+        grads = self._passes.get(task)
+        if grads is None:
+            while len(self._passes) >= _OPEN_PASSES:
+                self._drop_pass(next(iter(self._passes)))
+            grads = self._passes[task] = PassGrads(self.memory.new_grad_arena())
+            end_pass = functools.partial(self._end_pass_locked, lock, task, grads)
+            torch.autograd.Variable._execution_engine.queue_callback(end_pass)
+        call.pass_arena = grads.arena
+        try:
+            yield
+        except BaseException:
+            _settle(call)
+            self._drop_pass(task)
+            raise
+        finally:
+            call.pass_arena = None
+        self.pending.extend(call.pending)
+        grads.reached |= call.reached
+
+    def hooks_on_tied(self) -> bool:
+        """Whether a parameter that several layers use (tied weights) has hooks: they run once,
+        on its whole gradient, which only the end of the backward pass has (its uses' parts are
+        summed there, see :meth:`accumulating_in_pass`)."""
+        return any(param._backward_hooks for param in self._tied)
+
+    def _drop_pass(self, task: int) -> None:
+        """Forget the sums of a pass (failed, or never ended)."""
+        grads = self._passes.pop(task, None)
+        if grads is not None:
+            grads.arena = None
+
+    def _end_pass_locked(
+        self, lock: AbstractContextManager[Any], task: int, grads: PassGrads
+    ) -> None:
+        with lock:
+            self._end_pass(task, grads)
+
+    def _end_pass(self, task: int, grads: PassGrads) -> None:
+        """Add the sums of a pass (:class:`PassGrads`) to the model's arena, each parameter's
+        after its hooks ran on it in the order they were registered (what a hook returns
+        replaces it), as plain PyTorch adds them to ``.grad``."""
+        if grads.arena is None:
+            raise RuntimeError(
+                f"RoundPipe model '{self.name}': the gradients of this backward pass were "
+                "dropped while it ran (a step() or zero_grad() of the model, or more than "
+                f"{_OPEN_PASSES} backward passes through several of its forward() calls at "
+                "once); they are not accumulated"
+            )
+        self._passes.pop(task, None)
+        arena, grads.arena = grads.arena, None
+        if not grads.reached:
+            return
+        self.wait_pending()  # the pass's downloads
+        self.memory.fold_alias_grads(arena)
+        sums = _C.typed_views(arena, 0, self._offsets, self._params)
+        views = self._views()
+        with torch.no_grad():
+            for param, total, view in zip(self._params, sums, views, strict=True):
+                if id(param) not in grads.reached:
+                    continue
+                result = total
+                try:
+                    for hook in list((param._backward_hooks or {}).values()):
+                        returned = hook(result)
+                        if returned is not None:
+                            result = returned
+                except Exception as error:
+                    name = self._param_names.get(id(param), "?")
+                    where = f"RoundPipe model '{self.name}': a hook of parameter '{name}'"
+                    raise annotate(error, where) from error
+                view.add_(result)
+                self.reached.add(id(param))
+        self.dirty = True
+
+    @contextmanager
     def handing_over(self) -> Iterator[None]:
         """Around handing the arena to an optimizer step: complete and folded before, clean
         after the hand-over."""
         self.wait_pending()
+        self._drop_passes()
         # Taking back the user's gradients and folding the aliases' must not stop half-way (a
         # retry would take or fold some twice).
         with interrupts_deferred():
@@ -124,6 +242,13 @@ class GradientState:
                 self.dirty = False
                 self.reached = set()
 
+    def _drop_passes(self) -> None:
+        """Forget the sums of every pass in progress: a step or ``zero_grad()`` comes after the
+        backward passes whose gradients it is meant for; one still running (in another thread)
+        raises when it ends, rather than add to the next step's gradients."""
+        for task in list(self._passes):
+            self._drop_pass(task)
+
     def reach_all(self) -> None:
         """Every trained parameter has a gradient in the arena (loaded from a checkpoint)."""
         self.reached = {id(param) for param in self._params}
@@ -135,6 +260,7 @@ class GradientState:
         with ``set_to_none=False`` stay the arena's views, now zero: gradients of zero then,
         as plain PyTorch's are, which a step hands over."""
         self.wait_pending()
+        self._drop_passes()
         with torch.no_grad():
             self.memory.grads.zero_()
         for param in self._params:
@@ -219,4 +345,4 @@ class GradientState:
         self.dirty = True
 
 
-__all__ = ["GradientState"]
+__all__ = ["GradientState", "PassGrads"]

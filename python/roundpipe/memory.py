@@ -204,6 +204,9 @@ class ModelMemory:
                     grad_cursor += _aligned(slot.nbytes)
             layer.end, layer.grad_end = param_cursor, grad_cursor
             self.layers.append(layer)
+        # ``id`` of each trained parameter that several layers use (tied weights): its gradient
+        # is the sum of the uses' parts, each accumulated in its own slot (fold_alias_grads).
+        self.tied = frozenset(id(a.param) for a in self.aliases if a.grad_offset is not None)
 
         # None with pin_model="off": every parameter keeps its own storage.
         self.params: torch.Tensor | None = (
@@ -367,14 +370,15 @@ class ModelMemory:
         for alias in self.aliases:
             self.write_async(alias.layer, [self.alias_view(alias)], [alias.param.detach()])
 
-    def fold_alias_grads(self) -> None:
-        """Add the aliases' gradients into their parameters' and clear them."""
+    def fold_alias_grads(self, arena: torch.Tensor | None = None) -> None:
+        """Add the aliases' gradients into their parameters' and clear them, in ``arena``
+        (default: the current one)."""
         with torch.no_grad():
             for alias in self.aliases:
                 if alias.grad_offset is not None:
                     assert alias.primary is not None
-                    alias_grad = self.grad_view(alias)
-                    self.grad_view(alias.primary).add_(alias_grad)
+                    alias_grad = self.grad_view(alias, arena)
+                    self.grad_view(alias.primary, arena).add_(alias_grad)
                     alias_grad.zero_()
 
     def new_grad_arena(self) -> torch.Tensor:

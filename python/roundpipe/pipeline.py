@@ -45,6 +45,14 @@ if TYPE_CHECKING:
 
 Phase = Literal["forward", "recompute", "backward", "loss"]
 StageKind = Literal["forward", "fused", "backward"]
+# How the hooks registered on trained parameters (``param.register_hook``) run in a stage.
+# "shared": the device copies share them, so the engine runs them per backward pass of each
+# microbatch (forward_backward, plain PyTorch's per-microbatch loop). "on_sums": once, on the
+# stage's sum over the microbatches (the backward of a forward(), one pass over them all:
+# :meth:`ResidentStage.run_hooks_on_sums`). "later": not in the stage; the gradients are summed
+# over the backward pass (it goes through several forward() calls, or a tied weight has hooks),
+# whose end runs them on the sums (roundpipe.gradients.GradientState.accumulating_in_pass).
+ParamHooks = Literal["shared", "on_sums", "later"]
 
 _round_robin = itertools.count()
 
@@ -246,7 +254,9 @@ class ResidentStage:
     backward's into ``.grad`` (adding the call's sum instead would round differently).
 
     ``model``: the model's name, for errors; ``nvtx_model``: the model's name when its upload
-    and download are marked as NVTX ranges."""
+    and download are marked as NVTX ranges. ``hooks``: how the hooks registered on trained
+    parameters run (:data:`ParamHooks`). ``grad_arena``: the host arena the gradients go to (None:
+    the model's)."""
 
     buffer: torch.Tensor  # the parameters, as laid out in the arena
     uploaded: Any  # the event of the upload
@@ -262,14 +272,13 @@ class ResidentStage:
         model: str,
         nvtx_model: str | None = None,
         grads_from_arena: bool = False,
-        hooks_on_sums: bool = False,
+        hooks: ParamHooks = "shared",
+        grad_arena: torch.Tensor | None = None,
     ) -> None:
-        """``hooks_on_sums``: the backward of a ``forward()``, one pass over every microbatch,
-        whose parameter hooks run once, on the stage's sum (:meth:`run_hooks_on_sums`)."""
         self.memory, self.layers, self.device_index = memory, layers, device_index
         self.model, self.nvtx_model = model, nvtx_model
         self.grads_from_arena = grads_from_arena and with_grads
-        self.hooks_on_sums = hooks_on_sums
+        self.hooks, self.grad_arena = hooks, grad_arena
         self.trace: StageTrace | None = None  # set while a timeline trace is recorded
         self.layout = layout = memory.stage_layout(layers)
         device = device_at(device_index)
@@ -299,13 +308,13 @@ class ResidentStage:
                 layout.grad_end,
                 layout.grad_offsets,
                 layout.trained,
-                memory.grads if self.grads_from_arena else None,
+                self._grad_arena() if self.grads_from_arena else None,
             )
             self.uploaded = uploaded if uploaded is not None else self._upload_sources(fence)
         # Which trained parameters a backward reaches (see reached_params).
         self.reach: Any = None
         if with_grads:
-            self._forward_tensor_hooks(share=not hooks_on_sums)
+            self._forward_tensor_hooks(share=hooks == "shared")
             self.reach = _C.GradReach([self.views[i] for i in layout.trained])
         # The frozen parameters bound in host memory, each a `.data` alias with a version counter
         # of its own, so an in-place change by the layer shows (see `bound`): (slot index, the
@@ -319,9 +328,11 @@ class ResidentStage:
         """Hooks registered on a trained parameter (``param.register_hook``) run on the
         gradients its device copy receives, as they would on the parameter's own: with
         ``share``, the copy shares the parameter's hook dictionary (hooks added later apply
-        too), else :meth:`run_hooks_on_sums` runs them. A hook run after accumulation
+        too), else they run on sums (see :data:`ParamHooks`). A hook run after accumulation
         (``register_post_accumulate_grad_hook``) is passed the tensor whose ``.grad`` was
-        accumulated, which here is not the parameter: refused."""
+        accumulated, which here is not the parameter: refused. So are shared hooks of a
+        parameter that several layers use (tied weights): each use's copy would run them on its
+        part of the gradient, where plain PyTorch runs them once, on the sum."""
         params, views = self.layout.params, self.views
         for i in self.layout.trained:
             param = params[i]
@@ -335,6 +346,17 @@ class ResidentStage:
                     "and act on the gradients in step_fn"
                 )
             hooks = param._backward_hooks
+            if hooks and share and id(param) in self.memory.tied:
+                _, module, name = self._param_name(i)
+                raise RuntimeError(
+                    f"RoundPipe model '{self.model}': parameter '{name}' of layer "
+                    f"{self.layout.layer_of[i]} ({type(module).__name__}) is used by several "
+                    "layers and has a hook registered with register_hook: forward_backward "
+                    "computes each use's gradient in its own stage, so the hook would run on "
+                    "each part instead of once on their sum. Call the model and backward() "
+                    "instead (one pass, which runs it on the sum), or act on the gradient in "
+                    "step_fn"
+                )
             if hooks and share:
                 views[i]._backward_hooks = hooks
 
@@ -343,8 +365,8 @@ class ResidentStage:
         gradient, the sum over the microbatches (the backward of a ``forward()`` is one pass
         over them all, in which plain PyTorch runs a parameter's hooks once, on its whole
         gradient); what a hook returns replaces it. Nothing for other stages: their copies
-        share the hooks (see :meth:`_forward_tensor_hooks`)."""
-        if not self.hooks_on_sums:
+        share the hooks, or the end of the backward pass runs them (see :data:`ParamHooks`)."""
+        if self.hooks != "on_sums":
             return
         layout = self.layout
         for j in self.reach.reached():
@@ -354,10 +376,18 @@ class ResidentStage:
             if not hooks or grad is None:
                 continue
             result = grad
-            for hook in list(hooks.values()):
-                returned = hook(result)
-                if returned is not None:
-                    result = returned
+            try:
+                for hook in list(hooks.values()):
+                    returned = hook(result)
+                    if returned is not None:
+                        result = returned
+            except Exception as error:
+                index, module, name = self._param_name(i)
+                where = (
+                    f"RoundPipe model '{self.model}': a hook of parameter '{name}' of layer "
+                    f"{index} ({type(module).__name__})"
+                )
+                raise annotate(error, where) from error
             if result is not grad:
                 with torch.no_grad():
                     grad.copy_(result)
@@ -457,11 +487,8 @@ class ResidentStage:
         for i, bound in enumerate(self.views):
             if bound._version == 0 or (i in in_host and not recomputed):
                 continue
-            index, slot = self.layout.layer_of[i], self.layout.slots[i]
-            module = self.memory.layers[index].module
-            owner, attribute = slot.owners[0]
-            prefix = next(p for p, m in module.named_modules(remove_duplicate=False) if m is owner)
-            name = f"{prefix}.{attribute}" if prefix else attribute
+            index, module, name = self._param_name(i)
+            slot = self.layout.slots[i]
             phase = "forward" if forward else "recompute"
             kind = "trained" if slot.param.requires_grad else "frozen"
             why = (
@@ -478,6 +505,18 @@ class ResidentStage:
                 "per forward pass, recompute leaves them unchanged), or change the parameter "
                 "outside the layer's forward."
             )
+
+    def _grad_arena(self) -> torch.Tensor:
+        """The host arena the gradients go to (and, with ``grads_from_arena``, start from)."""
+        return self.memory.grads if self.grad_arena is None else self.grad_arena
+
+    def _param_name(self, i: int) -> tuple[int, torch.nn.Module, str]:
+        """The layer index, the layer and the name in it of the stage's parameter ``i``."""
+        index, slot = self.layout.layer_of[i], self.layout.slots[i]
+        module = self.memory.layers[index].module
+        owner, attribute = slot.owners[0]
+        prefix = next(p for p, m in module.named_modules(remove_duplicate=False) if m is owner)
+        return index, module, f"{prefix}.{attribute}" if prefix else attribute
 
     def _buffer_to_host(self, working: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The host source of a buffer's write-back and the event after which it holds the
@@ -505,7 +544,7 @@ class ResidentStage:
         with _marked(self.nvtx_model, "download", self.layers):
             events = _C.download_grads(
                 self.device_index,
-                self.memory.grads,
+                self._grad_arena(),
                 self.grad_buffer,
                 self.layout.grad_begin,
                 runs,
@@ -716,6 +755,11 @@ class Call:
     # False: a backward that wants the inputs' gradients only (torch.autograd.grad), so the
     # parameters' are not downloaded.
     keep_param_grads: bool = field(init=False, default=True)
+    # The backward of a forward() in a backward pass whose gradients are summed before they are
+    # added (several forward() calls, a tied weight's hooks): they go into this arena of the
+    # pass, whose sums are added to the model's when the pass ends (set by
+    # roundpipe.gradients.GradientState.accumulating_in_pass).
+    pass_arena: torch.Tensor | None = field(init=False, default=None)
     # ``id`` of each trained parameter a backward stage of this call gave a gradient (with
     # stage reduces: every trained parameter of those stages, as some rank may have).
     reached: set[int] = field(init=False, default_factory=set)
@@ -779,12 +823,18 @@ class Call:
         # buffers start from the arena's gradients, so that the layers add each microbatch's to
         # them in turn, as plain PyTorch adds each backward's into .grad. (The backward of a
         # forward() is one backward pass: plain PyTorch adds its sum once, and so do we. Stage
-        # reduces sum the call's own gradients over the ranks.)
-        from_arena = (
+        # reduces sum the call's own gradients over the ranks.) A backward pass through several
+        # forward() calls sums them in the pass's arena: each call's microbatches add to what
+        # the calls before it left there, as the engine sums a gradient over the whole pass.
+        from_arena = self.pass_arena is not None or (
             self.grads_in_arena and self.run_type == "fused" and self.runner.stage_reduce is None
         )
-        hooks_on_sums = self.run_type == "train"  # the backward of a forward(): one pass
-        uploads = _Uploads(memory, stages, self.runner.name, self.nvtx, from_arena, hooks_on_sums)
+        hooks: ParamHooks = "shared"
+        if self.run_type == "train":  # the backward of a forward(): one pass
+            hooks = "on_sums" if self.pass_arena is None else "later"
+        uploads = _Uploads(
+            memory, stages, self.runner.name, self.nvtx, from_arena, hooks, self.pass_arena
+        )
         with _rng_scope(), uploads:
             try:
                 for stage in stages:
@@ -1529,11 +1579,12 @@ class _Uploads:
         model: str,
         nvtx: bool,
         grads_from_arena: bool,
-        hooks_on_sums: bool,
+        hooks: ParamHooks,
+        grad_arena: torch.Tensor | None,
     ) -> None:
         self.memory, self.stages, self.model = memory, stages, model
         self.nvtx_model = model if nvtx else None
-        self.grads_from_arena, self.hooks_on_sums = grads_from_arena, hooks_on_sums
+        self.grads_from_arena, self.hooks, self.grad_arena = grads_from_arena, hooks, grad_arena
         self.issued: list[ResidentStage] = []
         self.uploads: list[Any] = []
         self.index = 0
@@ -1555,7 +1606,8 @@ class _Uploads:
             self.model,
             self.nvtx_model,
             self.grads_from_arena,
-            self.hooks_on_sums,
+            self.hooks,
+            self.grad_arena,
         )
         resident.trace = stage_trace(self.model, resident.device_index, index, stage.layers)
         if resident.trace is not None:
