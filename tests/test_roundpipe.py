@@ -893,3 +893,86 @@ def test_two_models_may_share_a_frozen_module(num_devices: int) -> None:
     with torch.no_grad():
         assert torch.equal(first(x, roundpipe_run_config=one), first.model(x))
         assert torch.equal(second(x, roundpipe_run_config=one), second.model(x))
+
+
+@pytest.mark.parametrize("convert", ["half", "float", "to(bfloat16)", "to(meta)"])
+def test_converting_the_model_after_wrapping_is_refused_and_it_trains_on(
+    num_devices: int, convert: str
+) -> None:
+    """``.half()``, ``.to(dtype)``, ``.to(device)`` of a RoundPipe model would leave its host
+    arenas laid out for the old data (its gradients were garbage): ``RuntimeError`` before
+    anything changes, and the model trains as plain PyTorch. Conversions that change nothing
+    are no-ops."""
+    reference = mlp(layers=3)
+    model = RoundPipe(copy.deepcopy(reference), name="converted")
+    conversions: dict[str, Callable[[], object]] = {
+        "half": model.half,
+        "float": model.float,
+        "to(bfloat16)": lambda: model.to(torch.bfloat16),
+        "to(meta)": lambda: model.to("meta"),
+    }
+    with pytest.raises(RuntimeError, match=r"'converted'.*convert the module before wrapping"):
+        conversions[convert]()
+    assert model.cpu() is model and model.double() is model  # float64 already: no change
+    x, y = torch.randn(6, 6), torch.randn(6, 6)
+    config = RoundPipeRunConfig(num_microbatch=3)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    plain_forward_backward(reference, x, y, 3)
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
+def test_replacing_a_parameters_data_after_wrapping_is_an_error_naming_it(
+    num_devices: int,
+) -> None:
+    """A conversion of the wrapped module itself (``model.model.float()``) or ``param.data =``
+    moves a parameter out of the arenas: the next call and step raise, naming it, instead of
+    computing with the bytes laid out for the old data."""
+    model = RoundPipe(mlp(layers=3), name="replaced")
+    model.model.float()
+    x = torch.randn(4, 6, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match=r"'replaced'.*parameter '0\.0\.weight' was replaced"):
+        model(x)
+    with pytest.raises(RuntimeError, match=r"'replaced'.*was replaced after wrapping"):
+        model.step(lambda: None)
+
+
+def test_pickling_or_deep_copying_the_model_is_a_clear_type_error(num_devices: int) -> None:
+    """A RoundPipe model owns arenas and threads: ``copy.deepcopy``, ``pickle`` and
+    ``torch.save(model)`` raise a ``TypeError`` saying what to copy instead; a deep copy of the
+    wrapped module, wrapped again, computes what the model does."""
+    import io
+    import pickle
+
+    model = RoundPipe(mlp(layers=3), name="copied")
+    for copy_it in (
+        lambda: copy.deepcopy(model),
+        lambda: pickle.dumps(model),
+        lambda: torch.save(model, io.BytesIO()),
+    ):
+        with pytest.raises(TypeError, match=r"'copied' cannot be pickled.*model\.model"):
+            copy_it()
+    model.synchronize()
+    again = RoundPipe(copy.deepcopy(model.model))
+    x = torch.randn(4, 6)
+    assert torch.equal(again(x), model(x))
+
+
+@pytest.mark.parametrize("change", ["append", "replace", "delete"])
+def test_changing_the_wrapped_layers_after_wrapping_is_an_error(
+    num_devices: int, change: str
+) -> None:
+    """A layer appended to, removed from or replaced in the wrapped Sequential would not be
+    what the calls run (the layers wrapped): the next call or step raises instead."""
+    model = RoundPipe(mlp(layers=3), name="edited")
+    sequential = model.model
+    edits: dict[str, Callable[[], object]] = {
+        "append": lambda: sequential.append(nn.Linear(6, 6)),
+        "replace": lambda: sequential.__setitem__(0, nn.Linear(6, 6)),
+        "delete": lambda: sequential.__delitem__(2),
+    }
+    edits[change]()
+    with pytest.raises(RuntimeError, match=r"'edited'.*layers of the wrapped Sequential changed"):
+        model(torch.randn(2, 6))
+    with pytest.raises(RuntimeError, match=r"'edited'.*wrap the changed Sequential anew"):
+        model.step(lambda: None)

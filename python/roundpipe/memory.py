@@ -241,6 +241,23 @@ class ModelMemory:
                 for alias in self.aliases:
                     self.alias_view(alias).copy_(alias.param)
                 _C.trim_host_heap()
+        # What the arenas and the stage layouts were laid out for (see replaced_param): each
+        # parameter's dtype, and where a trained one's data lives (a frozen one may be moved by
+        # another model wrapping the same frozen module; nothing writes it).
+        self._placed = [
+            (slot, slot.param.dtype, None if slot.frozen else slot.param.data_ptr())
+            for slot in self.slots()
+        ]
+
+    def replaced_param(self) -> ParamSlot | None:
+        """The first parameter whose data was replaced since wrapping (``param.data = ...``, a
+        ``.to()`` or ``.half()`` of the wrapped module), which the arenas no longer hold: a
+        stage would compute with the bytes laid out for the old data. None if there is none."""
+        for slot, dtype, data_ptr in self._placed:
+            param = slot.param
+            if param.dtype != dtype or (data_ptr is not None and param.data_ptr() != data_ptr):
+                return slot
+        return None
 
     def alias_view(self, alias: ParamSlot) -> torch.Tensor:
         assert self.params is not None

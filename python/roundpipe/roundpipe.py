@@ -489,6 +489,7 @@ class RoundPipe(ForwardingModule):
         if not isinstance(is_async, bool):
             raise TypeError(f"is_async must be a bool, got {type(is_async).__name__}")
         runtime = self._runtime
+        self._check_as_wrapped()
         with runtime.gradients.handing_over():
             runtime.steps.step(
                 step_fn, is_async, args, kwargs, frozenset(runtime.gradients.reached)
@@ -701,6 +702,63 @@ class RoundPipe(ForwardingModule):
             )
         return resolve_run_config(call_config, self.model_run_config)
 
+    def _check_as_wrapped(self) -> None:
+        """``RuntimeError`` if the wrapped Sequential's layers changed since wrapping (one
+        appended, removed or replaced: the calls would run the layers wrapped), or a parameter's
+        data was replaced (the wrapped module converted, ``param.data = ...``: the arenas hold
+        the data it was wrapped with)."""
+        model, layers = self.model, self.layers
+        if isinstance(model, nn.Sequential) and (
+            len(model) != len(layers) or any(a is not b for a, b in zip(model, layers, strict=True))
+        ):
+            raise RuntimeError(
+                f"RoundPipe model '{self.name}': the layers of the wrapped Sequential changed "
+                f"after wrapping ({len(layers)} wrapped, {len(model)} now; a layer appended, "
+                "removed or replaced). RoundPipe laid its arenas and plans out for the layers "
+                "it wrapped: wrap the changed Sequential anew"
+            )
+        slot = self._runtime.memory.replaced_param()
+        if slot is None:
+            return
+        names = {id(p): n for n, p in self._runtime.param_names}
+        raise RuntimeError(
+            f"RoundPipe model '{self.name}': the data of parameter "
+            f"'{names.get(id(slot.param), '?')}' was replaced after wrapping (now "
+            f"{slot.param.dtype} on {slot.param.device}): a .to(), .half() or .cuda() of the "
+            "wrapped module, or 'param.data = ...'. RoundPipe keeps the parameters in host "
+            "arenas laid out when it wrapped the module; convert the module before wrapping it "
+            "and change parameters in place (param.copy_(...), load_state_dict)"
+        )
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """What ``.to()``, ``.half()``, ``.cuda()``, ``.float()`` and the like do: a
+        ``RuntimeError`` before anything changes when ``fn`` would change the dtype or device
+        of a parameter or buffer (the host arenas were laid out for them when the module was
+        wrapped, and RoundPipe moves each stage to the devices itself); nothing when it would
+        change none (``.cpu()``, ``.float()`` of an fp32 model)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        for dtype, device in {(t.dtype, t.device) for t in tensors}:
+            converted = fn(torch.empty(0, dtype=dtype, device=device))
+            if converted.dtype != dtype or converted.device != device:
+                raise RuntimeError(
+                    f"RoundPipe model '{self.name}': this would convert its {dtype} parameters "
+                    f"or buffers on {device} to {converted.dtype} on {converted.device}. "
+                    "RoundPipe keeps the model in host arenas laid out when it wrapped the "
+                    "module, and moves each stage to the devices itself: convert the module "
+                    "before wrapping it (RoundPipe(module.to(torch.bfloat16))); inputs may be "
+                    "on any device"
+                )
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused: a RoundPipe model owns host arenas and native threads, which neither
+        ``pickle`` (``torch.save(model)``) nor ``copy.deepcopy`` can copy."""
+        raise TypeError(
+            f"RoundPipe model '{self.name}' cannot be pickled or deep-copied (it owns host "
+            "arenas and native threads): save model.state_dict(), or copy the wrapped module "
+            "after synchronize() (copy.deepcopy(model.model)) and wrap the copy"
+        )
+
     def _plan(self, config: ResolvedRunConfig, run_type: RunType) -> ModelExecutePlan:
         """The call's plan: the explicit one (validated), or an automatic one that is re-planned
         only when the layer timings or the device pool changed."""
@@ -731,6 +789,7 @@ class RoundPipe(ForwardingModule):
     def _new_call(self, config: ResolvedRunConfig, run_type: RunType) -> Call:
         """A call about to run (arguments validated, plan chosen); shared parameters are
         refreshed first."""
+        self._check_as_wrapped()
         plan = self._plan(config, run_type)
         self._runtime.memory.sync_aliases()
         return Call(
