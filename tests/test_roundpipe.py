@@ -976,3 +976,15 @@ def test_changing_the_wrapped_layers_after_wrapping_is_an_error(
         model(torch.randn(2, 6))
     with pytest.raises(RuntimeError, match=r"'edited'.*wrap the changed Sequential anew"):
         model.step(lambda: None)
+
+
+def test_module_hooks_run_again_in_the_recompute_and_can_tell(num_devices: int) -> None:
+    """A forward hook runs in the forward pass and again when its layer is recomputed (as with
+    torch.utils.checkpoint), where ``roundpipe.doing_recompute()`` is true: a hook with side
+    effects acts once per forward pass by skipping those."""
+    model = RoundPipe(mlp(layers=3))
+    seen: list[bool] = []
+    model.model[2].register_forward_hook(lambda *_: seen.append(roundpipe.doing_recompute()))
+    config = RoundPipeRunConfig(num_microbatch=2)
+    model(torch.randn(4, 6), roundpipe_run_config=config).sum().backward()
+    assert seen == [False, False, True, True]
