@@ -139,9 +139,9 @@ class PipelineNode:
                 in_pass = _shares_pass(graph_node, gradients.forward_nodes)
                 in_pass = in_pass or gradients.hooks_on_tied()
                 if in_pass and self.call.runner.stage_reduce is None:
-                    with self.gradients.accumulating_in_pass(self.call, self.lock):
+                    with gradients.accumulating_in_pass(self.call, self.lock):
                         return self.call.backward(grads)
-                with self.gradients.accumulating(self.call):
+                with gradients.accumulating(self.call):
                     return self.call.backward(grads)
 
     @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """What a layer can ask of the runtime while it runs: recompute data and the optimizer context;
-and how an error raised in a layer or a step is made to name where it happened (``annotate``).
+how an error raised in a layer or a step is made to name where it happened (``annotate``); and
+how the hooks registered on a parameter run on a gradient the runtime summed (``run_param_hooks``).
 
 ``save_for_recompute`` lets a layer stash values computed in its forward pass (for example
 positions or masks built once) so the recompute in the backward pass reuses them instead of
@@ -153,6 +154,17 @@ def doing_optimizer() -> bool:
     """Whether an :class:`OptimizerCtx` is active on this thread (roundpipe 0.1.1's name for
     :func:`optimizer_context_active`)."""
     return optimizer_context_active()
+
+
+def run_param_hooks(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` after the hooks registered on ``param`` (``param.register_hook``) ran on it, in
+    the order they were registered: what a hook returns replaces it, as in PyTorch's engine."""
+    result = grad
+    for hook in list((param._backward_hooks or {}).values()):
+        returned = hook(result)
+        if returned is not None:
+            result = returned
+    return result
 
 
 def annotate(error: BaseException, where: str) -> BaseException:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from roundpipe._native import _C
-from roundpipe.context import annotate, interrupts_deferred
+from roundpipe.context import annotate, interrupts_deferred, run_param_hooks
 from roundpipe.memory import ModelMemory, clear_arena
 
 if TYPE_CHECKING:
@@ -122,7 +122,6 @@ class GradientState:
         accumulated are rolled back, so the next call trains as if the failed one never ran."""
         self.begin_call()
         call.grads_in_arena = self.dirty
-        call.pass_arena = None
         backup = self.memory.grads.clone() if self.dirty else None
         try:
             yield
@@ -207,12 +206,8 @@ class GradientState:
             for param, total, view in zip(self._params, sums, views, strict=True):
                 if id(param) not in grads.reached:
                     continue
-                result = total
                 try:
-                    for hook in list((param._backward_hooks or {}).values()):
-                        returned = hook(result)
-                        if returned is not None:
-                            result = returned
+                    result = run_param_hooks(param, total)
                 except Exception as error:
                     name = self._param_names.get(id(param), "?")
                     where = f"RoundPipe model '{self.name}': a hook of parameter '{name}'"

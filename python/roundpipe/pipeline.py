@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from roundpipe import context
 from roundpipe._native import _C
-from roundpipe.context import annotate
+from roundpipe.context import annotate, run_param_hooks
 from roundpipe.device import device_at, device_count, devices
 from roundpipe.memory import ModelMemory
 from roundpipe.scheduler import ModelExecutePlan, RunType
@@ -371,16 +371,11 @@ class ResidentStage:
         layout = self.layout
         for j in self.reach.reached():
             i = layout.trained[j]
-            hooks = layout.params[i]._backward_hooks
-            grad = self.views[i].grad
-            if not hooks or grad is None:
+            param, grad = layout.params[i], self.views[i].grad
+            if not param._backward_hooks or grad is None:
                 continue
-            result = grad
             try:
-                for hook in list(hooks.values()):
-                    returned = hook(result)
-                    if returned is not None:
-                        result = returned
+                result = run_param_hooks(param, grad)
             except Exception as error:
                 index, module, name = self._param_name(i)
                 where = (
