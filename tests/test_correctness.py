@@ -814,6 +814,49 @@ def test_recompute_failure_inside_a_stage_names_that_layer(num_devices: int, gra
     assert_same_grads(model.model, reference)
 
 
+class FailOnCall(nn.Linear):
+    """Raises on its ``n``-th call in ``phase`` ("forward" or "recompute")."""
+
+    def __init__(self, n: int, phase: str) -> None:
+        super().__init__(6, 6)
+        self.n, self.phase, self.calls = n, phase, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if roundpipe.doing_recompute() == (self.phase == "recompute"):
+            self.calls += 1
+            if self.calls == self.n:
+                raise KeyError("failing on purpose")
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("phase", ["forward", "recompute"])
+@pytest.mark.parametrize("entry", ["forward_backward", "forward"])
+def test_failure_names_the_microbatch_it_happened_in(
+    num_devices: int, grain: str, phase: str, entry: str
+) -> None:
+    """The stages that run every microbatch in one native call name the one that failed: the
+    layer fails on its second call of the phase, which is microbatch 1, except in the recompute
+    of a forward()'s backward, which runs the microbatches last first (as plain PyTorch's engine
+    does)."""
+    torch.manual_seed(3)
+    net = nn.Sequential(
+        nn.Linear(6, 6), nn.Tanh(), FailOnCall(2, phase), nn.Tanh(), nn.Linear(6, 6)
+    )
+    model = RoundPipe(net, name="mb")
+    forward = [range(0, 1), range(1, 4)] + ([range(4, 5)] if entry == "forward" else [])
+    plan = make_plan(forward, [range(4, 5), range(1, 4), range(0, 1)])
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan, recompute_grain=grain)
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    microbatch = 0 if (phase, entry) == ("recompute", "forward") else 1
+    expected = rf"'mb': layer 2 \(FailOnCall\) failed in {phase} of microbatch {microbatch}"
+    with pytest.raises(KeyError, match=expected):
+        if entry == "forward_backward":
+            model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+        else:
+            mse(model(x, roundpipe_run_config=config), y).backward()
+
+
 class TupleOut(nn.Module):
     """Returns its input as a 1-tuple: the next layer gets a tuple, not a lone tensor."""
 

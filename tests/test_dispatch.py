@@ -463,27 +463,40 @@ def test_layer_loop_keeps_private_copies_of_the_inputs_asked_for() -> None:
             return pair[0] * pair[1]
 
     layers: list[nn.Module] = [nn.Identity(), Doubles(), Pair(), First(), Doubles()]
-    asked: list[tuple[int, int]] = []
+    by_python: dict[tuple[int, int], object] = {}
 
-    def keeper(layer: int, microbatch: int, value: object) -> tuple[object, None]:
-        asked.append((layer, microbatch))
-        return ("kept by Python", None)
+    def keeper(layer: int, microbatch: int, value: object) -> None:
+        by_python[(layer, microbatch)] = value
 
     loop = _C.LayerLoop(layers, 0, False, [], LayerCall({}, False, False), None, "host", 0)
-    x = torch.ones(3)
-    output, kept = loop.run_keeping(1, 5, 7, x, [1, 3, 4], True, keeper)
-    assert torch.equal(output, torch.full((3,), 12.0))  # 2 * (2 + 1) * 2
-    first, third, fourth = kept
-    assert torch.equal(first[0], torch.ones(3)) and first[1] is None  # before layer 1 doubled it
-    assert third == ("kept by Python", None) and asked == [(3, 7)]  # a tuple: Python keeps it
-    assert torch.equal(fourth[0], torch.full((3,), 6.0))
-    assert loop.take_host_times()[0] == [1, 2, 3, 4]
-    # Without copy_tensors every input goes to the keeper.
-    asked.clear()
-    loop.run_keeping(1, 3, 0, torch.ones(3), [1, 2], False, keeper)
-    assert asked == [(1, 0), (2, 0)]
+    kept = _C.KeptInputs(5, 9)
+    x = torch.ones(3, requires_grad=True) * 1  # an activation, not a leaf
+    outputs = loop.run_keeping(1, 5, 7, [x, torch.ones(3)], [1, 3, 4], kept, keeper)
+    assert torch.equal(outputs[0], torch.full((3,), 12.0))  # 2 * (2 + 1) * 2
+    assert torch.equal(outputs[1], torch.full((3,), 12.0))
+    first, fourth = kept.find(1, 7), kept.find(4, 7)
+    assert first is not None and fourth is not None
+    assert torch.equal(first, torch.ones(3))  # before layer 1 doubled it
+    assert first.requires_grad and first.grad_fn is None  # as the input did, without its graph
+    assert torch.equal(fourth, torch.full((3,), 6.0))
+    second = kept.find(1, 8)  # the second microbatch's
+    assert second is not None and not second.requires_grad and second is not first
+    assert kept.find(3, 7) is None and list(by_python) == [(3, 7), (3, 8)]  # tuples: Python's
+    assert kept.find(2, 7) is None and kept.find(1, 6) is None  # not asked for
+    assert kept.covers(4, 5, [7, 8], True) and not kept.covers(3, 5, [7], True)
+    assert kept.covers(1, 3, [7, 8], False) and not kept.covers(1, 3, [7, 6], False)
+    assert not kept.covers(1, 3, [7], True)
+    assert loop.take_host_times()[0] == [1, 2, 3, 4] * 2
+    # Without a store every input goes to the keeper.
+    by_python.clear()
+    loop.run_keeping(1, 3, 0, [torch.ones(3)], [1, 2], None, keeper)
+    assert list(by_python) == [(1, 0), (2, 0)]
     with pytest.raises(RuntimeError, match="ascending order"):
-        loop.run_keeping(1, 3, 0, torch.ones(3), [2, 1], True, keeper)
+        loop.run_keeping(1, 3, 0, [torch.ones(3)], [2, 1], kept, keeper)
+    with pytest.raises(RuntimeError, match="ascending order"):
+        loop.run_keeping(1, 3, 0, [torch.ones(3)], [3], kept, keeper)  # not a layer it runs
+    with pytest.raises(IndexError):
+        loop.run_keeping(1, 3, 9, [torch.ones(3)], [1], kept, keeper)  # no microbatch 9
 
 
 class _Doubles(nn.Module):
@@ -491,13 +504,21 @@ class _Doubles(nn.Module):
         return x.mul_(2)  # in place, on its input
 
 
+@pytest.mark.parametrize("natively", [False, True], ids=["given", "kept"])
 @pytest.mark.parametrize("per_layer", [False, True], ids=["stage", "layer"])
 @pytest.mark.parametrize("reused", [False, True], ids=["once", "reused"])
-def test_layer_loop_recompute_backward_matches_autograd(per_layer: bool, reused: bool) -> None:
+def test_layer_loop_recompute_backward_matches_autograd(
+    per_layer: bool, reused: bool, natively: bool
+) -> None:
     """Recompute + backward of layers 1-4 (two of them change their input in place) from saved
-    inputs: the gradients are plain autograd's to the bit, the timings name the layers, and the
-    saved inputs stay as they were when a later recompute may start from them again."""
+    inputs, given or kept natively by the forward loop: the gradients are plain autograd's to the
+    bit, the timings name the layers, and the saved inputs stay as they were when a later
+    recompute may start from them again."""
     from roundpipe.context import LayerCall
+    from roundpipe.pipeline import _cut_graphs
+
+    def unused(*_: object) -> None:  # keeper and fallback: every value here is a lone tensor
+        raise AssertionError("not a lone tensor")
 
     torch.manual_seed(0)
     layers: list[nn.Module] = [nn.Identity(), _Doubles(), nn.Linear(8, 8), _Doubles(), nn.Tanh()]
@@ -515,17 +536,32 @@ def test_layer_loop_recompute_backward_matches_autograd(per_layer: bool, reused:
 
     # The inputs a forward pass keeps: each layer's (layer grain) or the first one's, requiring
     # grad as they did in the forward (the recompute's inputs then do too).
-    with torch.no_grad():
-        kept, h = [], x.clone()
-        for layer in layers[1:]:
-            kept.append(h.clone().requires_grad_(True))
-            h = layer(h)
+    store = _C.KeptInputs(5, 1)
+    if natively:  # by the forward's layer loop, as a forward stage keeps them
+        forward = _C.LayerLoop(
+            layers, 0, False, [], LayerCall({}, False, True), None, "off", 0, cut=_cut_graphs
+        )
+        with torch.enable_grad():
+            forward.run_keeping(
+                1, 5, 0, [x.clone().requires_grad_(True) * 1], [1, 2, 3, 4], store, unused
+            )
+        kept = [store.find(layer, 0) for layer in range(1, 5)]
+        assert all(t is not None and t.requires_grad for t in kept)
+    else:
+        with torch.no_grad():
+            kept, h = [], x.clone()
+            for layer in layers[1:]:
+                kept.append(h.clone().requires_grad_(True))
+                h = layer(h)
     inputs = kept if per_layer else kept[:1]
     before = [t.clone() for t in inputs]
     loop = _C.LayerLoop(layers, 0, False, [], LayerCall({}, True, True), None, "host", 0)
-    got = loop.recompute_backward(
-        1, 5, 0, inputs, inputs if reused else [], grad, per_layer, lambda *_: None
-    )
+    if natively:
+        [got] = loop.recompute_backward_kept(1, 5, [0], store, reused, [grad], per_layer, unused)
+    else:
+        got = loop.recompute_backward(
+            1, 5, 0, inputs, inputs if reused else [], grad, per_layer, unused
+        )
     assert got is not None and torch.equal(got, expected_input)
     assert torch.equal(layers[2].weight.grad, expected_weight)  # type: ignore[union-attr,arg-type]
     # Layers 1 and 3 double their inputs in place: the saved ones only when not copied first.

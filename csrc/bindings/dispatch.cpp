@@ -497,6 +497,55 @@ class RngStates {
   std::size_t kept_ = 0;
 };
 
+// The layer inputs one call's forward stages keep for the recompute of its backward stages, where
+// each is a lone tensor on a virtual CPU device (roundpipe.pipeline.Call keeps the others): a
+// private copy per (layer, microbatch), held here rather than as a Python tensor in a dict. With
+// layer grain that is one input per layer x microbatch living from the forward to the backward:
+// as Python objects they outlived the young generations of the garbage collector, whose full
+// collections then walked every object of the process (about 0.1x of plain PyTorch's forward +
+// backward at width 8, benchmarks/overhead_cpu.py).
+class KeptInputs {
+ public:
+  KeptInputs(std::int64_t layers, std::int64_t microbatches)
+      : microbatches_(microbatches),
+        inputs_(static_cast<std::size_t>(std::max<std::int64_t>(layers, 0) *
+                                         std::max<std::int64_t>(microbatches, 0))) {
+    TORCH_CHECK(layers >= 0 && microbatches >= 0, "KeptInputs: layers (", layers,
+                ") and microbatches (", microbatches, ") must be >= 0");
+  }
+
+  void keep(std::int64_t layer, std::int64_t microbatch, at::Tensor input) {
+    inputs_.at(index(layer, microbatch)) = std::move(input);
+  }
+  // The input kept for (layer, microbatch); undefined when none is.
+  const at::Tensor& find(std::int64_t layer, std::int64_t microbatch) const {
+    static const at::Tensor none;
+    const auto i = index(layer, microbatch);
+    return i < inputs_.size() ? inputs_[i] : none;
+  }
+  // Whether, for each of `microbatches`, the inputs of the segments of layers [first, stop) are
+  // kept: layer first's, or with `per_layer` each layer's.
+  bool covers(std::int64_t first, std::int64_t stop, const std::vector<std::int64_t>& microbatches,
+              bool per_layer) const {
+    const std::int64_t last = per_layer ? stop : std::min(first + 1, stop);
+    for (const std::int64_t microbatch : microbatches) {
+      for (std::int64_t layer = first; layer < last; ++layer) {
+        if (!find(layer, microbatch).defined()) return false;
+      }
+    }
+    return first < stop;
+  }
+
+ private:
+  std::size_t index(std::int64_t layer, std::int64_t microbatch) const {
+    if (layer < 0 || microbatch < 0 || microbatch >= microbatches_) return inputs_.size();
+    return static_cast<std::size_t>(layer * microbatches_ + microbatch);
+  }
+
+  std::int64_t microbatches_;
+  std::vector<at::Tensor> inputs_;
+};
+
 // The layer calls of one stage of one pipelined call (roundpipe.pipeline._LayerCalls): for each
 // layer of a run, reseed the generators, point the recompute context at the layer, call the module
 // (inside its NVTX range, when ranges are marked) and time it. What is the same for every layer x
@@ -540,34 +589,47 @@ class LayerLoop {
     return value;
   }
 
-  // run, keeping the input of each layer in `keep` (ascending, within (first, stop)) for the
-  // backward pass: with `copy_tensors` a lone tensor is kept as (a private detached copy, None),
-  // anything else as what keeper(layer, microbatch, input) returns. Returns (output, kept).
-  py::tuple run_keeping(std::int64_t first, std::int64_t stop, std::int64_t microbatch,
-                        py::object value, const std::vector<std::int64_t>& keep, bool copy_tensors,
-                        const py::object& keeper) {
+  // run over microbatches first_microbatch, first_microbatch + 1, ... (values[i] the input of
+  // the i-th), keeping the input of each layer in `keep` (ascending, within [first, stop)) for
+  // the backward pass: with `kept` given a lone tensor is kept there (a private detached copy,
+  // requiring grad as the input did), anything else by keeper(layer, microbatch, input). Returns
+  // the outputs. The context's `layer` and `microbatch` name the layer that raised, if one did.
+  py::list run_keeping(std::int64_t first, std::int64_t stop, std::int64_t first_microbatch,
+                       const py::list& values, const std::vector<std::int64_t>& keep,
+                       const std::shared_ptr<KeptInputs>& kept, const py::object& keeper) {
     check_layers("run_keeping", first, stop);
-    const py::int_ mb(microbatch);
-    py::list kept;
-    auto next = keep.begin();
-    for (std::int64_t layer = first; layer < stop; ++layer) {
-      if (next != keep.end() && *next == layer) {
-        if (copy_tensors && THPVariable_Check(value.ptr())) {
-          // Requiring grad as the input did: the recompute's input then does too.
-          const at::Tensor& input = THPVariable_Unpack(value.ptr());
-          at::Tensor copy = plain_copy(input);
-          if (input.requires_grad()) copy.set_requires_grad(true);
-          kept.append(py::make_tuple(std::move(copy), py::none()));
-        } else {
-          kept.append(keeper(layer, mb, value));
-        }
-        ++next;
-      }
-      value = step(layer, microbatch, mb, value);
+    for (std::size_t i = 0; i < keep.size(); ++i) {
+      TORCH_CHECK(first <= keep[i] && keep[i] < stop && (i == 0 || keep[i - 1] < keep[i]),
+                  "LayerLoop.run_keeping: keep must list layers of [", first, ", ", stop,
+                  ") in ascending order");
     }
-    TORCH_CHECK(next == keep.end(), "LayerLoop.run_keeping: keep must list layers of [", first + 1,
-                ", ", stop, ") in ascending order");
-    return py::make_tuple(value, kept);
+    py::list outputs;
+    std::int64_t microbatch = first_microbatch;
+    for (const py::handle input : values) {
+      const py::int_ mb(microbatch);
+      py::object value = py::reinterpret_borrow<py::object>(input);
+      auto next = keep.begin();
+      for (std::int64_t layer = first; layer < stop; ++layer) {
+        const bool keeping = next != keep.end() && *next == layer;
+        if (keeping) {
+          point(layer, mb);
+          if (kept && THPVariable_Check(value.ptr())) {
+            // Requiring grad as the input did: the recompute's input then does too.
+            const at::Tensor& tensor = THPVariable_Unpack(value.ptr());
+            at::Tensor copy = plain_copy(tensor);
+            if (tensor.requires_grad()) copy.set_requires_grad(true);
+            kept->keep(layer, microbatch, std::move(copy));
+          } else {
+            keeper(layer, mb, value);
+          }
+          ++next;
+        }
+        value = step(layer, microbatch, mb, value, /*pointed=*/keeping);
+      }
+      outputs.append(std::move(value));
+      ++microbatch;
+    }
+    return outputs;
   }
 
   // Recompute + backward, in grad mode, of layers [first, stop) (first > 0) for `microbatch`, from
@@ -585,29 +647,18 @@ class LayerLoop {
                                 const std::vector<at::Tensor>& saved,
                                 std::optional<at::Tensor> grad, bool per_layer,
                                 const py::object& fallback) {
-    const auto size = static_cast<std::int64_t>(modules_.size());
-    TORCH_CHECK(0 < first && first < stop && stop <= size, "LayerLoop.recompute_backward: layers [",
-                first, ", ", stop, ") are not within layers 1 to ", size - 1);
+    check_recompute("recompute_backward", first, stop);
     const std::size_t segments = per_layer ? static_cast<std::size_t>(stop - first) : 1;
     TORCH_CHECK(inputs.size() == segments && (saved.empty() || saved.size() == segments),
                 "LayerLoop.recompute_backward: got ", inputs.size(), " inputs and ", saved.size(),
                 " saved values for ", segments, " segments");
-    const py::int_ mb(microbatch);
     // Entered once: between the segments the context is only marked not running (LayerCall).
     call_python(enter_);
     try {
-      for (std::int64_t end = stop; end > first;) {
-        const std::int64_t begin = per_layer ? end - 1 : first;
-        const auto index = static_cast<std::size_t>(begin - first);
-        grad = segment(begin, end, microbatch, mb, inputs[index],
-                       saved.empty() ? nullptr : &saved[index], grad, fallback);
-        end = begin;
-      }
+      grad = recompute_segments(first, stop, microbatch, inputs, saved, std::move(grad), per_layer,
+                                fallback);
     } catch (...) {
-      // The engine may rethrow with the Python error still set: keep it aside meanwhile.
-      const py::error_scope pending;
-      set_running(true);
-      leave_context();
+      leave_after_failure();
       throw;
     }
     leave_context();
@@ -615,10 +666,50 @@ class LayerLoop {
     return py::cast(*grad);
   }
 
-  // The phase ("recompute" or "backward") and layers [first, stop) of the segment
-  // recompute_backward was in when it last raised.
-  std::tuple<std::string, std::int64_t, std::int64_t> failure() const {
-    return {failure_.phase, failure_.first, failure_.stop};
+  // recompute_backward for each of `microbatches` in turn (grads[i] the gradient of the last
+  // output of the i-th), from the inputs `kept` holds (see KeptInputs::covers), which stay as
+  // they are when `retained` (a later recompute may start from them again: each is copied
+  // first). Returns the input gradients, in the same order.
+  py::list recompute_backward_kept(std::int64_t first, std::int64_t stop,
+                                   const std::vector<std::int64_t>& microbatches,
+                                   const KeptInputs& kept, bool retained,
+                                   const std::vector<std::optional<at::Tensor>>& grads,
+                                   bool per_layer, const py::object& fallback) {
+    check_recompute("recompute_backward_kept", first, stop);
+    TORCH_CHECK(grads.size() == microbatches.size(), "LayerLoop.recompute_backward_kept: got ",
+                grads.size(), " gradients for ", microbatches.size(), " microbatches");
+    TORCH_CHECK(kept.covers(first, stop, microbatches, per_layer),
+                "LayerLoop.recompute_backward_kept: the inputs of layers [", first, ", ", stop,
+                ") are not kept for every microbatch asked for");
+    py::list results;
+    call_python(enter_);
+    try {
+      std::vector<at::Tensor> inputs;
+      for (std::size_t i = 0; i < microbatches.size(); ++i) {
+        inputs.clear();
+        for (std::int64_t layer = first; layer < (per_layer ? stop : first + 1); ++layer)
+          inputs.push_back(kept.find(layer, microbatches[i]));
+        const std::optional<at::Tensor> grad = recompute_segments(
+            first, stop, microbatches[i], inputs, retained ? inputs : std::vector<at::Tensor>{},
+            grads[i], per_layer, fallback);
+        if (grad.has_value() && grad->defined()) {
+          results.append(py::cast(*grad));
+        } else {
+          results.append(py::none());
+        }
+      }
+    } catch (...) {
+      leave_after_failure();
+      throw;
+    }
+    leave_context();
+    return results;
+  }
+
+  // The phase ("recompute" or "backward"), layers [first, stop) and microbatch of the segment
+  // recompute_backward (or recompute_backward_kept) was in when it last raised.
+  std::tuple<std::string, std::int64_t, std::int64_t, std::int64_t> failure() const {
+    return {failure_.phase, failure_.first, failure_.stop, failure_.microbatch};
   }
 
   // The backward times recompute_backward took since the last call on the host clock, each
@@ -647,6 +738,39 @@ class LayerLoop {
     const auto size = static_cast<std::int64_t>(modules_.size());
     TORCH_CHECK(0 <= first && first <= stop && stop <= size, "LayerLoop.", method, ": layers [",
                 first, ", ", stop, ") are not within the ", size, " layers");
+  }
+
+  // Recompute starts from a kept input: never layer 0, which takes the call's (args, kwargs).
+  void check_recompute(const char* method, std::int64_t first, std::int64_t stop) const {
+    const auto size = static_cast<std::int64_t>(modules_.size());
+    TORCH_CHECK(0 < first && first < stop && stop <= size, "LayerLoop.", method, ": layers [",
+                first, ", ", stop, ") are not within layers 1 to ", size - 1);
+  }
+
+  // The segments of recompute_backward for one microbatch, last first, with the context entered;
+  // returns the gradient of layer first's input.
+  std::optional<at::Tensor> recompute_segments(std::int64_t first, std::int64_t stop,
+                                               std::int64_t microbatch,
+                                               const std::vector<at::Tensor>& inputs,
+                                               const std::vector<at::Tensor>& saved,
+                                               std::optional<at::Tensor> grad, bool per_layer,
+                                               const py::object& fallback) {
+    const py::int_ mb(microbatch);
+    for (std::int64_t end = stop; end > first;) {
+      const std::int64_t begin = per_layer ? end - 1 : first;
+      const auto index = static_cast<std::size_t>(begin - first);
+      grad = segment(begin, end, microbatch, mb, inputs[index],
+                     saved.empty() ? nullptr : &saved[index], grad, fallback);
+      end = begin;
+    }
+    return grad;
+  }
+
+  void leave_after_failure() {
+    // The engine may rethrow with the Python error still set: keep it aside meanwhile.
+    const py::error_scope pending;
+    set_running(true);
+    leave_context();
   }
 
   // Seeds `generator` with `seed` for (layer, microbatch). A CPU generator replaying a forward
@@ -689,7 +813,7 @@ class LayerLoop {
       input_grad = make_node<InputGrad>();
       torch::autograd::create_gradient_edge(input, input_grad);
     }
-    failure_ = {"recompute", begin, end};
+    failure_ = {"recompute", begin, end, microbatch};
     py::object output = py::cast(input);
     {
       at::AutoGradMode grad_mode(true);
@@ -697,7 +821,7 @@ class LayerLoop {
         output = step(layer, microbatch, mb, output);
       }
     }
-    failure_ = {"backward", begin, end};
+    failure_ = {"backward", begin, end, microbatch};
     const bool has_grad = grad.has_value() && grad->defined();
     const auto start = std::chrono::steady_clock::now();
     std::shared_ptr<TimingMark> start_mark;
@@ -748,12 +872,12 @@ class LayerLoop {
   }
 
   // One layer: reseed the generators, point the context at the layer, call it.
+  // (`pointed`: the context already points at the layer.)
   py::object step(std::int64_t layer, std::int64_t microbatch, const py::int_& mb,
-                  const py::object& value) {
+                  const py::object& value, bool pointed = false) {
     const std::uint64_t seed = layer_seed(call_seed_, layer, microbatch, fresh_);
     for (at::Generator& generator : generators_) reseed(generator, seed, layer, microbatch);
-    context_.attr(layer_key_) = py::int_(layer);
-    context_.attr(microbatch_key_) = mb;
+    if (!pointed) point(layer, mb);
     context_.attr(saved_key_) = py::bool_(false);
     py::object output = call(layer, mb, value);
     if (cut_.is_none()) return output;
@@ -762,6 +886,12 @@ class LayerLoop {
       return tensor.requires_grad() ? py::cast(graph_cut(tensor)) : output;
     }
     return call_python(cut_, output);
+  }
+
+  // Points the context at (layer, microbatch): what a failure from here on names.
+  void point(std::int64_t layer, const py::int_& mb) {
+    context_.attr(layer_key_) = py::int_(layer);
+    context_.attr(microbatch_key_) = mb;
   }
 
   py::object call(std::int64_t layer, const py::int_& mb, const py::object& value) {
@@ -821,6 +951,7 @@ class LayerLoop {
     const char* phase = "";
     std::int64_t first = 0;
     std::int64_t stop = 0;
+    std::int64_t microbatch = 0;
   } failure_;
   HostTimes backward_host_;
   std::vector<std::tuple<std::int64_t, std::int64_t, std::shared_ptr<TimingMark>,
@@ -844,6 +975,25 @@ void bind_dispatch(py::module_& m) {
       "recompute (at most 4096).")
       .def(py::init<std::int64_t, std::int64_t>(), py::arg("layers"), py::arg("microbatches"))
       .def_property_readonly("kept", &RngStates::kept, "How many states are kept.");
+  py::class_<KeptInputs, std::shared_ptr<KeptInputs>>(
+      m, "KeptInputs",
+      "The lone-tensor layer inputs a call's forward stages keep for its recompute, per (layer, "
+      "microbatch).")
+      .def(py::init<std::int64_t, std::int64_t>(), py::arg("layers"), py::arg("microbatches"))
+      .def(
+          "find",
+          [](const KeptInputs& kept, std::int64_t layer,
+             std::int64_t microbatch) -> std::optional<at::Tensor> {
+            const at::Tensor& input = kept.find(layer, microbatch);
+            if (!input.defined()) return std::nullopt;
+            return input;
+          },
+          py::arg("layer"), py::arg("microbatch"),
+          "The input kept for (layer, microbatch), or None.")
+      .def("covers", &KeptInputs::covers, py::arg("first"), py::arg("stop"),
+           py::arg("microbatches"), py::arg("per_layer"),
+           "Whether the inputs of layers [first, stop)'s segments (the first layer's, or with "
+           "per_layer each layer's) are kept for each of `microbatches`.");
   py::class_<GradReach>(m, "GradReach",
                         "Flags which of `tensors` (leaves) an AccumulateGrad node ran for.")
       .def(py::init<const std::vector<at::Tensor>&>(), py::arg("tensors"))
@@ -861,18 +1011,25 @@ void bind_dispatch(py::module_& m) {
       .def("run", &LayerLoop::run, py::arg("first"), py::arg("stop"), py::arg("microbatch"),
            py::arg("value"), "Runs layers [first, stop) on value; returns the last output.")
       .def("run_keeping", &LayerLoop::run_keeping, py::arg("first"), py::arg("stop"),
-           py::arg("microbatch"), py::arg("value"), py::arg("keep"), py::arg("copy_tensors"),
+           py::arg("first_microbatch"), py::arg("values"), py::arg("keep"), py::arg("kept"),
            py::arg("keeper"),
-           "run, keeping the inputs of the layers in keep for backward; returns (output, kept).")
+           "run over consecutive microbatches, keeping the inputs of the layers in keep for "
+           "backward (lone tensors in `kept`, if given; the others by keeper(layer, microbatch, "
+           "input)); returns the outputs.")
       .def("recompute_backward", &LayerLoop::recompute_backward, py::arg("first"), py::arg("stop"),
            py::arg("microbatch"), py::arg("inputs"), py::arg("saved"), py::arg("grad"),
            py::arg("per_layer"), py::arg("fallback"),
            "Recompute + backward of layers [first, stop) from their saved inputs (`saved`: what "
            "they were uploaded from, when a later recompute may start from it again, else []); "
            "returns the gradient of the first layer's input or None.")
+      .def("recompute_backward_kept", &LayerLoop::recompute_backward_kept, py::arg("first"),
+           py::arg("stop"), py::arg("microbatches"), py::arg("kept"), py::arg("retained"),
+           py::arg("grads"), py::arg("per_layer"), py::arg("fallback"),
+           "recompute_backward for each of `microbatches` from the inputs `kept` holds (copied "
+           "first when `retained`); returns the input gradients.")
       .def_property_readonly("failure", &LayerLoop::failure,
-                             "(phase, first, stop) of the segment recompute_backward last "
-                             "raised in.")
+                             "(phase, first, stop, microbatch) of the segment "
+                             "recompute_backward last raised in.")
       .def("take_backward_host_times", &LayerLoop::take_backward_host_times,
            "(layers, seconds) of the backwards since the last call, each split evenly over its "
            "layers.")

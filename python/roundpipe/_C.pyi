@@ -200,6 +200,15 @@ class RngStates:
     @property
     def kept(self) -> int: ...
 
+# The lone-tensor layer inputs a call's forward stages keep for its recompute, per (layer,
+# microbatch), held natively (no Python object per input).
+class KeptInputs:
+    def __init__(self, layers: int, microbatches: int) -> None: ...
+    def find(self, layer: int, microbatch: int) -> Tensor | None: ...
+    def covers(
+        self, first: int, stop: int, microbatches: Sequence[int], per_layer: bool
+    ) -> bool: ...
+
 # The layer calls of one stage: per layer, reseed `generators` with layer_seed(call_seed, layer,
 # microbatch, fresh), point `context` (roundpipe.context.LayerCall) at the layer, enter
 # mark(layer, microbatch) if given (NVTX), call the module and time it (timing: off | host |
@@ -224,12 +233,12 @@ class LayerLoop:
         self,
         first: int,
         stop: int,
-        microbatch: int,
-        value: object,
+        first_microbatch: int,
+        values: list[Any],
         keep: list[int],
-        copy_tensors: bool,
-        keeper: Callable[[int, int, Any], tuple[Any, Any]],
-    ) -> tuple[Any, list[tuple[Any, Any]]]: ...
+        kept: KeptInputs | None,
+        keeper: Callable[[int, int, Any], None],
+    ) -> list[Any]: ...
     def recompute_backward(
         self,
         first: int,
@@ -241,8 +250,19 @@ class LayerLoop:
         per_layer: bool,
         fallback: Callable[[Any, list[Tensor | None]], None],
     ) -> Tensor | None: ...
+    def recompute_backward_kept(
+        self,
+        first: int,
+        stop: int,
+        microbatches: Sequence[int],
+        kept: KeptInputs,
+        retained: bool,
+        grads: Sequence[Tensor | None],
+        per_layer: bool,
+        fallback: Callable[[Any, list[Tensor | None]], None],
+    ) -> list[Tensor | None]: ...
     @property
-    def failure(self) -> tuple[str, int, int]: ...
+    def failure(self) -> tuple[str, int, int, int]: ...
     def take_backward_host_times(self) -> tuple[list[int], list[float]]: ...
     def take_backward_device_times(self) -> list[tuple[int, int, TimingMark, TimingMark]]: ...
     def take_host_times(self) -> tuple[list[int], list[float]]: ...

@@ -726,8 +726,11 @@ class Call:
     preserve_rng_state: bool
     saving: bool = field(init=False)  # keep what backward stages need (grads on)
     backward_starts: set[int] = field(default_factory=set)
-    # (inputs, event of their copy to the host or None) per (first layer, microbatch).
+    # (inputs, event of their copy to the host or None) per (first layer, microbatch), for those
+    # not in kept_inputs.
     saved_inputs: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
+    # The inputs kept natively: lone tensors on virtual CPU devices (see _C.KeptInputs).
+    kept_inputs: Any = field(init=False, default=None)
     # Every random draw of layer l for microbatch m comes from a generator seeded with
     # (rng_seed, l, m): the same whatever the plan, stage boundaries, device or device count.
     rng_seed: int = field(default_factory=lambda: _draw_call_seed())
@@ -767,6 +770,8 @@ class Call:
 
     def __post_init__(self) -> None:
         self.saving = self.run_type != "infer"
+        if self.saving:
+            self.kept_inputs = _C.KeptInputs(len(self.runner.layers), self.num_microbatch)
         if self.saving and self.preserve_rng_state:
             self.rng_states = _C.RngStates(len(self.runner.layers), self.num_microbatch)
         if self.run_type == "train":
@@ -941,33 +946,38 @@ class Call:
             [i for i in stage.layers if i > 0 and i in self.backward_starts] if self.saving else []
         )
         # Lone tensors are kept natively (a private copy) where keeping needs nothing more: on
-        # virtual CPU devices, with no timeline or NVTX ranges to record.
-        copy_tensors = not self.on_cuda and trace is None and not self.nvtx
+        # virtual CPU devices, with no timeline or NVTX ranges to record. There one native call
+        # runs every microbatch (activations need no move), past layer 0: its inputs, the call's
+        # own, are kept right before each microbatch runs (a layer may change a tensor that
+        # several microbatches share).
+        native = not self.on_cuda and trace is None and not self.nvtx
+        store = self.kept_inputs if native else None
         keeper = functools.partial(self._keep_input, stage)
         with stage.bound(keep_buffer_updates=True, recomputed=self.saving), grad_mode:
+            if native and stage.layers.start > 0:
+                return run.keeping(stage.layers, 0, activations, kept, store, keeper)
             for m, value in enumerate(activations):
                 start = trace.mark() if trace is not None else None
-                if stage.layers.start == 0:
-                    moved = self._model_input(m, value, stage.device_index)
-                    if self.saving and 0 in self.backward_starts:
-                        # The user's own inputs, requires_grad flags included (chained models).
-                        self.saved_inputs[(0, m)] = (_unshared(value, moved), None)
-                    value = moved
-                else:
-                    with self._mark("activation", stage.layers[:1], m):
-                        value = to_device(value, stage.device_index)
-                value, inputs = run.keeping(stage.layers, m, value, kept, copy_tensors, keeper)
-                for layer, saved in zip(kept, inputs, strict=True):
-                    self.saved_inputs[(layer, m)] = saved
-                outputs.append(value)
+                value = self._stage_input(stage, m, value)
+                outputs.append(run.keeping(stage.layers, m, [value], kept, store, keeper)[0])
                 if trace is not None:
                     trace.span("forward", start, m)
         return outputs
 
-    def _keep_input(
-        self, stage: ResidentStage, layer: int, microbatch: int, value: Any
-    ) -> tuple[Any, Any]:
-        """The input of ``layer`` kept for the backward pass: in host memory, private (whatever
+    def _stage_input(self, stage: ResidentStage, microbatch: int, value: Any) -> Any:
+        """The input of a forward stage for ``microbatch`` on its device; the call's own, for
+        layer 0, is kept for the backward pass as it came in (``requires_grad`` flags included:
+        chained models)."""
+        if stage.layers.start == 0:
+            moved = self._model_input(microbatch, value, stage.device_index)
+            if self.saving and 0 in self.backward_starts:
+                self.saved_inputs[(0, microbatch)] = (_unshared(value, moved), None)
+            return moved
+        with self._mark("activation", stage.layers[:1], microbatch):
+            return to_device(value, stage.device_index)
+
+    def _keep_input(self, stage: ResidentStage, layer: int, microbatch: int, value: Any) -> None:
+        """Keep the input of ``layer`` for the backward pass: in host memory, private (whatever
         the layer does to its input), with the event of its copy (None: already there)."""
         with self._mark("activation", range(layer, layer + 1), microbatch):
             host, event = to_host(value, stage.device_index)
@@ -982,7 +992,14 @@ class Call:
             self.pending.append(event)
             if stage.trace is not None:
                 stage.trace.transfer("activation", "activation", event, microbatch)
-        return saved, event
+        self.saved_inputs[(layer, microbatch)] = (saved, event)
+
+    def _saved_input(self, layer: int, microbatch: int) -> tuple[Any, Any]:
+        """The input kept for ``layer``'s recompute and the event of its copy to the host."""
+        saved = self.saved_inputs.get((layer, microbatch))
+        if saved is None:
+            return self.kept_inputs.find(layer, microbatch), None
+        return saved
 
     def fused_stage(
         self, stage: ResidentStage, activations: list[Any], loss_spec: LossSpec
@@ -1042,25 +1059,37 @@ class Call:
         if self.run_type == "train":
             order = order[::-1]
         with stage.bound(keep_buffer_updates=False, recomputed=True):
-            new_grads: list[Any] = [None] * len(grads)
-            for m in order:
-                grad = grads[m]
-                python = stage.layers
-                native_grad = self._recompute_backward_natively(stage, native, m, grad, run)
-                if native_grad is not None:
-                    grad = native_grad
-                    python = range(stage.layers.start, native.start)
-                if python and per_layer:
-                    for layer in reversed(python):
-                        grad = self._recompute_backward(
-                            stage, range(layer, layer + 1), m, grad, run
-                        )
-                elif python:
-                    grad = self._recompute_backward(stage, python, m, grad, run)
-                new_grads[m] = grad
+            new_grads = None
+            if native == stage.layers:  # the whole stage natively, for every microbatch at once
+                new_grads = self._recompute_backward_kept(stage, order, grads, run)
+            if new_grads is None:
+                new_grads = [None] * len(grads)
+                for m in order:
+                    new_grads[m] = self._recompute_backward_microbatch(
+                        stage, native, m, grads[m], run
+                    )
         if self.keep_param_grads:
             self.pending.extend(self._download_grads(stage))
         return new_grads
+
+    def _recompute_backward_microbatch(
+        self, stage: ResidentStage, native: range, microbatch: int, grad: Any, run: _LayerCalls
+    ) -> Any:
+        """Recompute + backward of the stage for one microbatch: ``native`` layers natively if
+        their inputs allow it, the others in Python; returns the input gradients."""
+        python = stage.layers
+        native_grad = self._recompute_backward_natively(stage, native, microbatch, grad, run)
+        if native_grad is not None:
+            grad = native_grad
+            python = range(stage.layers.start, native.start)
+        if python and self.recompute_grain == "layer":
+            for layer in reversed(python):
+                grad = self._recompute_backward(
+                    stage, range(layer, layer + 1), microbatch, grad, run
+                )
+        elif python:
+            grad = self._recompute_backward(stage, python, microbatch, grad, run)
+        return grad
 
     def _download_grads(self, stage: ResidentStage) -> list[Any]:
         """The stage's gradients into the host arena. With stage reduces they are first summed
@@ -1098,7 +1127,7 @@ class Call:
     ) -> Any:
         trace = stage.trace
         mark = trace.mark() if trace is not None else None
-        saved, landed = self.saved_inputs[(layers.start, microbatch)]
+        saved, landed = self._saved_input(layers.start, microbatch)
         inputs = self._differentiable_input(
             layers.start, microbatch, saved, stage.device_index, landed
         )
@@ -1134,8 +1163,11 @@ class Call:
         per_layer = self.recompute_grain == "layer"
         if not layers or len(grad) != 1:
             return None
+        # A second backward through a retained graph recomputes from the saved inputs again; the
+        # backward of forward_backward is the only one.
+        retained = self.run_type != "fused"
         starts = layers if per_layer else layers[:1]
-        saved = [self.saved_inputs[(layer, microbatch)] for layer in starts]
+        saved = [self._saved_input(layer, microbatch) for layer in starts]
         values = [value for value, _ in saved]
         if not all(type(value) is torch.Tensor for value in values):
             return None
@@ -1143,28 +1175,54 @@ class Call:
         if self.on_cuda:
             device = stage.device_index
             inputs = [to_device(value, device, landed) for value, landed in saved]
-        # A second backward through a retained graph recomputes from the saved inputs again; the
-        # backward of forward_backward is the only one.
-        reused = values if self.run_type != "fused" else []
+        reused = values if retained else []
         try:
             result = run.loop.recompute_backward(
+                layers.start, layers.stop, microbatch, inputs, reused, grad[0], per_layer, _backward
+            )
+        except Exception as error:
+            raise self._recompute_failed(error, run) from error
+        return [result]
+
+    def _recompute_backward_kept(
+        self, stage: ResidentStage, order: Sequence[int], grads: list[Any], run: _LayerCalls
+    ) -> list[Any] | None:
+        """:meth:`_recompute_backward_natively` of the whole stage for every microbatch, in
+        ``order``, in one native call (``_C.LayerLoop.recompute_backward_kept``), when the forward
+        kept every input recomputed from natively and every output gradient is a lone tensor;
+        returns the input gradients per microbatch. None otherwise."""
+        layers, per_layer = stage.layers, self.recompute_grain == "layer"
+        kept = self.kept_inputs
+        order = list(order)
+        if any(len(grads[m]) != 1 for m in order) or not kept.covers(
+            layers.start, layers.stop, order, per_layer
+        ):
+            return None
+        try:
+            results = run.loop.recompute_backward_kept(
                 layers.start,
                 layers.stop,
-                microbatch,
-                inputs,
-                reused,
-                grad[0],
+                order,
+                kept,
+                self.run_type != "fused",  # retained: see _recompute_backward_natively
+                [grads[m][0] for m in order],
                 per_layer,
                 _backward,
             )
         except Exception as error:
-            phase, first, stop = run.loop.failure
-            if phase == "recompute":
-                where = self._where(run.context.layer, "recompute", microbatch)
-            else:
-                where = self._where(range(first, stop), "backward", microbatch)
-            raise annotate(error, where) from error
-        return [result]
+            raise self._recompute_failed(error, run) from error
+        new_grads: list[Any] = [None] * len(grads)
+        for m, result in zip(order, results, strict=True):
+            new_grads[m] = [result]
+        return new_grads
+
+    def _recompute_failed(self, error: Exception, run: _LayerCalls) -> BaseException:
+        """``error`` of a native recompute + backward, annotated with the layer (recompute) or
+        the segment's layers (backward) and the microbatch it failed in."""
+        phase, first, stop, microbatch = run.loop.failure
+        if phase == "recompute":
+            return annotate(error, self._where(run.context.layer, "recompute", microbatch))
+        return annotate(error, self._where(range(first, stop), "backward", microbatch))
 
     def _differentiable_input(
         self, layer: int, microbatch: int, value: Any, device_index: int, landed: Any = None
@@ -1307,23 +1365,25 @@ class _LayerCalls:
     def keeping(
         self,
         layers: range,
-        microbatch: int,
-        value: Any,
+        first_microbatch: int,
+        values: list[Any],
         kept: list[int],
-        copy_tensors: bool,
-        keeper: Callable[[int, int, Any], tuple[Any, Any]],
-    ) -> tuple[Any, list[tuple[Any, Any]]]:
-        """Run ``layers`` on ``microbatch``, keeping the inputs of the layers in ``kept`` for
-        the backward pass (see ``_C.LayerLoop.run_keeping``); returns the output and those."""
+        kept_natively: Any,
+        keeper: Callable[[int, int, Any], None],
+    ) -> list[Any]:
+        """Run ``layers`` on consecutive microbatches from ``first_microbatch`` (one value each),
+        keeping the inputs of the layers in ``kept`` for the backward pass (see
+        ``_C.LayerLoop.run_keeping``: lone tensors in ``kept_natively`` if given, the others by
+        ``keeper``); returns the outputs."""
         try:
             with self.context:
-                output, inputs = self.loop.run_keeping(
-                    layers.start, layers.stop, microbatch, value, kept, copy_tensors, keeper
+                return self.loop.run_keeping(
+                    layers.start, layers.stop, first_microbatch, values, kept, kept_natively, keeper
                 )
         except Exception as error:
-            where = self.call._where(self.context.layer, self.phase, microbatch)
+            context = self.context
+            where = self.call._where(context.layer, self.phase, context.microbatch)
             raise annotate(error, where) from error
-        return output, inputs
 
 
 def _mark_layer(call: Call, phase: Phase, layer: int, microbatch: int) -> Any:
