@@ -456,6 +456,34 @@ std::uint64_t layer_seed(std::uint64_t call_seed, std::int64_t layer, std::int64
   return (x ^ (x >> 31)) >> 1;
 }
 
+// One T per (layer, microbatch) of a call, default-constructed until set (RngStates,
+// KeptInputs).
+template <class T>
+class CallSlots {
+ public:
+  CallSlots(const char* owner, std::int64_t layers, std::int64_t microbatches)
+      : microbatches_(microbatches),
+        slots_(static_cast<std::size_t>(std::max<std::int64_t>(layers, 0) *
+                                        std::max<std::int64_t>(microbatches, 0))) {
+    TORCH_CHECK(layers >= 0 && microbatches >= 0, owner, ": layers (", layers,
+                ") and microbatches (", microbatches, ") must be >= 0");
+  }
+
+  // The slot of (layer, microbatch), or null when the call has none.
+  T* find(std::int64_t layer, std::int64_t microbatch) {
+    if (layer < 0 || microbatch < 0 || microbatch >= microbatches_) return nullptr;
+    const auto i = static_cast<std::size_t>(layer * microbatches_ + microbatch);
+    return i < slots_.size() ? &slots_[i] : nullptr;
+  }
+  const T* find(std::int64_t layer, std::int64_t microbatch) const {
+    return const_cast<CallSlots*>(this)->find(layer, microbatch);
+  }
+
+ private:
+  std::int64_t microbatches_;
+  std::vector<T> slots_;
+};
+
 // The CPU generator states of one call's forward layers, kept for their recompute: seeding the
 // CPU generator (a Mersenne Twister) computes its 624 words one after another, about a
 // microsecond, paid again in recompute for the same (layer, microbatch), where a copy of the
@@ -466,34 +494,23 @@ class RngStates {
   static constexpr std::size_t kMaxStates = 4096;
 
   RngStates(std::int64_t layers, std::int64_t microbatches)
-      : microbatches_(microbatches),
-        states_(static_cast<std::size_t>(std::max<std::int64_t>(layers, 0) *
-                                         std::max<std::int64_t>(microbatches, 0))) {
-    TORCH_CHECK(layers >= 0 && microbatches >= 0, "RngStates: layers (", layers,
-                ") and microbatches (", microbatches, ") must be >= 0");
-  }
+      : states_("RngStates", layers, microbatches) {}
 
   void keep(std::int64_t layer, std::int64_t microbatch, const at::mt19937& state) {
-    const auto i = index(layer, microbatch);
-    if (i >= states_.size() || (!states_[i] && kept_ >= kMaxStates)) return;
-    if (!states_[i]) ++kept_;
-    states_[i] = std::make_unique<at::mt19937>(state);
+    auto* slot = states_.find(layer, microbatch);
+    if (slot == nullptr || (!*slot && kept_ >= kMaxStates)) return;
+    if (!*slot) ++kept_;
+    *slot = std::make_unique<at::mt19937>(state);
   }
   // The state kept for (layer, microbatch), or null.
   const at::mt19937* find(std::int64_t layer, std::int64_t microbatch) const {
-    const auto i = index(layer, microbatch);
-    return i < states_.size() ? states_[i].get() : nullptr;
+    const auto* slot = states_.find(layer, microbatch);
+    return slot != nullptr ? slot->get() : nullptr;
   }
   std::size_t kept() const { return kept_; }
 
  private:
-  std::size_t index(std::int64_t layer, std::int64_t microbatch) const {
-    if (layer < 0 || microbatch < 0 || microbatch >= microbatches_) return states_.size();
-    return static_cast<std::size_t>(layer * microbatches_ + microbatch);
-  }
-
-  std::int64_t microbatches_;
-  std::vector<std::unique_ptr<at::mt19937>> states_;
+  CallSlots<std::unique_ptr<at::mt19937>> states_;
   std::size_t kept_ = 0;
 };
 
@@ -501,27 +518,27 @@ class RngStates {
 // each is a lone tensor on a virtual CPU device (roundpipe.pipeline.Call keeps the others): a
 // private copy per (layer, microbatch), held here rather than as a Python tensor in a dict. With
 // layer grain that is one input per layer x microbatch living from the forward to the backward:
-// as Python objects they outlived the young generations of the garbage collector, whose full
-// collections then walked every object of the process (about 0.1x of plain PyTorch's forward +
-// backward at width 8, benchmarks/overhead_cpu.py).
+// as Python objects they outlived the garbage collector's young generations, each of which
+// walks its survivors again, and were promoted to the oldest, whose full collections walk every
+// object of the process.
 class KeptInputs {
  public:
   KeptInputs(std::int64_t layers, std::int64_t microbatches)
-      : microbatches_(microbatches),
-        inputs_(static_cast<std::size_t>(std::max<std::int64_t>(layers, 0) *
-                                         std::max<std::int64_t>(microbatches, 0))) {
-    TORCH_CHECK(layers >= 0 && microbatches >= 0, "KeptInputs: layers (", layers,
-                ") and microbatches (", microbatches, ") must be >= 0");
-  }
+      : inputs_("KeptInputs", layers, microbatches) {}
 
   void keep(std::int64_t layer, std::int64_t microbatch, at::Tensor input) {
-    inputs_.at(index(layer, microbatch)) = std::move(input);
+    at::Tensor* slot = inputs_.find(layer, microbatch);
+    if (slot == nullptr) {
+      throw py::index_error("KeptInputs: the call has no layer " + std::to_string(layer) +
+                            " x microbatch " + std::to_string(microbatch));
+    }
+    *slot = std::move(input);
   }
   // The input kept for (layer, microbatch); undefined when none is.
   const at::Tensor& find(std::int64_t layer, std::int64_t microbatch) const {
     static const at::Tensor none;
-    const auto i = index(layer, microbatch);
-    return i < inputs_.size() ? inputs_[i] : none;
+    const at::Tensor* slot = inputs_.find(layer, microbatch);
+    return slot != nullptr ? *slot : none;
   }
   // Whether, for each of `microbatches`, the inputs of the segments of layers [first, stop) are
   // kept: layer first's, or with `per_layer` each layer's.
@@ -537,13 +554,7 @@ class KeptInputs {
   }
 
  private:
-  std::size_t index(std::int64_t layer, std::int64_t microbatch) const {
-    if (layer < 0 || microbatch < 0 || microbatch >= microbatches_) return inputs_.size();
-    return static_cast<std::size_t>(layer * microbatches_ + microbatch);
-  }
-
-  std::int64_t microbatches_;
-  std::vector<at::Tensor> inputs_;
+  CallSlots<at::Tensor> inputs_;
 };
 
 // The layer calls of one stage of one pipelined call (roundpipe.pipeline._LayerCalls): for each
