@@ -992,9 +992,12 @@ class Call:
     def _saved_input(self, layer: int, microbatch: int) -> tuple[Any, Any]:
         """The input kept for ``layer``'s recompute and the event of its copy to the host."""
         saved = self.saved_inputs.get((layer, microbatch))
-        if saved is None:
-            return self.kept_inputs.find(layer, microbatch), None
-        return saved
+        if saved is not None:
+            return saved
+        kept = self.kept_inputs.find(layer, microbatch)
+        if kept is None:
+            raise KeyError((layer, microbatch))  # the plan's backward_starts say it was kept
+        return kept, None
 
     def fused_stage(
         self, stage: ResidentStage, activations: list[Any], loss_spec: LossSpec
