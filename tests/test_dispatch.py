@@ -152,7 +152,7 @@ def test_upload_stage_copies_the_runs_and_attaches_the_gradient_views() -> None:
     for param, offset in zip(params, offsets, strict=True):
         typed_view(arena, offset, param).copy_(param.detach())
     runs = [(offsets[0], offsets[1]), (offsets[2], cursor)]  # the second parameter is skipped
-    buffer, uploaded, views, grads = _C.upload_stage(
+    buffer, uploaded, views, grads, reach = _C.upload_stage(
         0, torch.device("cpu"), arena, 16, cursor, runs, None, offsets, params,
         True, 0, 128, [0, 64], [0, 2],
     )  # fmt: skip
@@ -163,18 +163,22 @@ def test_upload_stage_copies_the_runs_and_attaches_the_gradient_views() -> None:
     assert views[0].grad is not None and torch.equal(views[0].grad, torch.zeros(3, 5))
     assert views[0].grad.data_ptr() == grads.data_ptr() and views[1].grad is None
     assert views[2].grad is not None and views[2].grad.dtype == torch.float64
-    _, _, _, none = _C.upload_stage(
+    # The reach flags the trained views (indices into `trained`) a backward ran into.
+    assert reach is not None and reach.reached() == []
+    (views[0] * 2).sum().backward()
+    assert reach.reached() == [0] and torch.equal(views[0].grad, torch.full((3, 5), 2.0))
+    _, _, _, none, no_reach = _C.upload_stage(
         0, torch.device("cpu"), arena, 16, cursor, runs, None, offsets, params,
         False, 0, 0, [], [],
     )  # fmt: skip
-    assert none is None
+    assert none is None and no_reach is None
     with pytest.raises(RuntimeError, match="is not within the stage's bytes"):
         _C.upload_stage(
             0, torch.device("cpu"), arena, 16, cursor, [(0, 16)], None, offsets, params,
             False, 0, 0, [], [],
         )  # fmt: skip
     # Without an arena the caller copies; from 1 MiB up a buffer is an arena of its own.
-    _, uploaded, _, big = _C.upload_stage(
+    _, uploaded, _, big, _ = _C.upload_stage(
         0, torch.device("cpu"), None, 0, 0, [], None, [], [], True, 0, 1 << 20, [], []
     )
     assert uploaded is None and big is not None
@@ -199,6 +203,34 @@ def test_download_grads_accumulates_each_run_as_its_dtype() -> None:
     assert not arena[:16].any()
     with pytest.raises(RuntimeError, match="is not within the stage's bytes"):
         _C.download_grads(0, arena, grads, 16, [(8, 16, torch.float32)], None)
+
+
+def test_rebind_parameters_swaps_and_puts_back_as_setattr_would() -> None:
+    """The copies stand in for the parameters (what the layer's forward then reads) and the
+    parameters come back; a binding that cannot be made leaves every module as it was."""
+    first, second = nn.Linear(2, 2), nn.Linear(2, 3)
+    weights = [first.weight, second.bias]
+    copies = [torch.zeros(2, 2), torch.ones(3)]
+    before = _C.rebind_parameters([first, second], ["weight", "bias"], copies)
+    assert before[0] is weights[0] and before[1] is weights[1]
+    assert first.weight is copies[0] and second.bias is copies[1]
+    assert torch.equal(first(torch.ones(1, 2)), first.bias.detach().unsqueeze(0))
+    again = _C.rebind_parameters([first, second], ["weight", "bias"], before)
+    assert again[0] is copies[0] and first.weight is weights[0] and second.bias is weights[1]
+    with pytest.raises(KeyError):
+        _C.rebind_parameters([first, second], ["weight", "missing"], copies)
+    assert first.weight is weights[0]  # put back before the error went up
+    with pytest.raises(RuntimeError, match="one of each per binding"):
+        _C.rebind_parameters([first], ["weight", "bias"], copies)
+
+
+def test_changed_in_place_names_the_tensors_whose_version_moved() -> None:
+    tensors = [torch.zeros(2), torch.zeros(2), torch.zeros(2)]
+    assert _C.changed_in_place(tensors) == []
+    tensors[1].add_(1)
+    with torch.no_grad():
+        tensors[2].mul_(2)
+    assert _C.changed_in_place(tensors) == [1, 2]
 
 
 def test_typed_views_refuse_what_does_not_fit() -> None:

@@ -131,6 +131,50 @@ void set_grads(const std::vector<at::Tensor>& tensors, const std::vector<at::Ten
   }
 }
 
+// Which of a stage's trained parameter copies received a gradient. A parameter that no backward
+// reaches (an expert no token was routed to, a head the loss ignores) keeps .grad None in plain
+// PyTorch, and optimizers skip it; the stage's gradient buffer cannot tell such a parameter from
+// one whose gradient is zero, so each copy's AccumulateGrad node, made here and held for the
+// stage's lifetime (every microbatch's graph then uses the same one), flags its copy when it runs.
+class GradReach {
+ public:
+  explicit GradReach(const std::vector<at::Tensor>& tensors) : reached_(tensors.size(), 0) {
+    accumulators_.reserve(tensors.size());
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      auto accumulator = torch::autograd::impl::grad_accumulator(tensors[i]);
+      if (!accumulator) {  // does not require grad: nothing can reach it
+        continue;
+      }
+      accumulator->add_post_hook(std::make_unique<Flag>(&reached_[i]));
+      accumulators_.push_back(std::move(accumulator));
+    }
+  }
+
+  // Indices into the tensors of those an AccumulateGrad ran for.
+  std::vector<std::int64_t> reached() const {
+    std::vector<std::int64_t> indices;
+    for (std::size_t i = 0; i < reached_.size(); ++i) {
+      if (reached_[i] != 0) indices.push_back(static_cast<std::int64_t>(i));
+    }
+    return indices;
+  }
+
+ private:
+  struct Flag final : torch::autograd::FunctionPostHook {
+    explicit Flag(std::uint8_t* flag) : flag_(flag) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                              const torch::autograd::variable_list&) override {
+      *flag_ = 1;
+      return outputs;
+    }
+    std::uint8_t* flag_;
+  };
+
+  // Written by the autograd engine's thread, read once its passes are done.
+  std::vector<std::uint8_t> reached_;
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators_;
+};
+
 // Below this size a virtual CPU device's stage buffer comes from the C heap: a mapping of its own
 // would cost two system calls and a page fault per page for memory the heap reuses at once.
 constexpr std::int64_t kOwnArenaBytes = std::int64_t{1} << 20;
@@ -161,8 +205,9 @@ at::Tensor stage_buffer(std::int64_t bytes, c10::Device device, bool zero) {
 //     parameters' (the gradients that earlier calls accumulated: the stage's layers add theirs
 //     to them one microbatch after the other, as plain PyTorch adds each backward's into .grad;
 //     `uploaded` then covers the copy too). On CUDA the pageable arena is copied through the
-//     engine's page-locked bounce buffers.
-// Returns (buffer, uploaded, views, grad buffer or None).
+//     engine's page-locked bounce buffers. The GradReach of those views tells which of them a
+//     backward reached.
+// Returns (buffer, uploaded, views, grad buffer or None, GradReach or None).
 py::tuple upload_stage(int device_index, c10::Device device, const std::optional<at::Tensor>& arena,
                        std::int64_t param_begin, std::int64_t param_end,
                        const std::vector<std::pair<std::int64_t, std::int64_t>>& runs,
@@ -203,6 +248,7 @@ py::tuple upload_stage(int device_index, c10::Device device, const std::optional
   }
   std::vector<at::Tensor> views = typed_views(buffer, param_begin, offsets, params, true);
   py::object grad_buffer = py::none();
+  py::object reach = py::none();
   if (with_grads) {
     at::Tensor grads = stage_buffer(grad_end - grad_begin, device, /*zero=*/!grad_arena);
     if (!trained.empty()) {
@@ -218,6 +264,9 @@ py::tuple upload_stage(int device_index, c10::Device device, const std::optional
         targets.push_back(views[static_cast<std::size_t>(i)]);
       }
       set_grads(targets, typed_views(grads, grad_begin, grad_offsets, likes, false));
+      reach = py::cast(std::make_shared<GradReach>(targets));
+    } else {
+      reach = py::cast(std::make_shared<GradReach>(std::vector<at::Tensor>{}));
     }
     if (grad_arena && grads.numel() > 0) {
       const at::Tensor source = grad_arena->slice(0, grad_begin, grad_end);
@@ -232,7 +281,62 @@ py::tuple upload_stage(int device_index, c10::Device device, const std::optional
     }
     grad_buffer = py::cast(grads);
   }
-  return py::make_tuple(buffer, uploaded, views, grad_buffer);
+  return py::make_tuple(buffer, uploaded, views, grad_buffer, reach);
+}
+
+// owner._parameters[name] = tensor for each (owner, name, tensor) of `owners`, `names` and
+// `tensors`: what roundpipe.pipeline.ResidentStage.bound does to put a stage's device copies in
+// place of its layers' parameters and back (a Python loop costs more than the stores). Returns what
+// each entry held before, in order, for the binding back. On an error (a module without that
+// parameter: KeyError; one whose _parameters is no mapping: TypeError) the entries already
+// replaced are put back first.
+py::list rebind_parameters(const py::sequence& owners, const py::sequence& names,
+                           const py::sequence& tensors) {
+  const std::size_t size = owners.size();
+  TORCH_CHECK(names.size() == size && tensors.size() == size, "rebind_parameters: got ", size,
+              " owners, ", names.size(), " names and ", tensors.size(),
+              " tensors; pass one of each per binding");
+  static const py::str key("_parameters");
+  std::vector<py::object> dicts;
+  std::vector<py::object> before;
+  dicts.reserve(size);
+  before.reserve(size);
+  try {
+    for (std::size_t i = 0; i < size; ++i) {
+      const py::object owner = owners[i];
+      py::object parameters = owner.attr(key);
+      if (!PyMapping_Check(parameters.ptr())) {
+        throw py::type_error(std::string("rebind_parameters: ") + Py_TYPE(owner.ptr())->tp_name +
+                             "._parameters is no mapping");
+      }
+      const py::object name = names[i];
+      py::object held = parameters[name];
+      parameters[name] = tensors[i];
+      dicts.push_back(std::move(parameters));
+      before.push_back(std::move(held));
+    }
+  } catch (...) {
+    const py::error_scope pending;  // the error stays aside while the bindings go back
+    for (std::size_t i = 0; i < before.size(); ++i) {
+      if (PyObject_SetItem(dicts[i].ptr(), py::object(names[i]).ptr(), before[i].ptr()) != 0) {
+        PyErr_Clear();
+      }
+    }
+    throw;
+  }
+  py::list result(size);
+  for (std::size_t i = 0; i < size; ++i) result[i] = std::move(before[i]);
+  return result;
+}
+
+// Indices of the `tensors` whose version counter moved off 0: changed in place since they were
+// made (roundpipe.pipeline.ResidentStage checks a stage's parameter copies with it).
+std::vector<std::int64_t> changed_in_place(const std::vector<at::Tensor>& tensors) {
+  std::vector<std::int64_t> changed;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i]._version() != 0) changed.push_back(static_cast<std::int64_t>(i));
+  }
+  return changed;
 }
 
 // What roundpipe.pipeline.ResidentStage.download_grads issues: for each byte run
@@ -327,50 +431,6 @@ at::Tensor graph_cut(const at::Tensor& tensor) {
   }
   return cut;
 }
-
-// Which of a stage's trained parameter copies received a gradient. A parameter that no backward
-// reaches (an expert no token was routed to, a head the loss ignores) keeps .grad None in plain
-// PyTorch, and optimizers skip it; the stage's gradient buffer cannot tell such a parameter from
-// one whose gradient is zero, so each copy's AccumulateGrad node, made here and held for the
-// stage's lifetime (every microbatch's graph then uses the same one), flags its copy when it runs.
-class GradReach {
- public:
-  explicit GradReach(const std::vector<at::Tensor>& tensors) : reached_(tensors.size(), 0) {
-    accumulators_.reserve(tensors.size());
-    for (std::size_t i = 0; i < tensors.size(); ++i) {
-      auto accumulator = torch::autograd::impl::grad_accumulator(tensors[i]);
-      if (!accumulator) {  // does not require grad: nothing can reach it
-        continue;
-      }
-      accumulator->add_post_hook(std::make_unique<Flag>(&reached_[i]));
-      accumulators_.push_back(std::move(accumulator));
-    }
-  }
-
-  // Indices into the tensors of those an AccumulateGrad ran for.
-  std::vector<std::int64_t> reached() const {
-    std::vector<std::int64_t> indices;
-    for (std::size_t i = 0; i < reached_.size(); ++i) {
-      if (reached_[i] != 0) indices.push_back(static_cast<std::int64_t>(i));
-    }
-    return indices;
-  }
-
- private:
-  struct Flag final : torch::autograd::FunctionPostHook {
-    explicit Flag(std::uint8_t* flag) : flag_(flag) {}
-    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                              const torch::autograd::variable_list&) override {
-      *flag_ = 1;
-      return outputs;
-    }
-    std::uint8_t* flag_;
-  };
-
-  // Written by the autograd engine's thread, read once its passes are done.
-  std::vector<std::uint8_t> reached_;
-  std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators_;
-};
 
 // Whether no two elements of `tensor` share memory: with its dimensions ordered by stride, each
 // stride steps past everything the smaller ones reach.
@@ -487,31 +547,41 @@ class CallSlots {
 // The CPU generator states of one call's forward layers, kept for their recompute: seeding the
 // CPU generator (a Mersenne Twister) computes its 624 words one after another, about a
 // microsecond, paid again in recompute for the same (layer, microbatch), where a copy of the
-// state the forward started from costs a tenth of that. At most kMaxStates (10 MB) are kept; a
-// recompute whose state was not kept reseeds, which gives the same state.
+// state the forward started from costs a tenth of that. At most kMaxStates (10 MB) are kept, in
+// one block reserved up front (a state is 2.5 KB, past the C heap's per-thread caches: one
+// allocation each would go through its slow path every time). A recompute whose state was not
+// kept reseeds, which gives the same state.
 class RngStates {
  public:
   static constexpr std::size_t kMaxStates = 4096;
 
   RngStates(std::int64_t layers, std::int64_t microbatches)
-      : states_("RngStates", layers, microbatches) {}
+      : slots_("RngStates", layers, microbatches) {
+    states_.reserve(std::min<std::size_t>(
+        kMaxStates, static_cast<std::size_t>(layers) * static_cast<std::size_t>(microbatches)));
+  }
 
   void keep(std::int64_t layer, std::int64_t microbatch, const at::mt19937& state) {
-    auto* slot = states_.find(layer, microbatch);
-    if (slot == nullptr || (!*slot && kept_ >= kMaxStates)) return;
-    if (!*slot) ++kept_;
-    *slot = std::make_unique<at::mt19937>(state);
+    std::uint32_t* slot = slots_.find(layer, microbatch);
+    if (slot == nullptr) return;
+    if (*slot != 0) {
+      states_[*slot - 1] = state;
+      return;
+    }
+    if (states_.size() >= kMaxStates) return;
+    states_.push_back(state);
+    *slot = static_cast<std::uint32_t>(states_.size());
   }
   // The state kept for (layer, microbatch), or null.
   const at::mt19937* find(std::int64_t layer, std::int64_t microbatch) const {
-    const auto* slot = states_.find(layer, microbatch);
-    return slot != nullptr ? slot->get() : nullptr;
+    const std::uint32_t* slot = slots_.find(layer, microbatch);
+    return slot != nullptr && *slot != 0 ? &states_[*slot - 1] : nullptr;
   }
-  std::size_t kept() const { return kept_; }
+  std::size_t kept() const { return states_.size(); }
 
  private:
-  CallSlots<std::unique_ptr<at::mt19937>> states_;
-  std::size_t kept_ = 0;
+  CallSlots<std::uint32_t> slots_;  // 1 + the state's index in states_; 0: none kept
+  std::vector<at::mt19937> states_;
 };
 
 // The layer inputs one call's forward stages keep for the recompute of its backward stages, where
@@ -1005,8 +1075,8 @@ void bind_dispatch(py::module_& m) {
            py::arg("microbatches"), py::arg("per_layer"),
            "Whether the inputs of layers [first, stop)'s segments (the first layer's, or with "
            "per_layer each layer's) are kept for each of `microbatches`.");
-  py::class_<GradReach>(m, "GradReach",
-                        "Flags which of `tensors` (leaves) an AccumulateGrad node ran for.")
+  py::class_<GradReach, std::shared_ptr<GradReach>>(
+      m, "GradReach", "Flags which of `tensors` (leaves) an AccumulateGrad node ran for.")
       .def(py::init<const std::vector<at::Tensor>&>(), py::arg("tensors"))
       .def("reached", &GradReach::reached,
            "Indices of the tensors that received a gradient since construction.");
@@ -1074,8 +1144,15 @@ void bind_dispatch(py::module_& m) {
         py::arg("grad_end"), py::arg("grad_offsets"), py::arg("trained"),
         py::arg("grad_arena") = py::none(),
         "A stage's buffers, filled from the parameter arena when given: (buffer, uploaded event "
-        "or None, parameter views, gradient buffer or None); the gradient views become the "
-        "trained views' .grad, and start from grad_arena's bytes when given (else zero).");
+        "or None, parameter views, gradient buffer or None, GradReach of the trained views or "
+        "None); the gradient views become the trained views' .grad, and start from grad_arena's "
+        "bytes when given (else zero).");
+  m.def("rebind_parameters", &rebind_parameters, py::arg("owners"), py::arg("names"),
+        py::arg("tensors"),
+        "owner._parameters[name] = tensor per binding; returns what each held before (on an "
+        "error the entries already replaced are put back).");
+  m.def("changed_in_place", &changed_in_place, py::arg("tensors"),
+        "Indices of the tensors whose version counter is no longer 0.");
   m.def("download_grads", &download_grads, py::arg("device_index"), py::arg("arena"),
         py::arg("grads"), py::arg("first_byte"), py::arg("runs"), py::arg("staging"),
         py::arg("replace") = false,

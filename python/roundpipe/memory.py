@@ -356,6 +356,8 @@ class ModelMemory:
 
     def fence(self, layers: range) -> Any:
         """The event after which every queued write into ``layers`` has landed, or None."""
+        if not self._writes:  # no step since the last wait (or none yet): asked once per stage
+            return None
         latest = max(
             (self._writes[i] for i in layers if i in self._writes),
             key=lambda write: write[0],

@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -257,6 +257,7 @@ class ResidentStage:
     uploaded: Any  # the event of the upload
     views: list[torch.Tensor]  # one per parameter, in the arena's order
     grad_buffer: torch.Tensor | None  # backward stages: the gradients, as laid out in the arena
+    reach: Any  # backward stages: which trained parameters a backward reached (_C.GradReach)
 
     def __init__(
         self,
@@ -288,7 +289,9 @@ class ResidentStage:
             # parameters' views and the gradient views attached to those that train. The views
             # require grad as the parameters do, also in forward stages (run without grad): a
             # layer that checks `p.requires_grad` sees what it would see on the parameter itself.
-            self.buffer, uploaded, self.views, self.grad_buffer = _C.upload_stage(
+            # With gradients also which trained parameters a backward reaches (see
+            # reached_params).
+            self.buffer, uploaded, self.views, self.grad_buffer, self.reach = _C.upload_stage(
                 device_index,
                 device,
                 memory.params,
@@ -306,11 +309,8 @@ class ResidentStage:
                 self._grad_arena() if self.grads_from_arena else None,
             )
             self.uploaded = uploaded if uploaded is not None else self._upload_sources(fence)
-        # Which trained parameters a backward reaches (see reached_params).
-        self.reach: Any = None
         if with_grads:
             self._forward_tensor_hooks(share=hooks == "shared")
-            self.reach = _C.GradReach([self.views[i] for i in layout.trained])
         # The frozen parameters bound in host memory, each a `.data` alias with a version counter
         # of its own, so an in-place change by the layer shows (see `bound`): (slot index, the
         # tensor bound).
@@ -430,10 +430,6 @@ class ResidentStage:
         memory = self.memory
         memory.settle_buffers(self.layers)
         bound_buffers: list[tuple[int, torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
-        # What was bound before: the parameters, or an outer stage's copies when this stage is
-        # a nested call of the same model (an inference call inside loss_fn), whose stage must
-        # compute with its own copies again afterwards.
-        before: list[torch.Tensor] = []
         with _device_guard(device):
             start = trace.mark() if trace is not None else None
             self.uploaded.block_current_stream(self.device_index)
@@ -441,11 +437,12 @@ class ResidentStage:
                 trace.span("wait", start)
             layout, views = self.layout, self.views
             owners = layout.owner_modules, layout.owner_names
+            # The device copies (plain tensors) stand in for the parameters. What was bound
+            # before: the parameters, or an outer stage's copies when this stage is a nested
+            # call of the same model (an inference call inside loss_fn), whose stage must compute
+            # with its own copies again afterwards.
+            before = _C.rebind_parameters(*owners, [views[i] for i in layout.owner_slots])
             try:
-                for owner, name, i in zip(*owners, layout.owner_slots, strict=True):
-                    # The device copy (a plain tensor) stands in for the parameter.
-                    before.append(cast(torch.Tensor, owner._parameters[name]))
-                    owner._parameters[name] = cast(torch.nn.Parameter, views[i])
                 buffers = layout.buffer_layers, layout.buffer_modules, layout.buffer_names
                 for index, owner, name in zip(*buffers, strict=True):
                     host = owner._buffers[name]
@@ -461,8 +458,7 @@ class ResidentStage:
                     for index, _, _, host, working in bound_buffers:
                         memory.defer_buffer_write(index, host, *self._buffer_to_host(working))
             finally:
-                for owner, name, previous in zip(*owners, before, strict=False):
-                    owner._parameters[name] = cast(torch.nn.Parameter, previous)
+                _C.rebind_parameters(*owners, before)
                 for _, owner, name, host, _ in bound_buffers:
                     owner._buffers[name] = host
 
@@ -474,8 +470,8 @@ class ResidentStage:
         it: ``RuntimeError`` naming the layer and the parameter. Without recompute a frozen
         parameter bound in host memory keeps the change, as in plain PyTorch."""
         in_host = {i for i, _ in self.in_host}
-        for i, bound in enumerate(self.views):
-            if bound._version == 0 or (i in in_host and not recomputed):
+        for i in _C.changed_in_place(self.views):
+            if i in in_host and not recomputed:
                 continue
             index, module, name = self._param_name(i)
             slot = self.layout.slots[i]
