@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -59,13 +60,19 @@ void backward(const std::vector<at::Tensor>& outputs, const std::vector<at::Tens
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
+// How typed_views cuts a tensor out of the buffer: a view (as_strided, through the dispatcher), or
+// a tensor of its own on the buffer's storage (no autograd view of it), requiring grad when its
+// `like` does or never.
+enum class Cut { kView, kOwnLikeGrad, kOwn };
+
 // Views of the uint8 `buffer` laid out like `likes[i]` (dtype, shape, strides), at byte
 // offsets[i] - first_byte: what roundpipe.memory.typed_view makes one at a time, cut with
-// as_strided from one view of the buffer per dtype. With `like_requires_grad` every view
-// requires grad exactly when its `like` does (a stage's parameter copies).
-std::vector<at::Tensor> typed_views(const at::Tensor& buffer, std::int64_t first_byte,
-                                    const std::vector<std::int64_t>& offsets,
-                                    const std::vector<at::Tensor>& likes, bool like_requires_grad) {
+// as_strided from one view of the buffer per dtype; or, with `cut` kOwnLikeGrad or kOwn, tensors
+// of their own on its storage (a stage's parameter copies, requiring grad exactly when their
+// `like` does; its gradient views, which are only ever a .grad).
+std::vector<at::Tensor> cut_typed(const at::Tensor& buffer, std::int64_t first_byte,
+                                  const std::vector<std::int64_t>& offsets,
+                                  const std::vector<at::Tensor>& likes, Cut cut) {
   TORCH_CHECK(buffer.scalar_type() == at::kByte && buffer.dim() == 1 && buffer.is_contiguous(),
               "typed_views: buffer must be a contiguous 1-D uint8 tensor, got ",
               buffer.scalar_type(), " with ", buffer.dim(), " dimensions");
@@ -83,7 +90,7 @@ std::vector<at::Tensor> typed_views(const at::Tensor& buffer, std::int64_t first
                 "typed_views: offsets[", i, "] = ", offsets[i], " (", like.numel(), " x ", size,
                 " bytes) does not lie aligned inside the buffer of ", buffer.numel(),
                 " bytes starting at byte ", first_byte);
-    if (like_requires_grad) {
+    if (cut != Cut::kView) {
       // To autograd a tensor of its own, not a view of the buffer, as a parameter is: ops on a
       // view of a leaf that requires grad, made in no-grad mode, require grad only when the
       // leaf is no view (weight.t() inside nn.Linear), and kernels choose by that (matmul folds
@@ -96,7 +103,7 @@ std::vector<at::Tensor> typed_views(const at::Tensor& buffer, std::int64_t first
       impl->set_sizes_and_strides(like.sizes(), like.strides(),
                                   (buffer.storage_offset() + start) / size);
       at::Tensor own(std::move(impl));
-      if (like.requires_grad()) own.set_requires_grad(true);
+      if (cut == Cut::kOwnLikeGrad && like.requires_grad()) own.set_requires_grad(true);
       views.push_back(std::move(own));
       continue;
     }
@@ -111,6 +118,15 @@ std::vector<at::Tensor> typed_views(const at::Tensor& buffer, std::int64_t first
                                             base->second.storage_offset() + start / size));
   }
   return views;
+}
+
+// cut_typed for Python: views, or with `like_requires_grad` tensors of their own requiring grad
+// as their likes do.
+std::vector<at::Tensor> typed_views(const at::Tensor& buffer, std::int64_t first_byte,
+                                    const std::vector<std::int64_t>& offsets,
+                                    const std::vector<at::Tensor>& likes, bool like_requires_grad) {
+  return cut_typed(buffer, first_byte, offsets, likes,
+                   like_requires_grad ? Cut::kOwnLikeGrad : Cut::kView);
 }
 
 // tensors[i].grad = grads[i] for views cut by typed_views (a Python `.grad =` per parameter costs
@@ -188,7 +204,12 @@ at::Tensor stage_buffer(std::int64_t bytes, c10::Device device, bool zero) {
     return memory::allocate_host_arena(bytes, memory::PinMode::kOff, zero);
   }
   const auto options = at::TensorOptions().dtype(at::kByte).device(device);
-  return zero ? at::zeros({bytes}, options) : at::empty({bytes}, options);
+  if (!zero || !device.is_cpu()) {
+    return zero ? at::zeros({bytes}, options) : at::empty({bytes}, options);
+  }
+  at::Tensor buffer = at::empty({bytes}, options);
+  std::memset(buffer.data_ptr(), 0, static_cast<std::size_t>(bytes));  // zero_() dispatches
+  return buffer;
 }
 
 // What roundpipe.pipeline.ResidentStage makes of a stage, in one call (per stage, each piece in
@@ -246,7 +267,8 @@ py::tuple upload_stage(int device_index, c10::Device device, const std::optional
     }
     if (!uploaded) uploaded = executor::record_event(device_index);
   }
-  std::vector<at::Tensor> views = typed_views(buffer, param_begin, offsets, params, true);
+  std::vector<at::Tensor> views =
+      cut_typed(buffer, param_begin, offsets, params, Cut::kOwnLikeGrad);
   py::object grad_buffer = py::none();
   py::object reach = py::none();
   if (with_grads) {
@@ -263,7 +285,7 @@ py::tuple upload_stage(int device_index, c10::Device device, const std::optional
         likes.push_back(params[static_cast<std::size_t>(i)]);
         targets.push_back(views[static_cast<std::size_t>(i)]);
       }
-      set_grads(targets, typed_views(grads, grad_begin, grad_offsets, likes, false));
+      set_grads(targets, cut_typed(grads, grad_begin, grad_offsets, likes, Cut::kOwn));
       reach = py::cast(std::make_shared<GradReach>(targets));
     } else {
       reach = py::cast(std::make_shared<GradReach>(std::vector<at::Tensor>{}));
