@@ -273,23 +273,19 @@ py::tuple upload_stage(int device_index, c10::Device device, const std::optional
   py::object reach = py::none();
   if (with_grads) {
     at::Tensor grads = stage_buffer(grad_end - grad_begin, device, /*zero=*/!grad_arena);
-    if (!trained.empty()) {
-      std::vector<at::Tensor> likes;
-      std::vector<at::Tensor> targets;
-      likes.reserve(trained.size());
-      targets.reserve(trained.size());
-      for (const std::int64_t i : trained) {
-        TORCH_CHECK(0 <= i && i < static_cast<std::int64_t>(views.size()),
-                    "upload_stage: trained index ", i, " is not one of the ", views.size(),
-                    " parameters");
-        likes.push_back(params[static_cast<std::size_t>(i)]);
-        targets.push_back(views[static_cast<std::size_t>(i)]);
-      }
-      set_grads(targets, cut_typed(grads, grad_begin, grad_offsets, likes, Cut::kOwn));
-      reach = py::cast(std::make_shared<GradReach>(targets));
-    } else {
-      reach = py::cast(std::make_shared<GradReach>(std::vector<at::Tensor>{}));
+    std::vector<at::Tensor> likes;
+    std::vector<at::Tensor> targets;
+    likes.reserve(trained.size());
+    targets.reserve(trained.size());
+    for (const std::int64_t i : trained) {
+      TORCH_CHECK(0 <= i && i < static_cast<std::int64_t>(views.size()),
+                  "upload_stage: trained index ", i, " is not one of the ", views.size(),
+                  " parameters");
+      likes.push_back(params[static_cast<std::size_t>(i)]);
+      targets.push_back(views[static_cast<std::size_t>(i)]);
     }
+    set_grads(targets, cut_typed(grads, grad_begin, grad_offsets, likes, Cut::kOwn));
+    reach = py::cast(std::make_shared<GradReach>(targets));
     if (grad_arena && grads.numel() > 0) {
       const at::Tensor source = grad_arena->slice(0, grad_begin, grad_end);
       py::gil_scoped_release no_gil;

@@ -469,8 +469,11 @@ class ResidentStage:
         device copy, which is not written back), where plain PyTorch makes it once and keeps
         it: ``RuntimeError`` naming the layer and the parameter. Without recompute a frozen
         parameter bound in host memory keeps the change, as in plain PyTorch."""
+        changed = _C.changed_in_place(self.views)
+        if not changed:  # nearly always: nothing more to look at
+            return
         in_host = {i for i, _ in self.in_host}
-        for i in _C.changed_in_place(self.views):
+        for i in changed:
             if i in in_host and not recomputed:
                 continue
             index, module, name = self._param_name(i)
@@ -1157,9 +1160,6 @@ class Call:
         per_layer = self.recompute_grain == "layer"
         if not layers or len(grad) != 1:
             return None
-        # A second backward through a retained graph recomputes from the saved inputs again; the
-        # backward of forward_backward is the only one.
-        retained = self.run_type != "fused"
         starts = layers if per_layer else layers[:1]
         saved = [self._saved_input(layer, microbatch) for layer in starts]
         values = [value for value, _ in saved]
@@ -1169,7 +1169,7 @@ class Call:
         if self.on_cuda:
             device = stage.device_index
             inputs = [to_device(value, device, landed) for value, landed in saved]
-        reused = values if retained else []
+        reused = values if self._graph_retained else []
         try:
             result = run.loop.recompute_backward(
                 layers.start, layers.stop, microbatch, inputs, reused, grad[0], per_layer, _backward
@@ -1198,7 +1198,7 @@ class Call:
                 layers.stop,
                 order,
                 kept,
-                self.run_type != "fused",  # retained: see _recompute_backward_natively
+                self._graph_retained,
                 [grads[m][0] for m in order],
                 per_layer,
                 _backward,
@@ -1209,6 +1209,12 @@ class Call:
         for m, result in zip(order, results, strict=True):
             new_grads[m] = [result]
         return new_grads
+
+    @property
+    def _graph_retained(self) -> bool:
+        """Whether a later recompute may start from the kept inputs again: a second backward
+        through a retained graph does; the backward of forward_backward is the only one."""
+        return self.run_type != "fused"
 
     def _recompute_failed(self, error: Exception, run: _LayerCalls) -> BaseException:
         """``error`` of a native recompute + backward, annotated with the layer (recompute) or
