@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from roundpipe.batch import (
+    Batch,
     RoundPipePackedData,
     merge_output,
     pack_output,
@@ -213,6 +214,39 @@ def test_auto_split_kwargs_only_call_takes_the_batch_from_kwargs() -> None:
     assert all(k["table"] is table for k in kwargs_list)
 
 
+def test_auto_split_cuts_a_flattened_label_along_the_samples() -> None:
+    """A label of k rows per sample (token labels flattened from (batch, tokens)) is cut with
+    its samples: what 0.1.1's even cut of it gives when the batch splits evenly, and the same
+    samples' rows when it does not."""
+    tokens = 5
+    for rows, n in [(8, 4), (7, 3)]:
+        ids = torch.arange(rows * tokens).reshape(rows, tokens)
+        label = ids.reshape(-1) * 10
+        batch = Batch()
+        args_list, _ = split_input((ids,), {}, n, None, batch)
+        labels = split_label(label, n, None, batch)
+        for args, part in zip(args_list, labels, strict=True):
+            assert torch.equal(part, args[0].reshape(-1) * 10)
+        if rows % n == 0:
+            _assert_tensor_lists_equal(labels, _chunks(label, n))
+
+
+def test_auto_split_refuses_leaves_not_cut_along_the_batch() -> None:
+    """A leaf whose dim 0 is neither the batch size nor a whole multiple of it would pair rows
+    of other samples if cut into chunks of its own: a ValueError naming both leaves and the
+    split specs that say what is meant."""
+    x = torch.randn(8, 4)
+    fix = r"TensorChunkSpec\(0\).*_Replicate"
+    with pytest.raises(ValueError, match=rf"args\[1\] has 4 rows .* args\[0\] has 8.*{fix}"):
+        split_input((x, torch.randn(4, 4)), {}, 2, None)
+    batch = Batch()
+    split_input((x,), {}, 2, None, batch)
+    with pytest.raises(ValueError, match=rf"label has 12 rows .* args\[0\] has 8.*{fix}"):
+        split_label(torch.randn(12), 2, None, batch)
+    args_list, _ = split_input((x, torch.randn(4, 4)), {}, 2, ((None, TensorChunkSpec(0)), None))
+    assert [a[1].size(0) for a in args_list] == [2, 2]
+
+
 def test_auto_split_without_any_batched_tensor_replicates_everything() -> None:
     scalar = torch.tensor(1.0)
     args_list, kwargs_list = split_input((3, scalar), {"name": "x"}, 2, None)
@@ -299,22 +333,28 @@ def test_a_batch_of_fewer_rows_than_microbatches_runs_one_row_each() -> None:
     ],
 )
 def test_spec_mismatch_names_the_path(args: tuple, spec: Any, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as raised:
         split_input(args, {}, 2, spec)
+    assert str(raised.value).startswith("split_input: "), "names the configuration field"
 
 
 def test_kwargs_spec_mismatch_names_the_path() -> None:
     with pytest.raises(ValueError, match=r"kwargs: the spec has keys \{'a'\}.*\{'a', 'b'\}"):
         split_input((), {"a": 1, "b": 2}, 2, (None, {"a": _Replicate}))
-    with pytest.raises(ValueError, match=r"label\.second: the spec is a tuple"):
+    with pytest.raises(ValueError, match=r"^split_label: label\.second: the spec is a tuple"):
         split_label(Pair(1, 2), 2, (None, (None,)))
+    with pytest.raises(ValueError, match=r"^merge_output: output: the spec is a tuple"):
+        merge_output([torch.ones(2), torch.ones(2)], (TensorChunkSpec(0),))
 
 
 @pytest.mark.parametrize(
     ("result", "message"),
     [
         (([(1,)] * 3, [{}] * 3), "args_list must be a list of num_microbatch=2 items, got 3 items"),
-        (([(1,)], [{}, {}]), "kwargs_list must be a list of num_microbatch=1 items, got 2 items"),
+        (
+            ([(1,)], [{}, {}]),
+            r"kwargs_list must be as long as args_list \(1; num_microbatch is 2\), got 2 items",
+        ),
         (([(1,), (2,)], {}), "kwargs_list must be a list of num_microbatch=2"),
         (([(1,), (2,)],), r"must return \(args_list, kwargs_list\)"),
         (([(1,), 2], [{}, {}]), r"microbatch 1 must be \(tuple, dict\), got \(a int, a dict\)"),

@@ -8,7 +8,8 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import roundpipe
-from roundpipe import _C
+import torch
+from roundpipe import _C, RoundPipe, RoundPipeRunConfig
 from roundpipe.scheduler import (
     ASSUMED_UPLOAD_BYTES_PER_SECOND,
     GIB,
@@ -16,6 +17,7 @@ from roundpipe.scheduler import (
     ModelExecutePlan,
     default_model_memory_limit,
 )
+from torch import nn
 
 
 def make_plan(fwd: list[range], bwd: list[range]) -> ModelExecutePlan:
@@ -66,7 +68,7 @@ def test_seed_examples_validate() -> None:
         ([range(0, 2), range(3, 4)], [], 4, "infer", r"must start at fwd_plan\[0\].stop = 2"),
         ([range(0, 2)], [], 4, "infer", r"covers layers \[0, 2\) but the model has 4"),
         ([range(0, 5)], [], 4, "infer", "goes past the model's 4 layers"),
-        ([range(0, 4)], [], 4, "train", "must continue down to layer 0"),
+        ([range(0, 4)], [], 4, "train", r"bwd_plan is empty .*auto\('train', model\)"),
         ([range(0, 4)], [range(2, 4), range(0, 1)], 4, "train", r"bwd_plan\[1\] .* must stop at 2"),
         ([range(0, 4)], [range(0, 2), range(2, 4)], 4, "train", r"bwd_plan\[0\] .* must stop at 4"),
         ([range(0, 4)], [range(2, 4)], 4, "infer", "must continue down to layer 0"),
@@ -83,6 +85,20 @@ def test_validate_rejects_each_broken_rule(
 ) -> None:
     with pytest.raises(ValueError, match=fragment):
         make_plan(fwd, bwd).validate(num_layers, run_type)  # type: ignore[arg-type]
+
+
+def test_an_inference_plan_with_gradients_on_says_what_to_use(num_devices: int) -> None:
+    """An auto('infer') plan given to a call that trains: the error names the model's field and
+    what to use instead, and the same plan runs under no_grad."""
+    model = RoundPipe(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]), name="planned")
+    plan = ModelExecutePlan.auto("infer", model)
+    assert isinstance(plan, ModelExecutePlan)
+    config = RoundPipeRunConfig(execute_plan=plan)
+    x = torch.randn(6, 4)
+    with pytest.raises(ValueError, match=r"'planned': execute_plan: .*bwd_plan is empty"):
+        model(x, roundpipe_run_config=config)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, roundpipe_run_config=config), model.model(x))
 
 
 def test_validate_rejects_wrong_types() -> None:

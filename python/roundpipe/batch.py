@@ -33,6 +33,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -230,7 +231,8 @@ def check_spec(spec: Any, field: str, allow_reduce: bool) -> None:
 class Batch:
     """Row counts of the batch the automatic rules follow, set by the first dim-0 split, and the
     path of the leaf that set them. Shared by a call's inputs and label, so every automatically
-    split leaf of both must have the batch's size."""
+    split leaf of both must have the batch's size, or a whole multiple of it (so many rows per
+    sample)."""
 
     def __init__(self) -> None:
         self.rows: list[int] | None = None
@@ -242,6 +244,14 @@ class Batch:
 
     def matches(self, tensor: torch.Tensor) -> bool:
         return self.rows is not None and tensor.size(0) == sum(self.rows)
+
+    def per_row(self, tensor: torch.Tensor) -> int | None:
+        """How many rows ``tensor`` has per row of the batch, when its dim 0 is a whole multiple
+        (2 or more) of the batch size; None otherwise."""
+        if self.rows is None:
+            return None
+        per_row, rest = divmod(tensor.size(0), sum(self.rows))
+        return per_row if per_row >= 2 and rest == 0 else None
 
 
 class _FewerMicrobatches(Exception):
@@ -313,13 +323,20 @@ def _split_leaf(
     if batch.rows is not None:
         if batch_only:
             return [value] * n
-        # Plain PyTorch on the whole batch would fail on mismatched batch sizes; splitting each
-        # leaf on its own would pair rows that do not belong together.
+        per_row = batch.per_row(value)
+        if per_row is not None:
+            # k rows per sample (a label flattened from (batch, tokens) to (batch * tokens,)):
+            # each microbatch takes its samples' rows, as 0.1.1's even cut does whenever the
+            # batch splits evenly.
+            return list(torch.split(value, [per_row * rows for rows in batch.rows], 0))
+        # Cutting this leaf into chunks of its own would pair rows that do not belong together.
         raise ValueError(
             f"{path} has {value.size(0)} rows along dim 0 but {batch.path} has "
-            f"{sum(batch.rows)}: automatic splitting needs every split input and label to share "
-            f"the batch size; mark {path} _Replicate in the split spec (split_input / "
-            "split_label), or pass a split function"
+            f"{sum(batch.rows)}: automatic splitting cuts every split input and label along the "
+            f"batch, so their dim 0 must be the batch size or a whole multiple of it; in the "
+            f"split spec (split_input / split_label) mark {path} TensorChunkSpec(0) to cut it "
+            "into num_microbatch chunks of its own, or _Replicate to give every microbatch all "
+            "of it, or pass a split function"
         )
     chunks = _split_dim_chunks(value, 0, n, path)
     batch.set([c.size(0) for c in chunks], path)
@@ -360,10 +377,22 @@ def _check_count(n: int) -> None:
         raise ValueError(f"num_microbatch must be an int >= 1, got {n!r}")
 
 
-def _check_list(result: Any, n: int, what: str) -> list[Any]:
+@contextmanager
+def _naming(field: str) -> Iterator[None]:
+    """A ValueError of the split or merge inside names the configuration field it follows."""
+    try:
+        yield
+    except ValueError as error:
+        raise ValueError(f"{field}: {error}") from None
+
+
+def _check_list(result: Any, n: int, what: str, wanted: str | None = None) -> list[Any]:
+    """``result`` as a list of ``n`` items; ``wanted`` says why ``n`` (default: the call's
+    num_microbatch)."""
     if not isinstance(result, (list, tuple)) or len(result) != n:
         got = f"{len(result)} items" if isinstance(result, (list, tuple)) else _describe(result)
-        raise ValueError(f"{what} must be a list of num_microbatch={n} items, got {got}")
+        wanted = f"a list of num_microbatch={n} items" if wanted is None else wanted
+        raise ValueError(f"{what} must be {wanted}, got {got}")
     return list(result)
 
 
@@ -415,7 +444,14 @@ def split_input(
         fewer = isinstance(first, (list, tuple)) and 1 <= len(first) < num_microbatch
         count = len(first) if fewer else num_microbatch
         args_list = _check_list(first, count, "split_input's args_list")
-        kwargs_list = _check_list(result[1], count, "split_input's kwargs_list")
+        kwargs_list = _check_list(
+            result[1],
+            count,
+            "split_input's kwargs_list",
+            f"as long as args_list ({count}; num_microbatch is {num_microbatch})"
+            if fewer
+            else None,
+        )
         for m, (mb_args, mb_kwargs) in enumerate(zip(args_list, kwargs_list, strict=True)):
             if not isinstance(mb_args, (tuple, list)) or not isinstance(mb_kwargs, dict):
                 raise ValueError(
@@ -427,8 +463,11 @@ def split_input(
     batch = Batch() if batch is None else batch
     while True:
         try:
-            args_list = _split_tree(args, args_spec, num_microbatch, "args", batch, False)
-            kwargs_list = _split_tree(kwargs, kwargs_spec, num_microbatch, "kwargs", batch, True)
+            with _naming("split_input"):
+                args_list = _split_tree(args, args_spec, num_microbatch, "args", batch, False)
+                kwargs_list = _split_tree(
+                    kwargs, kwargs_spec, num_microbatch, "kwargs", batch, True
+                )
             return args_list, kwargs_list
         except _FewerMicrobatches as fewer:
             # As torch.distributed.pipelining splits (and 0.1.1 with it): a batch of fewer rows
@@ -449,13 +488,15 @@ def split_label(
 ) -> list[Any]:
     """Split a label into ``num_microbatch`` labels (automatic, a spec, or ``fn(label, n)``).
 
-    Automatically split leaves must have the size of ``batch`` (the inputs' batch), if known."""
+    Automatically split leaves must have the size of ``batch`` (the inputs' batch), if known, or
+    a whole multiple of it (cut with its samples)."""
     _check_count(num_microbatch)
     if is_user_function(spec):
         return _check_list(spec(label, num_microbatch), num_microbatch, "split_label's result")
     batch = Batch() if batch is None else batch
     try:
-        return _split_tree(label, spec, num_microbatch, "label", batch, batch_only=False)
+        with _naming("split_label"):
+            return _split_tree(label, spec, num_microbatch, "label", batch, batch_only=False)
     except _FewerMicrobatches as fewer:
         raise ValueError(
             f"{fewer.path} holds {fewer.count} rows (or packed microbatches), fewer than the "
@@ -602,8 +643,11 @@ def merge_output(outputs: list[Any], spec: Any | MergeOutputFn | bool | None) ->
     if is_user_function(spec):
         return spec(list(outputs))
     if spec is None or spec is True:
-        return outputs[0] if len(outputs) == 1 else _combine(outputs, None, "output", _merge_leaf)
-    return _combine(outputs, spec, "output", _merge_leaf)
+        if len(outputs) == 1:
+            return outputs[0]
+        spec = None
+    with _naming("merge_output"):
+        return _combine(outputs, spec, "output", _merge_leaf)
 
 
 def pack_output(outputs: list[Any], events: Sequence[Event | None]) -> Any:

@@ -765,7 +765,10 @@ class RoundPipe(ForwardingModule):
         runtime = self._runtime
         plan = config.execute_plan
         if plan is not None:
-            plan.validate(len(self.layers), run_type)
+            try:
+                plan.validate(len(self.layers), run_type)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"RoundPipe model '{self.name}': execute_plan: {error}") from None
             return plan
         key = (run_type, device_count())
         version = runtime.timer.version

@@ -126,7 +126,15 @@ class ModelExecutePlan:
         if top != num_layers:
             raise ValueError(
                 f"fwd_plan covers layers [0, {top}) but the model has {num_layers} layers; "
-                f"an '{run_type}' plan's forward stages must cover them all"
+                f"{'an' if run_type == 'infer' else 'a'} '{run_type}' plan's forward stages "
+                "must cover them all"
+            )
+        if run_type == "train" and not self.bwd_plan:
+            raise ValueError(
+                "a 'train' plan needs backward stages but bwd_plan is empty (an inference plan, "
+                "such as ModelExecutePlan.auto('infer', ...)); with gradients on, use "
+                "ModelExecutePlan.auto('train', model), or call under torch.no_grad() "
+                "(or requires_grad=False) to run it as inference"
             )
         if run_type == "train" or self.bwd_plan:
             _check_descending(self.bwd_plan, num_layers, first_index=0)
