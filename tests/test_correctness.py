@@ -1639,6 +1639,70 @@ def test_activations_in_objects_pytree_cannot_see_raise_and_registered_ones_trai
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [8, 7])
+def test_a_token_label_flattened_over_the_batch_trains_as_the_per_microbatch_loop(
+    num_devices: int, rows: int
+) -> None:
+    """Token labels flattened to (batch * tokens,), as language-model losses take them, split
+    automatically with their samples (as 0.1.1's even cut does): forward_backward gives the
+    per-microbatch loop's gradients and losses, bit for bit, also where the batch does not
+    split evenly."""
+    torch.manual_seed(3)
+    tokens, classes = 5, 6
+    reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, classes))
+    model = RoundPipe(copy.deepcopy(reference))
+    x = torch.randn(rows, tokens, 8)
+    label = torch.randint(0, classes, (rows * tokens,))
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, classes), target)
+
+    config = RoundPipeRunConfig(num_microbatch=3)
+    losses = model.forward_backward(
+        input_args=(x,), label=label, loss_fn=loss_fn, run_config=config
+    )
+    expected, first = torch.tensor(0.0), 0
+    for chunk in x.tensor_split(3):
+        target = label[first : first + chunk.size(0) * tokens]
+        first += target.numel()
+        loss = loss_fn(reference(chunk), target)
+        loss.backward()
+        expected = expected + loss.detach()
+    model.synchronize()
+    assert_grads_equal(model.model, reference)
+    torch.testing.assert_close(losses, expected)
+
+
+@pytest.mark.parametrize("hidden_kind", [_Hidden, _Plain, _Slotted])
+def test_outputs_in_objects_pytree_cannot_see_raise_and_registered_ones_train(
+    num_devices: int, hidden_kind: type
+) -> None:
+    """A model whose output holds its tensors in an object torch's pytree does not know gives
+    backward() nothing that reaches the layers (a merge function that takes them out is
+    connected to nothing of the pipeline): a TypeError saying how to register it, never
+    gradients lost without an error; without grad the call runs. Registered, forward() +
+    backward() gives plain PyTorch's gradients."""
+    config = RoundPipeRunConfig(
+        num_microbatch=2, merge_output=lambda outs: torch.cat([out.h for out in outs])
+    )
+    x = torch.randn(4, 8)
+    torch.manual_seed(5)
+    hidden = RoundPipe(nn.Sequential(nn.Linear(8, 8), _ToState(hidden_kind)), name="hidden")
+    with pytest.raises(TypeError, match=rf"'hidden'.*output of layer 1.*{hidden_kind.__name__}"):
+        hidden(x, roundpipe_run_config=config)
+    with torch.no_grad():
+        assert hidden(x, roundpipe_run_config=config).shape == (4, 8)
+    torch.manual_seed(5)
+    reference = nn.Sequential(nn.Linear(8, 8), _ToState(_Registered))
+    model = RoundPipe(copy.deepcopy(reference))
+    loss_of(model(x, roundpipe_run_config=config)).backward()
+    loss_of(torch.cat([reference(c).h for c in x.tensor_split(2)])).backward()
+    model.synchronize()
+    for p, q in zip(model.model.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert torch.equal(p.grad, q.grad)
+
+
 class _Routed(nn.Module):
     """Two experts, the second run only while ``both`` (a router that sends it no token in
     some batches), and a side head whose output the loss ignores."""

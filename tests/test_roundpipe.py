@@ -254,6 +254,35 @@ def test_chained_models_pass_gradients_through_packed_outputs(num_devices: int) 
     assert_same_grads(second.model, second_ref)
 
 
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_a_model_chained_into_forward_backward_adds_each_microbatch_in_turn(
+    num_devices: int, grain: str
+) -> None:
+    """forward_backward is one backward pass per microbatch, and so is the backward of the
+    upstream model whose packed output it consumes: bit for bit the per-microbatch loop over
+    both models, also when the gradients add to those of an earlier iteration, and a hook on an
+    upstream parameter sees each microbatch's gradient in order, as in that loop."""
+    first_ref, second_ref = mlp(3, width=16, seed=3), mlp(3, width=16, seed=4)
+    first, second = RoundPipe(copy.deepcopy(first_ref)), RoundPipe(copy.deepcopy(second_ref))
+    seen: list[torch.Tensor] = []
+    expected_seen: list[torch.Tensor] = []
+    first.model[0][0].weight.register_hook(lambda g: seen.append(g.clone()))
+    first_ref[0][0].weight.register_hook(lambda g: expected_seen.append(g.clone()))
+    config = RoundPipeRunConfig(num_microbatch=4, recompute_grain=grain)
+    chained = RoundPipeRunConfig(num_microbatch=4, recompute_grain=grain, merge_output=False)
+    for _ in range(2):  # the second adds to the first's gradients
+        x, y = torch.randn(32, 16), torch.randn(32, 16)
+        packed = first(x, roundpipe_run_config=chained)
+        second.forward_backward(input_args=(packed,), label=y, loss_fn=mse, run_config=config)
+        plain_forward_backward(nn.Sequential(first_ref, second_ref), x, y, 4)
+    first.synchronize()
+    second.synchronize()
+    assert_same_grads(first.model, first_ref, exact=True)
+    assert_same_grads(second.model, second_ref, exact=True)
+    assert len(seen) == len(expected_seen) == 8
+    assert all(torch.equal(a, b) for a, b in zip(seen, expected_seen, strict=True))
+
+
 def test_input_gradients_reach_the_caller(num_devices: int) -> None:
     reference = mlp()
     model = RoundPipe(copy.deepcopy(reference))

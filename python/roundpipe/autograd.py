@@ -42,10 +42,25 @@ def input_grads(
 
 
 def backward_into_inputs(inputs: list[Any], grads: list[list[torch.Tensor | None]]) -> None:
-    """Send the gradients of the user's inputs (those that require grad) into their graph."""
+    """Send the gradients of the user's inputs (those that require grad) into their graph.
+
+    ``forward_backward`` is one backward pass per microbatch: where an input is the output of an
+    upstream model's ``forward()`` (chained with ``merge_output=False``), that model's backward
+    then adds each microbatch's gradients in turn, as the per-microbatch loop of plain PyTorch
+    would, instead of as the one pass over them all its own backward is."""
     pairs = [(leaf, grad) for leaf, grad in input_grads(inputs, grads) if grad is not None]
-    if pairs:
+    if not pairs:
+        return
+    # The autograd nodes of forward() calls (PipelineFunction's) whose outputs these are.
+    nodes: set[Any] = {leaf.grad_fn for leaf, _ in pairs}
+    upstream = [node for node in nodes if isinstance(getattr(node, "node", None), PipelineNode)]
+    for ctx in upstream:
+        ctx.microbatch_passes = True
+    try:
         torch.autograd.backward([leaf for leaf, _ in pairs], [grad for _, grad in pairs])
+    finally:
+        for ctx in upstream:
+            ctx.microbatch_passes = False
 
 
 _TENSOR = object()  # marks where an output leaf was a tensor
@@ -105,7 +120,11 @@ class PipelineNode:
         ]
 
     def run_backward(
-        self, grad_outputs: Sequence[torch.Tensor | None], param_grads: bool, graph_node: Any
+        self,
+        grad_outputs: Sequence[torch.Tensor | None],
+        param_grads: bool,
+        graph_node: Any,
+        microbatch_passes: bool = False,
     ) -> list[Any]:
         """The pipelined recompute + backward of the autograd node ``graph_node``; returns
         per-microbatch input gradients. The parameters' gradients are accumulated in the host
@@ -113,7 +132,9 @@ class PipelineNode:
         forward() calls of the model too, or hooks of tied weights need their whole gradient,
         they are summed over the pass first (``GradientState.accumulating_in_pass``); not with
         stage reduces, which sum each call's over the ranks (hooks then run once per call, on
-        each use's part)."""
+        each use's part). Otherwise ``microbatch_passes`` (the pass is a downstream model's
+        ``forward_backward``) adds them one microbatch after the other, in order, as its
+        per-microbatch passes would (``Call.microbatch_passes``)."""
         iterator = iter(grad_outputs)
         grads = [
             [next(iterator) if leaf is _TENSOR else None for leaf in leaves]
@@ -141,6 +162,7 @@ class PipelineNode:
                 if in_pass and self.call.runner.stage_reduce is None:
                     with gradients.accumulating_in_pass(self.call, self.lock):
                         return self.call.backward(grads)
+                self.call.microbatch_passes = microbatch_passes
                 with gradients.accumulating(self.call):
                     return self.call.backward(grads)
 
@@ -218,7 +240,12 @@ class PipelineFunction(torch.autograd.Function):
                 "(double backward, e.g. a gradient penalty) through a forward() output is not "
                 "supported; compute such terms with a plain PyTorch model"
             )
-        grads = node.run_backward(grad_outputs, _wants_param_grads(ctx.params_node), ctx)
+        grads = node.run_backward(
+            grad_outputs,
+            _wants_param_grads(ctx.params_node),
+            ctx,
+            microbatch_passes=getattr(ctx, "microbatch_passes", False),
+        )
         return (None, None, *(grad for _, grad in input_grads(node.inputs, grads)))
 
 

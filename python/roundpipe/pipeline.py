@@ -747,6 +747,11 @@ class Call:
     # False: a backward that wants the inputs' gradients only (torch.autograd.grad), so the
     # parameters' are not downloaded.
     keep_param_grads: bool = field(init=False, default=True)
+    # The backward of a forward() whose output a downstream model's forward_backward consumed
+    # (chained with merge_output=False): one pass per microbatch there, so its gradients are
+    # added one microbatch after the other, in order, onto the arena's, as forward_backward's
+    # own (set by roundpipe.autograd.PipelineNode.run_backward).
+    microbatch_passes: bool = field(init=False, default=False)
     # The backward of a forward() in a backward pass whose gradients are summed before they are
     # added (several forward() calls, a tied weight's hooks): they go into this arena of the
     # pass, whose sums are added to the model's when the pass ends (set by
@@ -781,6 +786,9 @@ class Call:
         """The forward stages over the per-microbatch ``(args, kwargs)``; returns the outputs on
         ``output_device`` and the events of their copies (None where nothing is in flight)."""
         outputs = self.run([Stage("forward", layers) for layers in self.plan.fwd_plan], inputs)
+        if self.saving:
+            for m, value in enumerate(outputs):
+                self._check_output(m, value)
         return _to_output_device(outputs, output_device)
 
     def backward(self, grads: list[Any]) -> list[Any]:
@@ -820,11 +828,12 @@ class Call:
         # reduces sum the call's own gradients over the ranks.) A backward pass through several
         # forward() calls sums them in the pass's arena: each call's microbatches add to what
         # the calls before it left there, as the engine sums a gradient over the whole pass.
+        passes = self.run_type == "fused" or self.microbatch_passes
         from_arena = self.pass_arena is not None or (
-            self.grads_in_arena and self.run_type == "fused" and self.runner.stage_reduce is None
+            self.grads_in_arena and passes and self.runner.stage_reduce is None
         )
         hooks: ParamHooks = "shared"
-        if self.run_type == "train":  # the backward of a forward(): one pass
+        if not passes:  # the backward of a forward(): one pass
             hooks = "on_sums" if self.pass_arena is None else "later"
         uploads = _Uploads(
             memory, stages, self.runner.name, self.nvtx, from_arena, hooks, self.pass_arena
@@ -1051,9 +1060,10 @@ class Call:
             native = range(0)
         # The backward of a forward() is one backward pass over every microbatch's graph, whose
         # gradients plain PyTorch's engine sums last microbatch first (its nodes came last); the
-        # backward of forward_backward is one pass per microbatch, in order.
+        # backward of forward_backward (and of a forward() it consumed) is one pass per
+        # microbatch, in order.
         order = range(len(grads))
-        if self.run_type == "train":
+        if self.run_type == "train" and not self.microbatch_passes:
             order = order[::-1]
         with stage.bound(keep_buffer_updates=False, recomputed=True):
             new_grads = None
@@ -1224,6 +1234,22 @@ class Call:
             return annotate(error, self._where(run.context.layer, "recompute", microbatch))
         return annotate(error, self._where(range(first, stop), "backward", microbatch))
 
+    def _check_output(self, microbatch: int, value: Any) -> None:
+        """A training forward's output must show autograd every tensor that carries a graph: one
+        held in an object torch's pytree does not know would hand backward() nothing to send
+        back into the pipeline, and the layers' gradients would be lost without an error."""
+        last = len(self.runner.layers) - 1
+        for leaf in _flatten(value)[0]:
+            if not isinstance(leaf, torch.Tensor) and _hides_gradients(leaf, requiring_grad=True):
+                raise TypeError(
+                    f"RoundPipe model '{self.runner.name}': the output of layer {last} "
+                    f"(microbatch {microbatch}) holds tensors that require grad in a "
+                    f"{type(leaf).__name__}, a type that torch's pytree does not know, so "
+                    "backward() through them could not reach the layers; register it "
+                    "(torch.utils._pytree.register_dataclass for a dataclass, "
+                    "register_pytree_node otherwise) or return a tuple, list or dict"
+                )
+
     def _differentiable_input(
         self, layer: int, microbatch: int, value: Any, device_index: int, landed: Any = None
     ) -> Any:
@@ -1258,11 +1284,12 @@ class Call:
         return _unflatten(fresh, spec)
 
 
-def _hides_gradients(leaf: Any, user_input: bool, seen: set[int] | None = None) -> bool:
+def _hides_gradients(leaf: Any, requiring_grad: bool, seen: set[int] | None = None) -> bool:
     """Whether ``leaf``, a pytree leaf that is not a tensor, is an object (a dataclass, or any
     instance with attributes) holding tensors that gradients would flow through in plain PyTorch
-    (floating point activations; of the user's own inputs, those that require grad), which the
-    pipeline cannot reach. Modules are not looked into (their tensors are parameters)."""
+    (floating point activations; with ``requiring_grad``, as for the user's own inputs and the
+    model's outputs, those that require grad), which the pipeline cannot reach. Modules are not
+    looked into (their tensors are parameters)."""
     attributes = _attributes(leaf)
     if not attributes:
         return False
@@ -1274,9 +1301,9 @@ def _hides_gradients(leaf: Any, user_input: bool, seen: set[int] | None = None) 
     return any(
         (
             isinstance(t, torch.Tensor)
-            and (t.requires_grad if user_input else t.is_floating_point() or t.is_complex())
+            and (t.requires_grad if requiring_grad else t.is_floating_point() or t.is_complex())
         )
-        or (not isinstance(t, torch.Tensor) and _hides_gradients(t, user_input, seen))
+        or (not isinstance(t, torch.Tensor) and _hides_gradients(t, requiring_grad, seen))
         for t in inner
     )
 
