@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import ClassVar, cast
@@ -86,6 +88,70 @@ def test_two_threads_on_one_model_accumulate_both_calls(num_devices: int) -> Non
     assert not errors, errors
     model.synchronize()
     assert_same_grads(model.model, reference)
+
+
+_CROSSED_CALLS = """
+import copy, threading, torch, roundpipe
+from torch import nn
+from roundpipe import RoundPipe, RoundPipeRunConfig
+roundpipe.configure_devices(kind="cpu", num_cpu_devices=NUM_DEVICES)
+torch.manual_seed(0)
+plain = [nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]) for _ in range(2)]
+models = [RoundPipe(copy.deepcopy(p), name=f"m{i}") for i, p in enumerate(plain)]
+x, y = torch.randn(8, 8), torch.randn(8, 8)
+config = RoundPipeRunConfig(num_microbatch=2)
+inside = threading.Barrier(2)
+first = [True, True]
+errors = {}
+
+def train(i):
+    def loss_fn(out, label):
+        if first[i]:  # both threads hold their own model here
+            first[i] = False
+            inside.wait(timeout=60)
+        with torch.no_grad():
+            teacher = models[1 - i](label)  # each calls the other model from inside its call
+        return nn.functional.mse_loss(out, label) + 0 * teacher.sum()
+    try:
+        models[i].forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=config)
+    except RuntimeError as error:
+        errors[i] = str(error)
+
+threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert len(errors) == 1, errors
+(message,) = errors.values()
+assert "would wait for ever" in message and "'m0'" in message and "'m1'" in message, message
+# Both models train as plain PyTorch afterwards (no step ran: the weights are the same).
+mse = nn.functional.mse_loss
+for model, reference in zip(models, plain):
+    model.zero_grad()
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    model.synchronize()
+    for xm, ym in zip(x.tensor_split(2), y.tensor_split(2)):
+        mse(reference(xm), ym).backward()
+    for p, q in zip(model.model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+print("ok")
+"""
+
+
+def test_two_threads_calling_each_others_model_from_inside_a_call_do_not_hang(
+    num_devices: int,
+) -> None:
+    """Each thread's loss_fn calls the other thread's model (mutual distillation) while both
+    threads are inside their own model's call: plain PyTorch runs both, and waiting for each
+    other would never end. One call raises a RuntimeError naming both models, the other goes
+    on, and both models train as plain PyTorch afterwards. In a subprocess: a hang fails the
+    test by its timeout instead of stopping the suite."""
+    code = _CROSSED_CALLS.replace("NUM_DEVICES", str(num_devices))
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
 def test_synchronize_while_another_thread_trains(num_devices: int) -> None:

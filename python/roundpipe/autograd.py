@@ -16,7 +16,6 @@ since the forward (a step, a load, an in-place edit): it would recompute with ot
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from roundpipe.call_lock import CallLock
 from roundpipe.gradients import GradientState
 from roundpipe.pipeline import Call
 
@@ -75,7 +75,7 @@ class PipelineNode:
         self,
         call: Call,
         gradients: GradientState,
-        lock: threading.RLock,
+        lock: CallLock,
         inputs: list[Any],
         output_device: torch.device,
         weights_version: Callable[[], Any],

@@ -8,7 +8,6 @@ import functools
 import gc
 import os
 import sys
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from roundpipe.batch import (
     split_input,
     split_label,
 )
+from roundpipe.call_lock import CallLock
 from roundpipe.context import optimizer_context_active
 from roundpipe.device import device_count, devices
 from roundpipe.distributed import (
@@ -82,14 +82,14 @@ class _Runtime:
     gradients: GradientState
     steps: StepPipeline
     param_names: list[tuple[str, nn.Parameter]]
+    # Calls on the model take turns (see ``serialized``).
+    lock: CallLock
     # The autograd node's input that ties a forward() with gradients into the graph.
     anchor: torch.Tensor = field(default_factory=lambda: torch.empty(0, requires_grad=True))
     # Automatic plans by (run type, device count): (timer version, plan).
     plans: dict[tuple[str, int], tuple[int, ModelExecutePlan]] = field(default_factory=dict)
     # Optimizer copies read by load_state_dict, applied once the parameters are loaded.
     loaded_copies: dict[str, torch.Tensor] = field(default_factory=dict)
-    # Calls on the model take turns (see ``serialized``).
-    lock: threading.RLock = field(default_factory=threading.RLock)
 
     def weights_version(self) -> tuple[int, int]:
         """Changes whenever the parameters' values may have: with each step (its weights land
@@ -102,7 +102,7 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 # Every live model's runtime, for fork() (see _hold_models_for_fork).
 _runtimes: weakref.WeakSet[_Runtime] = weakref.WeakSet()
-_held_for_fork: list[threading.RLock] = []
+_held_for_fork: list[CallLock] = []
 
 
 def _refuse_wrapped_twice(layers: list[nn.Module]) -> None:
@@ -141,7 +141,7 @@ def _hold_models_for_fork() -> None:
         return
     try:
         for runtime in sorted(_runtimes, key=id):  # one order: two forking threads cannot cross
-            runtime.lock.acquire()
+            runtime.lock.acquire(refuse_endless=False)  # a hook of fork() cannot raise
             _held_for_fork.append(runtime.lock)
     except KeyboardInterrupt:
         _release_models_after_fork()
@@ -292,6 +292,7 @@ class RoundPipe(ForwardingModule):
             gradients=GradientState(memory, name, {id(p): n for n, p in param_names}),
             steps=StepPipeline(memory, optim_dtype, name, data_parallel),
             param_names=param_names,
+            lock=CallLock(name),
         )
         _runtimes.add(runtime)
         super().__init__(

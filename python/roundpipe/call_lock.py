@@ -1,0 +1,107 @@
+"""The lock a model's calls take turns by, which raises where a wait could never end.
+
+Calls on one model from several threads take turns (``RoundPipe``'s calls, the backward of its
+``forward()``, a load). A call may call another model from inside (in ``loss_fn``, a layer or a
+hook: distillation from a teacher, a critic). Two threads that do so both ways would each hold
+their own model and wait for the other's for ever, where plain PyTorch, which holds nothing,
+runs both. A thread about to wait for a model therefore follows the chain of waits from that
+model's holder; if it comes back to this thread, the wait is refused with a ``RuntimeError``
+naming both models, the call unwinds, and the other thread goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+
+class _Waits:
+    """Which lock each waiting thread waits for, under one small lock of its own."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.waiting: dict[int, CallLock] = {}
+
+
+_waits = _Waits()
+
+
+def _reset_after_fork() -> None:
+    # The child has only the forking thread: no waits, and no lock a vanished thread held.
+    global _waits
+    _waits = _Waits()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+class CallLock:
+    """A reentrant lock for the calls of the model ``name``; ``with lock:`` takes it."""
+
+    __slots__ = ("_depth", "_lock", "_owner", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.RLock()
+        self._owner: int | None = None  # written by the holder only
+        self._depth = 0
+
+    def acquire(self, refuse_endless: bool = True) -> None:
+        """Take the lock, waiting for its holder (interruptible by Ctrl-C). With
+        ``refuse_endless``, ``RuntimeError`` instead of a wait that could never end."""
+        if self._lock.acquire(blocking=False):
+            self._taken()
+            return
+        me = threading.get_ident()
+        waits = _waits
+        with waits.lock:
+            if refuse_endless:
+                self._refuse_a_cycle(me, waits.waiting)
+            waits.waiting[me] = self
+        try:
+            self._lock.acquire()
+        finally:
+            with waits.lock:
+                waits.waiting.pop(me, None)
+        self._taken()
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+        self._lock.release()
+
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _taken(self) -> None:
+        self._owner = threading.get_ident()
+        self._depth += 1
+
+    def _refuse_a_cycle(self, me: int, waiting: dict[int, CallLock]) -> None:
+        """``RuntimeError`` if the chain of waits from this lock's holder leads back to ``me``."""
+        chain: list[CallLock] = []
+        lock: CallLock | None = self
+        while lock is not None and len(chain) <= len(waiting):
+            owner = lock._owner
+            if owner is None:
+                return
+            if owner == me:
+                held = chain[-1].name if chain else self.name
+                raise RuntimeError(
+                    f"RoundPipe model '{self.name}': this call would wait for ever. Another "
+                    f"thread is in a call of model '{self.name}' that waits for model '{held}', "
+                    f"and this thread is in a call of '{held}' (it called '{self.name}' from "
+                    "inside: loss_fn, a layer or a hook). Calls of two models from inside each "
+                    "other's, in two threads at once, cannot both go on; make such calls from "
+                    "one thread, or outside the other model's call."
+                )
+            lock = waiting.get(owner)
+            if lock is not None:
+                chain.append(lock)
+
+
+__all__ = ["CallLock"]
