@@ -6,6 +6,8 @@ the calling thread when its worker is idle and on the worker otherwise."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -246,6 +248,56 @@ def test_typed_views_refuse_what_does_not_fit() -> None:
         _C.typed_views(torch.zeros(4), 0, [0], [like])
     with pytest.raises(RuntimeError, match="1 offsets but 2 likes"):
         _C.typed_views(buffer, 0, [0], [like, like])
+
+
+_OUT_OF_REACH = """
+import torch, roundpipe
+from roundpipe._native import _C
+roundpipe.configure_devices(kind="cpu", num_cpu_devices=1)
+buffer, far = torch.zeros(64, dtype=torch.uint8), 2**63 - 8
+for like_requires_grad in (False, True):  # a view, or a tensor of its own on the storage
+    try:
+        _C.typed_views(buffer, 0, [far], [torch.zeros(4, requires_grad=True)], like_requires_grad)
+    except RuntimeError as error:
+        assert "does not lie aligned inside the buffer" in str(error)
+    else:
+        raise AssertionError("a view past the buffer's end")
+try:
+    _C.typed_views(buffer, -(2**62), [2**62], [torch.zeros(4)])
+except RuntimeError as error:
+    assert "does not lie aligned inside the buffer" in str(error)
+else:
+    raise AssertionError("an offset before the buffer")
+arena = torch.zeros(16, dtype=torch.uint8)
+try:
+    _C.upload_stage(0, torch.device("cpu"), arena, 0, 16, [(0, 16)], None, [far],
+                    [torch.zeros(4)], False, 0, 0, [], [])
+except RuntimeError as error:
+    assert "does not lie aligned inside the buffer" in str(error)
+else:
+    raise AssertionError("a parameter view past the stage's buffer")
+for make in (_C.KeptInputs, _C.RngStates):
+    try:
+        make(2**32, 2**32)
+    except RuntimeError as error:
+        assert "slots" in str(error)
+    else:
+        raise AssertionError("layers x microbatches past int64")
+kept = _C.KeptInputs(4, 4)
+assert kept.find(2**62, 1) is None and kept.find(3, 3) is None
+print("ok")
+"""
+
+
+def test_native_views_and_slots_refuse_what_lies_out_of_reach() -> None:
+    """Offsets and counts so large that their sums or products overflow 64 bits were let
+    through, giving tensors past the buffer (a crash on first use) or tables of no slots: each
+    is refused with the error a smaller one gets. In a subprocess: a crash fails the test, not
+    the suite."""
+    result = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_REACH], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
 @pytest.fixture
@@ -529,6 +581,29 @@ def test_layer_loop_keeps_private_copies_of_the_inputs_asked_for() -> None:
         loop.run_keeping(1, 3, 0, [torch.ones(3)], [3], kept, keeper)  # not a layer it runs
     with pytest.raises(IndexError):
         loop.run_keeping(1, 3, 9, [torch.ones(3)], [1], kept, keeper)  # no microbatch 9
+
+
+@pytest.mark.usefixtures("one_cpu_device")
+def test_layer_loop_runs_the_inputs_it_was_given_when_a_layer_empties_their_list() -> None:
+    """A layer that changes the caller's list of inputs while the loop runs (here: empties it)
+    changes nothing of the run: every input given is run, none read after it was freed."""
+    from roundpipe.context import LayerCall
+
+    values = [torch.full((2,), float(i)) for i in range(50)]
+
+    class Empties(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            values.clear()
+            gc.collect()
+            return x + 1
+
+    loop = _C.LayerLoop(
+        [nn.Identity(), Empties()], 0, False, [], LayerCall({}, False, False), None, "off", 0
+    )
+    outputs = loop.run_keeping(1, 2, 0, values, [], None, lambda *_: None)
+    assert len(outputs) == 50 and not values
+    for i, output in enumerate(outputs):
+        assert torch.equal(output, torch.full((2,), float(i + 1)))
 
 
 class _Doubles(nn.Module):

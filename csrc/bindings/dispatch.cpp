@@ -85,11 +85,15 @@ std::vector<at::Tensor> cut_typed(const at::Tensor& buffer, std::int64_t first_b
     const at::Tensor& like = likes[i];
     TORCH_CHECK(like.is_contiguous(), "typed_views: likes[", i, "] must be contiguous");
     const std::int64_t size = static_cast<std::int64_t>(like.element_size());
-    const std::int64_t start = offsets[i] - first_byte;
-    TORCH_CHECK(start >= 0 && start % size == 0 && start + like.numel() * size <= buffer.numel(),
-                "typed_views: offsets[", i, "] = ", offsets[i], " (", like.numel(), " x ", size,
+    // Written so that no sum or product can overflow: offsets come from the caller.
+    const bool inside = first_byte >= 0 && offsets[i] >= first_byte &&
+                        offsets[i] - first_byte <= buffer.numel() &&
+                        like.numel() <= (buffer.numel() - (offsets[i] - first_byte)) / size;
+    TORCH_CHECK(inside && (offsets[i] - first_byte) % size == 0, "typed_views: offsets[", i,
+                "] = ", offsets[i], " (", like.numel(), " x ", size,
                 " bytes) does not lie aligned inside the buffer of ", buffer.numel(),
                 " bytes starting at byte ", first_byte);
+    const std::int64_t start = offsets[i] - first_byte;
     if (cut != Cut::kView) {
       // To autograd a tensor of its own, not a view of the buffer, as a parameter is: ops on a
       // view of a leaf that requires grad, made in no-grad mode, require grad only when the
@@ -368,8 +372,8 @@ std::vector<executor::EventPtr> download_grads(
     const std::vector<std::tuple<std::int64_t, std::int64_t, at::ScalarType>>& runs,
     const std::optional<at::Tensor>& staging, bool replace) {
   for (const auto& [begin, end, dtype] : runs) {
-    TORCH_CHECK(first_byte <= begin && begin <= end && end - first_byte <= grads.numel() &&
-                    end <= arena.numel(),
+    TORCH_CHECK(0 <= first_byte && first_byte <= begin && begin <= end &&
+                    end - first_byte <= grads.numel() && end <= arena.numel(),
                 "download_grads: run [", begin, ", ", end, ") is not within the stage's bytes [",
                 first_byte, ", ", first_byte + grads.numel(), ") of the arena of ", arena.numel(),
                 " bytes");
@@ -540,24 +544,32 @@ template <class T>
 class CallSlots {
  public:
   CallSlots(const char* owner, std::int64_t layers, std::int64_t microbatches)
-      : microbatches_(microbatches),
-        slots_(static_cast<std::size_t>(std::max<std::int64_t>(layers, 0) *
-                                        std::max<std::int64_t>(microbatches, 0))) {
+      : layers_(layers), microbatches_(microbatches), slots_(count(owner, layers, microbatches)) {}
+
+  // layers x microbatches, checked before anything is allocated.
+  static std::size_t count(const char* owner, std::int64_t layers, std::int64_t microbatches) {
     TORCH_CHECK(layers >= 0 && microbatches >= 0, owner, ": layers (", layers,
                 ") and microbatches (", microbatches, ") must be >= 0");
+    TORCH_CHECK(microbatches == 0 || layers <= kMaxSlots / microbatches, owner, ": layers (",
+                layers, ") x microbatches (", microbatches, ") is over ", kMaxSlots,
+                " (layer, microbatch) slots");
+    return static_cast<std::size_t>(layers * microbatches);
   }
+  static constexpr std::int64_t kMaxSlots = std::int64_t{1} << 32;
 
   // The slot of (layer, microbatch), or null when the call has none.
   T* find(std::int64_t layer, std::int64_t microbatch) {
-    if (layer < 0 || microbatch < 0 || microbatch >= microbatches_) return nullptr;
-    const auto i = static_cast<std::size_t>(layer * microbatches_ + microbatch);
-    return i < slots_.size() ? &slots_[i] : nullptr;
+    if (layer < 0 || layer >= layers_ || microbatch < 0 || microbatch >= microbatches_) {
+      return nullptr;
+    }
+    return &slots_[static_cast<std::size_t>(layer * microbatches_ + microbatch)];
   }
   const T* find(std::int64_t layer, std::int64_t microbatch) const {
     return const_cast<CallSlots*>(this)->find(layer, microbatch);
   }
 
  private:
+  std::int64_t layers_;
   std::int64_t microbatches_;
   std::vector<T> slots_;
 };
@@ -702,11 +714,15 @@ class LayerLoop {
                   "LayerLoop.run_keeping: keep must list layers of [", first, ", ", stop,
                   ") in ascending order");
     }
+    // Held here: a layer may change the caller's list while the loop runs.
+    std::vector<py::object> inputs;
+    inputs.reserve(values.size());
+    for (const py::handle input : values)
+      inputs.push_back(py::reinterpret_borrow<py::object>(input));
     py::list outputs;
     std::int64_t microbatch = first_microbatch;
-    for (const py::handle input : values) {
+    for (py::object& value : inputs) {
       const py::int_ mb(microbatch);
-      py::object value = py::reinterpret_borrow<py::object>(input);
       auto next = keep.begin();
       for (std::int64_t layer = first; layer < stop; ++layer) {
         const bool keeping = next != keep.end() && *next == layer;

@@ -21,12 +21,16 @@ void check_time(double seconds, const char* what, std::size_t stage) {
 
 double simulate_schedule(std::span<const StageWork> stages, int num_devices, int num_microbatches,
                          std::vector<ScheduledRun>* trace) {
-  if (num_devices < 1) {
-    throw std::invalid_argument("num_devices must be at least 1, got " +
-                                std::to_string(num_devices));
+  // Bounded above too: the schedule's memory and time grow with both.
+  constexpr int kMaxDevices = 1 << 16;
+  constexpr int kMaxMicrobatches = 1 << 20;
+  if (num_devices < 1 || num_devices > kMaxDevices) {
+    throw std::invalid_argument("num_devices must be from 1 to " + std::to_string(kMaxDevices) +
+                                ", got " + std::to_string(num_devices));
   }
-  if (num_microbatches < 1) {
-    throw std::invalid_argument("num_microbatches must be at least 1, got " +
+  if (num_microbatches < 1 || num_microbatches > kMaxMicrobatches) {
+    throw std::invalid_argument("num_microbatches must be from 1 to " +
+                                std::to_string(kMaxMicrobatches) + ", got " +
                                 std::to_string(num_microbatches));
   }
   for (std::size_t s = 0; s < stages.size(); ++s) {

@@ -381,6 +381,13 @@ TEST_CASE("planner_rejects_bad_arguments") {
   bad = options;
   bad.num_devices = 0;
   CHECK_THROWS(plan_stages(RunType::kTrain, models, bad), std::invalid_argument, "num_devices");
+  bad.num_devices = 1 << 30;  // a schedule over as many devices would not fit in memory
+  CHECK_THROWS(plan_stages(RunType::kTrain, models, bad), std::invalid_argument,
+               "num_devices must be from 1 to 65536");
+  bad = options;
+  bad.num_microbatches = 1 << 30;
+  CHECK_THROWS(plan_stages(RunType::kTrain, models, bad), std::invalid_argument,
+               "num_microbatches must be from 1 to 1048576");
   CHECK_THROWS(plan_stages(RunType::kTrain, std::vector<LayerCosts>{}, options),
                std::invalid_argument, "at least one model");
   CHECK_THROWS(plan_stages(RunType::kTrain, std::vector<LayerCosts>{LayerCosts{}}, options),
