@@ -96,36 +96,38 @@ from torch import nn
 from roundpipe import RoundPipe, RoundPipeRunConfig
 roundpipe.configure_devices(kind="cpu", num_cpu_devices=NUM_DEVICES)
 torch.manual_seed(0)
-plain = [nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]) for _ in range(2)]
+plain = [nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]) for _ in range(MODELS)]
 models = [RoundPipe(copy.deepcopy(p), name=f"m{i}") for i, p in enumerate(plain)]
 x, y = torch.randn(8, 8), torch.randn(8, 8)
 config = RoundPipeRunConfig(num_microbatch=2)
-inside = threading.Barrier(2)
-first = [True, True]
+inside = threading.Barrier(MODELS)
+first = [True] * MODELS
 errors = {}
 
 def train(i):
     def loss_fn(out, label):
-        if first[i]:  # both threads hold their own model here
+        if first[i]:  # every thread holds its own model here
             first[i] = False
             inside.wait(timeout=60)
         with torch.no_grad():
-            teacher = models[1 - i](label)  # each calls the other model from inside its call
+            teacher = models[(i + 1) % MODELS](label)  # the next model, from inside its call
         return nn.functional.mse_loss(out, label) + 0 * teacher.sum()
     try:
         models[i].forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=config)
     except RuntimeError as error:
         errors[i] = str(error)
 
-threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+threads = [threading.Thread(target=train, args=(i,)) for i in range(MODELS)]
 for t in threads:
     t.start()
 for t in threads:
     t.join()
 assert len(errors) == 1, errors
 (message,) = errors.values()
-assert "would wait for ever" in message and "'m0'" in message and "'m1'" in message, message
-# Both models train as plain PyTorch afterwards (no step ran: the weights are the same).
+assert "would wait for ever" in message, message
+assert MODELS == 3 or ("'m0'" in message and "'m1'" in message), message
+assert MODELS == 2 or "through calls in other threads" in message, message
+# Every model trains as plain PyTorch afterwards (no step ran: the weights are the same).
 mse = nn.functional.mse_loss
 for model, reference in zip(models, plain):
     model.zero_grad()
@@ -139,15 +141,16 @@ print("ok")
 """
 
 
-def test_two_threads_calling_each_others_model_from_inside_a_call_do_not_hang(
-    num_devices: int,
+@pytest.mark.parametrize("models", [2, 3])
+def test_threads_calling_each_others_model_from_inside_a_call_do_not_hang(
+    num_devices: int, models: int
 ) -> None:
-    """Each thread's loss_fn calls the other thread's model (mutual distillation) while both
-    threads are inside their own model's call: plain PyTorch runs both, and waiting for each
-    other would never end. One call raises a RuntimeError naming both models, the other goes
-    on, and both models train as plain PyTorch afterwards. In a subprocess: a hang fails the
-    test by its timeout instead of stopping the suite."""
-    code = _CROSSED_CALLS.replace("NUM_DEVICES", str(num_devices))
+    """Each thread's loss_fn calls the next thread's model (mutual distillation; with three, a
+    ring) while every thread is inside its own model's call: plain PyTorch runs them all, and
+    waiting for each other would never end. One call raises a RuntimeError naming the models,
+    the others go on, and every model trains as plain PyTorch afterwards. In a subprocess: a
+    hang fails the test by its timeout instead of stopping the suite."""
+    code = _CROSSED_CALLS.replace("NUM_DEVICES", str(num_devices)).replace("MODELS", str(models))
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
     )

@@ -91,13 +91,14 @@ class CallLock:
                 return
             if owner == me:
                 held = chain[-1].name if chain else self.name
+                through = " (through calls in other threads)" if len(chain) > 1 else ""
                 raise RuntimeError(
                     f"RoundPipe model '{self.name}': this call would wait for ever. Another "
-                    f"thread is in a call of model '{self.name}' that waits for model '{held}', "
-                    f"and this thread is in a call of '{held}' (it called '{self.name}' from "
-                    "inside: loss_fn, a layer or a hook). Calls of two models from inside each "
-                    "other's, in two threads at once, cannot both go on; make such calls from "
-                    "one thread, or outside the other model's call."
+                    f"thread is in a call of model '{self.name}' that waits{through} for model "
+                    f"'{held}', and this thread is in a call of '{held}' (it called "
+                    f"'{self.name}' from inside: loss_fn, a layer or a hook). Calls of models "
+                    "from inside each other's, in several threads at once, cannot all go on; "
+                    "make such calls from one thread, or outside the other model's call."
                 )
             lock = waiting.get(owner)
             if lock is not None:
