@@ -1238,16 +1238,28 @@ class Call:
         """A training forward's output must show autograd every tensor that carries a graph: one
         held in an object torch's pytree does not know would hand backward() nothing to send
         back into the pipeline, and the layers' gradients would be lost without an error."""
-        last = len(self.runner.layers) - 1
-        for leaf in _flatten(value)[0]:
-            if not isinstance(leaf, torch.Tensor) and _hides_gradients(leaf, requiring_grad=True):
+        self._refuse_hidden_gradients(
+            _flatten(value)[0],
+            requiring_grad=True,
+            where=f"the output of layer {len(self.runner.layers) - 1} (microbatch {microbatch})",
+            held="tensors that require grad",
+            why="backward() through them could not reach the layers",
+            instead="return",
+        )
+
+    def _refuse_hidden_gradients(
+        self, leaves: list[Any], requiring_grad: bool, where: str, held: str, why: str, instead: str
+    ) -> None:
+        """``TypeError`` for the first of ``leaves`` that hides tensors gradients flow through
+        (see :func:`_hides_gradients`): ``where`` holds ``held`` in it, so ``why``; register
+        its type, or ``instead`` a tuple, list or dict."""
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor) and _hides_gradients(leaf, requiring_grad):
                 raise TypeError(
-                    f"RoundPipe model '{self.runner.name}': the output of layer {last} "
-                    f"(microbatch {microbatch}) holds tensors that require grad in a "
-                    f"{type(leaf).__name__}, a type that torch's pytree does not know, so "
-                    "backward() through them could not reach the layers; register it "
-                    "(torch.utils._pytree.register_dataclass for a dataclass, "
-                    "register_pytree_node otherwise) or return a tuple, list or dict"
+                    f"RoundPipe model '{self.runner.name}': {where} holds {held} in a "
+                    f"{type(leaf).__name__}, a type that torch's pytree does not know, so {why}; "
+                    "register it (torch.utils._pytree.register_dataclass for a dataclass, "
+                    f"register_pytree_node otherwise) or {instead} a tuple, list or dict"
                 )
 
     def _differentiable_input(
@@ -1259,16 +1271,14 @@ class Call:
         ``value`` in host memory, if any."""
         leaves, spec = _flatten(value)
         wanted = [isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves]
-        for leaf in leaves:
-            if not isinstance(leaf, torch.Tensor) and _hides_gradients(leaf, layer == 0):
-                kind = type(leaf).__name__
-                raise TypeError(
-                    f"RoundPipe model '{self.runner.name}': the input of layer {layer} "
-                    f"(microbatch {microbatch}) holds tensors in a {kind}, a type that torch's "
-                    "pytree does not know, so their gradients cannot reach the layers before "
-                    "it; register it (torch.utils._pytree.register_dataclass for a dataclass, "
-                    "register_pytree_node otherwise) or pass a tuple, list or dict"
-                )
+        self._refuse_hidden_gradients(
+            leaves,
+            requiring_grad=layer == 0,
+            where=f"the input of layer {layer} (microbatch {microbatch})",
+            held="tensors",
+            why="their gradients cannot reach the layers before it",
+            instead="pass",
+        )
         if layer == 0:
             moved, _ = _flatten(self._model_input(microbatch, value, device_index))
         else:
