@@ -498,6 +498,19 @@ def test_layer_loop_enters_and_leaves_each_mark() -> None:
     assert events == ["enter 0/3", "exit 0", "enter 1/3", "exit 1"]
 
 
+def _train_step(
+    model: roundpipe.RoundPipe, width: int, config: roundpipe.RoundPipeRunConfig
+) -> None:
+    """One forward_backward of ``model`` on random rows of ``width``, finished."""
+    model.forward_backward(
+        input_args=(torch.randn(4, width),),
+        label=torch.randn(4, width),
+        loss_fn=lambda out, label: ((out - label) ** 2).mean(),
+        run_config=config,
+    )
+    model.synchronize()
+
+
 def test_timings_of_a_stage_with_a_full_garbage_collection_are_dropped() -> None:
     """A full collection's pause would land in one layer's timing and skew the plan for many
     calls: the times the run's layer loop of that stage took are not handed to the timer (those
@@ -516,19 +529,132 @@ def test_timings_of_a_stage_with_a_full_garbage_collection_are_dropped() -> None
     plan = roundpipe.ModelExecutePlan()
     plan.fwd_plan = [range(0, 1), range(1, 2)]
     plan.bwd_plan = [range(2, 3), range(1, 2), range(0, 1)]
-    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
-    model.forward_backward(
-        input_args=(torch.randn(4, 4),),
-        label=torch.randn(4, 4),
-        loss_fn=lambda out, label: ((out - label) ** 2).mean(),
-        run_config=config,
-    )
-    model.synchronize()
+    _train_step(model, 4, RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
     timer = model._runtime.timer
     assert timer.estimate(1, "fwd") is None  # collected during its stage
     assert timer.estimate(0, "fwd") is None  # the same loop: forward stages on device 0
     assert timer.estimate(1, "re") is not None  # its recompute collected nothing
     assert timer.estimate(2, "fwd") is not None  # the fused stage's loop
+
+
+class _CalledTwice(nn.Linear):
+    """A layer class whose own __call__ changes the output."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return super().__call__(x) * 2
+
+
+class _PatchedCallImpl(nn.Linear):
+    """A layer class whose _call_impl is replaced (as torch._dynamo can do to a class)."""
+
+
+def _shifted_call_impl(self: nn.Module, *args: object, **kwargs: object) -> torch.Tensor:
+    return nn.Module._call_impl(self, *args, **kwargs) + 1
+
+
+_PatchedCallImpl._call_impl = _shifted_call_impl  # type: ignore[method-assign]
+
+
+class _Marked(nn.Linear):
+    """Layers a process-wide forward hook of the test changes."""
+
+
+def _layers_called_their_own_way() -> nn.Sequential:
+    torch.manual_seed(0)
+    hooked, pre_hooked, compiled = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+    hooked.register_forward_hook(lambda module, args, output: output * 3)
+    pre_hooked.register_forward_pre_hook(lambda module, args: (args[0] - 0.5,))
+    # What module.compile() sets: the call goes through it instead of _call_impl.
+    compiled._compiled_call_impl = lambda x: nn.Module._call_impl(compiled, x).neg()
+    return nn.Sequential(
+        nn.Linear(6, 6),
+        hooked,
+        nn.Tanh(),
+        pre_hooked,
+        _CalledTwice(6, 6),
+        _PatchedCallImpl(6, 6),
+        compiled,
+        _Marked(6, 6),
+        nn.Linear(6, 6),
+    )
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_layers_are_called_as_module_call_would_hooks_and_overrides_included(grain: str) -> None:
+    """The layer loop calls a layer's forward directly only when nn.Module.__call__ would do
+    nothing else: hooks (the layer's and the process's), a compiled call, and a class's own
+    __call__ or _call_impl all change what the layers compute here, and RoundPipe computes
+    what plain PyTorch does, bitwise."""
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: output + 0.25 if isinstance(module, _Marked) else None
+    )
+    try:
+        plain = _layers_called_their_own_way()
+        wrapped = RoundPipe(_layers_called_their_own_way())
+        x, y = torch.randn(8, 6), torch.randn(8, 6)
+
+        def loss_fn(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+            return ((out - label) ** 2).mean()
+
+        losses = []
+        for xm, ym in zip(x.tensor_split(2), y.tensor_split(2), strict=True):
+            loss = loss_fn(plain(xm), ym)
+            loss.backward()
+            losses.append(loss.detach())
+        plan = roundpipe.ModelExecutePlan()
+        plan.fwd_plan = [range(0, 3), range(3, 6)]
+        plan.bwd_plan = [range(6, 9), range(3, 6), range(0, 3)]
+        for devices in (1, 3):
+            roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
+            config = RoundPipeRunConfig(num_microbatch=2, recompute_grain=grain, execute_plan=plan)
+            loss = wrapped.forward_backward(
+                input_args=(x,), label=y, loss_fn=loss_fn, run_config=config
+            )
+            wrapped.synchronize()
+            assert torch.equal(loss, torch.stack(losses).sum())
+            for ours, theirs in zip(wrapped.model.parameters(), plain.parameters(), strict=True):
+                assert ours.grad is not None and theirs.grad is not None
+                assert torch.equal(ours.grad, theirs.grad)
+                ours.grad = None
+    finally:
+        handle.remove()
+        roundpipe.configure_devices(kind="cpu", num_cpu_devices=1)
+
+
+class _SeesItsCaller(nn.Linear):
+    """Records the Python function that called its forward."""
+
+    def __init__(self) -> None:
+        super().__init__(6, 6)
+        self.callers: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.callers.append(sys._getframe(1).f_code.co_name)
+        return super().forward(x)
+
+
+def test_a_layer_without_hooks_is_called_without_module_calls_frames() -> None:
+    """The layer loop's shortcut is taken where it applies (nothing else shows it: it computes
+    the same), and not once the layer has a hook."""
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+
+    torch.manual_seed(0)
+    roundpipe.configure_devices(kind="cpu", num_cpu_devices=1)
+    model = RoundPipe(nn.Sequential(nn.Linear(6, 6), _SeesItsCaller(), nn.Linear(6, 6)))
+    layer = model.model[1]
+    assert isinstance(layer, _SeesItsCaller)
+    config = RoundPipeRunConfig(num_microbatch=2)
+    module_call = {"_call_impl", "inner"}  # nn.Module.__call__'s frames, without and with hooks
+    _train_step(model, 6, config)
+    assert len(layer.callers) == 4  # forward and recompute of 2 microbatches
+    assert not module_call & set(layer.callers)
+    layer.callers.clear()
+    handle = layer.register_forward_hook(lambda *_: None)
+    _train_step(model, 6, config)
+    handle.remove()
+    assert len(layer.callers) == 4 and set(layer.callers) <= module_call
 
 
 def test_layer_loop_keeps_private_copies_of_the_inputs_asked_for() -> None:

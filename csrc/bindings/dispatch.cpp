@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "bindings/bindings.h"
+#include "bindings/module_call.h"
 #include "executor/copy_engine.h"
 #include "executor/event.h"
 #include "memory/host_arena.h"
@@ -1026,7 +1027,7 @@ class LayerLoop {
         TORCH_CHECK(pair.size() == 2, "LayerLoop.run: layer 0 takes (args, kwargs)");
         result = module(*pair[0], **pair[1]);
       } else {
-        result = call_python(module, value);
+        result = module_call_(module, value);
       }
     } catch (...) {
       if (range) range.attr("__exit__")(py::none(), py::none(), py::none());
@@ -1057,6 +1058,7 @@ class LayerLoop {
   py::object cut_;
   // Bound once: a lookup by C string builds the name's Python string on every call.
   py::object enter_, exit_;
+  ModuleCall module_call_;
   py::str layer_key_{"layer"}, microbatch_key_{"microbatch"}, saved_key_{"saved"},
       running_key_{"running"};
   Timing timing_ = Timing::kOff;
