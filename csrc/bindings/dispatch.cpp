@@ -86,15 +86,15 @@ std::vector<at::Tensor> cut_typed(const at::Tensor& buffer, std::int64_t first_b
     const at::Tensor& like = likes[i];
     TORCH_CHECK(like.is_contiguous(), "typed_views: likes[", i, "] must be contiguous");
     const std::int64_t size = static_cast<std::int64_t>(like.element_size());
-    // Written so that no sum or product can overflow: offsets come from the caller.
-    const bool inside = first_byte >= 0 && offsets[i] >= first_byte &&
-                        offsets[i] - first_byte <= buffer.numel() &&
-                        like.numel() <= (buffer.numel() - (offsets[i] - first_byte)) / size;
-    TORCH_CHECK(inside && (offsets[i] - first_byte) % size == 0, "typed_views: offsets[", i,
-                "] = ", offsets[i], " (", like.numel(), " x ", size,
-                " bytes) does not lie aligned inside the buffer of ", buffer.numel(),
+    // Written so that no sum or product can overflow: offsets come from the caller (the
+    // difference is taken only once both are known to be non-negative).
+    const bool ordered = first_byte >= 0 && offsets[i] >= first_byte;
+    const std::int64_t start = ordered ? offsets[i] - first_byte : 0;
+    const bool inside = ordered && start <= buffer.numel() &&
+                        like.numel() <= (buffer.numel() - start) / size && start % size == 0;
+    TORCH_CHECK(inside, "typed_views: offsets[", i, "] = ", offsets[i], " (", like.numel(), " x ",
+                size, " bytes) does not lie aligned inside the buffer of ", buffer.numel(),
                 " bytes starting at byte ", first_byte);
-    const std::int64_t start = offsets[i] - first_byte;
     if (cut != Cut::kView) {
       // To autograd a tensor of its own, not a view of the buffer, as a parameter is: ops on a
       // view of a leaf that requires grad, made in no-grad mode, require grad only when the
