@@ -18,6 +18,10 @@ checkpointed (the same recompute work RoundPipe does):
 
 Target (issue 3): under 30 us and a ratio under 1.5 for 256 layers of width 256, 4 microbatches.
 
+``--mode stages`` (not part of ``all``) shows the per-stage share: the dispatch model under
+explicit plans of 2, 8, 32 and 127 stages per direction (the layer x microbatch work the same in
+each), and the cost of one more stage in situ.
+
 ``--clock thread`` times by the calling thread's CPU time instead of the wall clock: it leaves out
 waits and the copy engines' worker threads, and is the steadier figure on a loaded machine.
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import itertools
 import platform
 import statistics
 import time
@@ -74,9 +79,14 @@ def baseline_step(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, n: int
 
 
 def roundpipe_step(
-    model: RoundPipe, x: torch.Tensor, y: torch.Tensor, n: int, grain: str = "stage"
+    model: RoundPipe,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    n: int,
+    grain: str = "stage",
+    plan: roundpipe.ModelExecutePlan | None = None,
 ) -> None:
-    config = RoundPipeRunConfig(num_microbatch=n, recompute_grain=grain)
+    config = RoundPipeRunConfig(num_microbatch=n, recompute_grain=grain, execute_plan=plan)
     model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=config)
     model.synchronize()
     for p in model.model.parameters():
@@ -153,6 +163,72 @@ def print_dispatch(args: argparse.Namespace) -> None:
         print(f"| {devices} | " + " | ".join(cells) + f" | {r['stages']:.0f} |")
 
 
+STAGE_COUNTS = (2, 8, 32, 127)
+
+
+def even_plan(layers: int, stages: int) -> roundpipe.ModelExecutePlan:
+    """A forward_backward plan whose last 2 layers form the fused stage and whose other layers
+    form ``stages`` even stages in each direction: the layer x microbatch work stays the same
+    whatever ``stages`` is, only the per-stage work grows with it."""
+    body = layers - 2
+    bounds = [round(i * body / stages) for i in range(stages + 1)]
+    ranges = [range(a, b) for a, b in itertools.pairwise(bounds)]
+    plan = roundpipe.ModelExecutePlan()
+    plan.fwd_plan = ranges
+    plan.bwd_plan = [range(body, layers), *ranges[::-1]]
+    return plan
+
+
+def measure_stages(layers: int, n: int, devices: int, iters: int) -> dict:
+    """Per layer x microbatch times (us) of RoundPipe at width 8 with explicit plans of each of
+    STAGE_COUNTS stages per direction, per recompute grain."""
+    roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
+    ours = RoundPipe(deep_narrow(layers, DISPATCH_WIDTH), name=f"stages-{layers}")
+    x = torch.randn(DISPATCH_ROWS * n, DISPATCH_WIDTH)
+    y = torch.randn(DISPATCH_ROWS * n, DISPATCH_WIDTH)
+    contenders = {
+        (grain, count): functools.partial(
+            roundpipe_step, ours, x, y, n, grain, even_plan(layers, count)
+        )
+        for grain in GRAINS
+        for count in STAGE_COUNTS
+    }
+    for step in contenders.values():  # warm-up
+        step()
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in contenders}
+    for _ in range(iters):
+        for key, step in contenders.items():
+            times[key].append(timed(step))
+    per_unit = 1e6 / (layers * n)
+    return {key: statistics.median(t) * per_unit for key, t in times.items()}
+
+
+def print_stages(args: argparse.Namespace) -> None:
+    """The per-stage cost: the same model and work under explicit plans of more and more
+    stages; the last column is the cost of one more stage (forward or backward), from the
+    fewest and the most stages."""
+    layers, n = args.dispatch_layers, args.microbatches
+    print(
+        f"# stages: {layers} layers of width {DISPATCH_WIDTH}, {n} microbatches x "
+        f"{DISPATCH_ROWS} rows, explicit plans (fused stage: the last 2 layers), median of "
+        f"{args.iters}; us per layer x microbatch"
+    )
+    print(
+        "| CPU devices | grain | "
+        + " | ".join(f"{c} stages per direction" for c in STAGE_COUNTS)
+        + " | us per stage |"
+    )
+    print("|---:|---|" + "---:|" * (len(STAGE_COUNTS) + 1))
+    fewest, most = STAGE_COUNTS[0], STAGE_COUNTS[-1]
+    added_stages = 2 * (most - fewest)  # forward and backward stages alike
+    for devices in args.devices:
+        r = measure_stages(layers, n, devices, args.iters)
+        for grain in GRAINS:
+            cells = [f"{r[(grain, c)]:.1f}" for c in STAGE_COUNTS]
+            per_stage = (r[(grain, most)] - r[(grain, fewest)]) * layers * n / added_stages
+            print(f"| {devices} | {grain} | " + " | ".join(cells) + f" | {per_stage:.0f} |")
+
+
 def measure(
     layers: int, width: int, n: int, rows: int, devices: int, iters: int, trace: bool
 ) -> dict:
@@ -219,9 +295,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--mode",
-        choices=["all", "dispatch", "compute"],
+        choices=["all", "dispatch", "compute", "stages"],
         default="all",
-        help="which table: the width-8 dispatch figure, the width-256 compute one, or both",
+        help="which table: the width-8 dispatch figure, the width-256 compute one, or both; "
+        "stages: the per-stage cost at width 8 (explicit plans of more and more stages)",
     )
     parser.add_argument("--dispatch-layers", type=int, default=256)
     parser.add_argument("--layers", type=int, nargs="+", default=[64, 256, 512])
@@ -256,6 +333,8 @@ def main() -> None:
         print_dispatch(args)
     if args.mode in ("all", "compute"):
         print_compute(args)
+    if args.mode == "stages":
+        print_stages(args)
 
 
 if __name__ == "__main__":
