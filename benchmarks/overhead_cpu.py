@@ -179,9 +179,9 @@ def even_plan(layers: int, stages: int) -> roundpipe.ModelExecutePlan:
     return plan
 
 
-def measure_stages(layers: int, n: int, devices: int, iters: int) -> dict:
+def measure_stages(layers: int, n: int, devices: int, iters: int, counts: tuple[int, ...]) -> dict:
     """Per layer x microbatch times (us) of RoundPipe at width 8 with explicit plans of each of
-    STAGE_COUNTS stages per direction, per recompute grain."""
+    ``counts`` stages per direction, per recompute grain."""
     roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
     ours = RoundPipe(deep_narrow(layers, DISPATCH_WIDTH), name=f"stages-{layers}")
     x = torch.randn(DISPATCH_ROWS * n, DISPATCH_WIDTH)
@@ -191,7 +191,7 @@ def measure_stages(layers: int, n: int, devices: int, iters: int) -> dict:
             roundpipe_step, ours, x, y, n, grain, even_plan(layers, count)
         )
         for grain in GRAINS
-        for count in STAGE_COUNTS
+        for count in counts
     }
     for step in contenders.values():  # warm-up
         step()
@@ -208,6 +208,9 @@ def print_stages(args: argparse.Namespace) -> None:
     stages; the last column is the cost of one more stage (forward or backward), from the
     fewest and the most stages."""
     layers, n = args.dispatch_layers, args.microbatches
+    counts = tuple(c for c in STAGE_COUNTS if c <= layers - 2)  # at least a layer per stage
+    if len(counts) < 2:
+        raise SystemExit(f"--mode stages needs at least {STAGE_COUNTS[1] + 2} layers")
     print(
         f"# stages: {layers} layers of width {DISPATCH_WIDTH}, {n} microbatches x "
         f"{DISPATCH_ROWS} rows, explicit plans (fused stage: the last 2 layers), median of "
@@ -215,16 +218,16 @@ def print_stages(args: argparse.Namespace) -> None:
     )
     print(
         "| CPU devices | grain | "
-        + " | ".join(f"{c} stages per direction" for c in STAGE_COUNTS)
+        + " | ".join(f"{c} stages per direction" for c in counts)
         + " | us per stage |"
     )
-    print("|---:|---|" + "---:|" * (len(STAGE_COUNTS) + 1))
-    fewest, most = STAGE_COUNTS[0], STAGE_COUNTS[-1]
+    print("|---:|---|" + "---:|" * (len(counts) + 1))
+    fewest, most = counts[0], counts[-1]
     added_stages = 2 * (most - fewest)  # forward and backward stages alike
     for devices in args.devices:
-        r = measure_stages(layers, n, devices, args.iters)
+        r = measure_stages(layers, n, devices, args.iters, counts)
         for grain in GRAINS:
-            cells = [f"{r[(grain, c)]:.1f}" for c in STAGE_COUNTS]
+            cells = [f"{r[(grain, c)]:.1f}" for c in counts]
             per_stage = (r[(grain, most)] - r[(grain, fewest)]) * layers * n / added_stages
             print(f"| {devices} | {grain} | " + " | ".join(cells) + f" | {per_stage:.0f} |")
 
