@@ -179,7 +179,9 @@ def even_plan(layers: int, stages: int) -> roundpipe.ModelExecutePlan:
     return plan
 
 
-def measure_stages(layers: int, n: int, devices: int, iters: int, counts: tuple[int, ...]) -> dict:
+def measure_stages(
+    layers: int, n: int, devices: int, iters: int, counts: tuple[int, ...]
+) -> dict[tuple[str, int], float]:
     """Per layer x microbatch times (us) of RoundPipe at width 8 with explicit plans of each of
     ``counts`` stages per direction, per recompute grain."""
     roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
