@@ -39,7 +39,8 @@ import itertools
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import roundpipe
 import torch
@@ -93,6 +94,8 @@ def roundpipe_step(
         p.grad = None
 
 
+_Key = TypeVar("_Key")
+
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "thread": time.thread_time}
 clock = CLOCKS["wall"]  # set by --clock
 
@@ -101,6 +104,21 @@ def timed(fn: Callable[..., object], *args: object) -> float:
     start = clock()
     fn(*args)
     return clock() - start
+
+
+def median_times(
+    contenders: Mapping[_Key, Callable[[], object]], iters: int, warmups: int
+) -> dict[_Key, float]:
+    """Seconds each contender takes, the median of ``iters`` rounds in which the contenders
+    alternate, after ``warmups`` rounds of each untimed."""
+    for _ in range(warmups):
+        for step in contenders.values():
+            step()
+    times: dict[_Key, list[float]] = {key: [] for key in contenders}
+    for _ in range(iters):
+        for key, step in contenders.items():
+            times[key].append(timed(step))
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def traced_step(model: RoundPipe, x: torch.Tensor, y: torch.Tensor, n: int) -> int:
@@ -128,15 +146,10 @@ def measure_dispatch(layers: int, n: int, devices: int, iters: int) -> dict:
     }
     for grain in GRAINS:
         contenders[grain] = functools.partial(roundpipe_step, ours, x, y, n, grain)
-    for _ in range(2):  # warm-up: allocator, timings, plans
-        for step in contenders.values():
-            step()
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(iters):
-        for name, step in contenders.items():
-            times[name].append(timed(step))
+    # Warm-up: allocator, timings, plans.
+    medians = median_times(contenders, iters, warmups=2)
     per_unit = 1e6 / (layers * n)
-    result = {name: statistics.median(t) * per_unit for name, t in times.items()}
+    result = {name: seconds * per_unit for name, seconds in medians.items()}
     # The automatic plan follows the measured layer times, so its stage count (which sets the
     # per-stage share of the figure) varies from run to run: reported beside it.
     plan = roundpipe.ModelExecutePlan.auto("fused", ours)
@@ -195,14 +208,11 @@ def measure_stages(
         for grain in GRAINS
         for count in counts
     }
-    for step in contenders.values():  # warm-up
-        step()
-    times: dict[tuple[str, int], list[float]] = {key: [] for key in contenders}
-    for _ in range(iters):
-        for key, step in contenders.items():
-            times[key].append(timed(step))
     per_unit = 1e6 / (layers * n)
-    return {key: statistics.median(t) * per_unit for key, t in times.items()}
+    return {
+        key: seconds * per_unit
+        for key, seconds in median_times(contenders, iters, warmups=1).items()
+    }
 
 
 def print_stages(args: argparse.Namespace) -> None:

@@ -1027,7 +1027,7 @@ class LayerLoop {
         TORCH_CHECK(pair.size() == 2, "LayerLoop.run: layer 0 takes (args, kwargs)");
         result = module(*pair[0], **pair[1]);
       } else {
-        result = module_call_(module, value);
+        result = call_python(module_call_.callee(module), value);
       }
     } catch (...) {
       if (range) range.attr("__exit__")(py::none(), py::none(), py::none());

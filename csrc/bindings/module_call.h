@@ -4,7 +4,8 @@
 // nn.Module.__call__ (`_wrapped_call_impl`, then `_call_impl`) calls `forward` directly when the
 // module is not compiled (`_compiled_call_impl` is None), no tracer is running, and neither the
 // module nor the process has hooks registered. ModuleCall checks exactly that, natively, and
-// otherwise calls the module as Python would. A module whose class or instance replaces
+// otherwise leaves the module to be called as Python would. A module whose class or instance
+// replaces
 // `__call__` or `_call_impl` is always called through them. Its two frames are about a microsecond
 // per layer call, and a pipeline calls each layer twice per microbatch (forward and recompute).
 #pragma once
@@ -30,21 +31,14 @@ class __attribute__((visibility("hidden"))) ModuleCall {
       global_hooks_[i] = module.attr(kGlobalHooks[i]);
   }
 
-  // module(value).
-  pybind11::object operator()(const pybind11::handle& module, const pybind11::handle& value) const {
-    PyObject* callable = module.ptr();
-    pybind11::object forward;
-    if (plain(module)) {
-      forward = pybind11::reinterpret_steal<pybind11::object>(
-          PyObject_GetAttr(module.ptr(), forward_key_.ptr()));
-      if (!forward) throw pybind11::error_already_set();
-      callable = forward.ptr();
-    }
-    PyObject* argv[] = {nullptr, value.ptr()};
-    PyObject* result =
-        PyObject_Vectorcall(callable, argv + 1, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
-    if (result == nullptr) throw pybind11::error_already_set();
-    return pybind11::reinterpret_steal<pybind11::object>(result);
+  // What `module(value)` comes down to calling: the bound `module.forward` where
+  // nn.Module.__call__ would only call it, else the module itself.
+  pybind11::object callee(const pybind11::handle& module) const {
+    if (!plain(module)) return pybind11::reinterpret_borrow<pybind11::object>(module);
+    auto forward = pybind11::reinterpret_steal<pybind11::object>(
+        PyObject_GetAttr(module.ptr(), forward_key_.ptr()));
+    if (!forward) throw pybind11::error_already_set();
+    return forward;
   }
 
  private:
