@@ -11,5 +11,6 @@ void bind_runtime(pybind11::module_& m);
 void bind_planner(pybind11::module_& m);
 void bind_optim(pybind11::module_& m);
 void bind_dispatch(pybind11::module_& m);
+void bind_local_backward(pybind11::module_& m);
 
 }  // namespace roundpipe::bindings

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "bindings/bindings.h"
+#include "bindings/local_backward.h"
 #include "bindings/module_call.h"
 #include "executor/copy_engine.h"
 #include "executor/event.h"
@@ -55,9 +56,10 @@ void backward(const std::vector<at::Tensor>& outputs, const std::vector<at::Tens
     TORCH_CHECK(outputs[i].defined() && grads[i].defined(),
                 "backward: outputs and gradients must be tensors, got None at index ", i);
   }
+  const BackwardScope scope;
   // The engine refuses to run with the GIL held (its worker threads take it for Python nodes).
   py::gil_scoped_release no_gil;
-  torch::autograd::backward(outputs, grads);
+  run_backward(outputs, grads, scope);
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
@@ -166,7 +168,7 @@ class GradReach {
       if (!accumulator) {  // does not require grad: nothing can reach it
         continue;
       }
-      accumulator->add_post_hook(std::make_unique<Flag>(&reached_[i]));
+      accumulator->add_post_hook(std::make_unique<ReachedFlag>(&reached_[i]));
       accumulators_.push_back(std::move(accumulator));
     }
   }
@@ -181,16 +183,6 @@ class GradReach {
   }
 
  private:
-  struct Flag final : torch::autograd::FunctionPostHook {
-    explicit Flag(std::uint8_t* flag) : flag_(flag) {}
-    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                              const torch::autograd::variable_list&) override {
-      *flag_ = 1;
-      return outputs;
-    }
-    std::uint8_t* flag_;
-  };
-
   // Written by the autograd engine's thread, read once its passes are done.
   std::vector<std::uint8_t> reached_;
   std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators_;
@@ -946,8 +938,9 @@ class LayerLoop {
     if (THPVariable_Check(output.ptr())) {
       const at::Tensor result = THPVariable_Unpack(output.ptr());
       if (result.requires_grad() && has_grad) {
+        const BackwardScope scope;
         py::gil_scoped_release no_gil;
-        torch::autograd::backward({result}, {*grad});
+        run_backward({result}, {*grad}, scope);
       }
     } else {
       py::list grads;
@@ -1171,9 +1164,9 @@ void bind_dispatch(py::module_& m) {
         py::arg("fresh"),
         "The seed of the generators for (call, layer, microbatch) (splitmix64 finaliser).");
   m.def("backward", &backward, py::arg("outputs"), py::arg("grads"),
-        "torch.autograd.backward(outputs, grads) through the engine directly, without the GIL: "
-        "one defined gradient per output; errors are raised as torch.autograd.backward raises "
-        "them.");
+        "torch.autograd.backward(outputs, grads) without the GIL, on the calling thread where "
+        "torch's engine would change nothing (see run_backward), else through the engine: one "
+        "defined gradient per output; errors are raised as torch.autograd.backward raises them.");
   m.def("upload_stage", &upload_stage, py::arg("device_index"), py::arg("device"), py::arg("arena"),
         py::arg("param_begin"), py::arg("param_end"), py::arg("runs"), py::arg("fence"),
         py::arg("offsets"), py::arg("params"), py::arg("with_grads"), py::arg("grad_begin"),

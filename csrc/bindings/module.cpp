@@ -46,4 +46,5 @@ PYBIND11_MODULE(_C, m) {
   roundpipe::bindings::bind_planner(m);
   roundpipe::bindings::bind_optim(m);
   roundpipe::bindings::bind_dispatch(m);
+  roundpipe::bindings::bind_local_backward(m);
 }

@@ -149,6 +149,7 @@ class LayerTimings:
 
 # Per-stage dispatch work (csrc/bindings/dispatch.cpp).
 def backward(outputs: list[Tensor], grads: list[Tensor]) -> None: ...
+def backward_counts() -> tuple[int, int]: ...
 def typed_views(
     buffer: Tensor,
     first_byte: int,

@@ -1,0 +1,344 @@
+"""The backward passes of recomputed segments that run on the calling thread
+(csrc/bindings/local_backward.h): they compute what torch's engine computes, bitwise, and every
+graph they cannot vouch for goes to the engine, which then computes what plain PyTorch does."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+
+import pytest
+import roundpipe
+import torch
+from roundpipe import RoundPipe, RoundPipeRunConfig
+from roundpipe._native import _C
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+WIDTH, MICROBATCHES = 6, 2
+# Passes run on the calling thread only where torch has graph exec groups (see BackwardScope).
+RUNS_HERE = hasattr(torch._C, "_set_graph_exec_group")
+
+
+def _loss(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return ((output - label) ** 2).mean()
+
+
+def _counts() -> tuple[int, int]:
+    """(passes run on the calling thread, passes run by torch's engine) so far."""
+    here, engine = _C.backward_counts()
+    return int(here), int(engine)
+
+
+@pytest.fixture(params=[1, 3], ids=["1dev", "3dev"])
+def devices(request: pytest.FixtureRequest) -> Iterator[int]:
+    roundpipe.configure_devices(kind="cpu", num_cpu_devices=request.param)
+    yield request.param
+    roundpipe.configure_devices(kind="cpu", num_cpu_devices=1)
+
+
+def _plan(layers: int) -> roundpipe.ModelExecutePlan:
+    """Stages of two layers (the last two fused): every backward stage is recomputed."""
+    plan = roundpipe.ModelExecutePlan()
+    plan.fwd_plan = [range(i, min(i + 2, layers - 2)) for i in range(0, layers - 2, 2)]
+    plan.bwd_plan = [range(layers - 2, layers), *plan.fwd_plan[::-1]]
+    return plan
+
+
+def _config(grain: str, layers: int) -> RoundPipeRunConfig:
+    return RoundPipeRunConfig(
+        num_microbatch=MICROBATCHES, recompute_grain=grain, execute_plan=_plan(layers)
+    )
+
+
+def _train_and_compare(
+    plain: nn.Sequential,
+    wrapped: RoundPipe,
+    grain: str,
+    context: Callable[[], object] | None = None,
+) -> tuple[int, int]:
+    """One forward_backward of ``wrapped`` and the per-microbatch loop of ``plain`` from no
+    gradients (under ``context`` when given): the losses and gradients must be bitwise equal.
+    Returns how many backward passes of the wrapped call ran on the calling thread and how many
+    in torch's engine."""
+    for p in plain.parameters():
+        p.grad = None
+    x, y = torch.randn(4 * MICROBATCHES, WIDTH), torch.randn(4 * MICROBATCHES, WIDTH)
+    scope = context() if context is not None else None
+    if scope is not None:
+        scope.__enter__()  # type: ignore[attr-defined]
+    try:
+        torch.manual_seed(1)
+        losses = []
+        for xm, ym in zip(x.tensor_split(MICROBATCHES), y.tensor_split(MICROBATCHES), strict=True):
+            loss = _loss(plain(xm), ym)
+            loss.backward()
+            losses.append(loss.detach())
+        torch.manual_seed(1)
+        before = _counts()
+        loss = wrapped.forward_backward(
+            input_args=(x,), label=y, loss_fn=_loss, run_config=_config(grain, len(plain))
+        )
+        wrapped.synchronize()
+        after = _counts()
+    finally:
+        if scope is not None:
+            scope.__exit__(None, None, None)  # type: ignore[attr-defined]
+    assert torch.equal(loss, torch.stack(losses).sum())
+    for ours, theirs in zip(wrapped.model.parameters(), plain.parameters(), strict=True):
+        assert (ours.grad is None) == (theirs.grad is None)
+        if theirs.grad is not None:
+            assert torch.equal(ours.grad, theirs.grad)
+        ours.grad = None
+    return after[0] - before[0], after[1] - before[1]
+
+
+def _check_against_plain(
+    make: Callable[[], nn.Sequential], grain: str, context: Callable[[], object] | None = None
+) -> tuple[int, int]:
+    """:func:`_train_and_compare` on ``make()`` and a wrapped copy of it."""
+    torch.manual_seed(0)
+    plain = make()
+    return _train_and_compare(plain, RoundPipe(copy.deepcopy(plain)), grain, context)
+
+
+class _Residual(nn.Module):
+    """The input's gradient is the sum of two paths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.linear(x))
+
+
+class _SharedWeight(nn.Module):
+    """One parameter used twice: its AccumulateGrad sums two gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.tanh(self.linear(x)))
+
+
+class _Halves(nn.Module):
+    """A node with two outputs (chunk) and a cast to float64 and back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH // 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2, dim=-1)
+        wide = (b.double().sin() * 3).float()
+        return torch.cat([wide * self.scale, a * 2], dim=-1)
+
+
+class _InPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        h.add_(0.5)
+        return h.relu_()
+
+
+def _runs_here_layers() -> nn.Sequential:
+    return nn.Sequential(
+        _Residual(),
+        _SharedWeight(),
+        _Halves(),
+        nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)),
+        _InPlace(),
+        _Residual(),
+        nn.Linear(WIDTH, WIDTH),
+        nn.Linear(WIDTH, WIDTH),
+    )
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_plain_graphs_run_on_the_calling_thread_and_match_pytorch(devices: int, grain: str) -> None:
+    """Sums where gradients meet, a parameter used twice, multi-output nodes, casts, in-place
+    ops, a norm: every recomputed segment's backward runs on the calling thread, and the
+    gradients are plain PyTorch's, bitwise."""
+    here, engine = _check_against_plain(_runs_here_layers, grain)
+    # A pass per recomputed stage of two layers (three of them) and microbatch; in layer grain one
+    # per layer. The fused stage's backward from the loss is torch.autograd.backward's, as in
+    # plain PyTorch.
+    segments = 3 * (2 if grain == "layer" else 1) * MICROBATCHES
+    assert (here, engine) == ((segments, 0) if RUNS_HERE else (0, segments))
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 3  # not the true derivative: only a Python node computes this
+
+
+class _CustomFunction(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = _Twice.apply(super().forward(x))
+        return result
+
+
+class _TensorHook(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if out.requires_grad:
+            out.register_hook(lambda grad: grad * 0.5)
+        return out.tanh()
+
+
+class _RetainsGrad(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if out.requires_grad:
+            out.retain_grad()
+        return out.tanh()
+
+
+@pytest.mark.parametrize("special", [_CustomFunction, _TensorHook, _RetainsGrad])
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_a_segment_with_python_nodes_or_hooks_goes_to_the_engine(
+    devices: int, grain: str, special: type[nn.Linear]
+) -> None:
+    """A custom autograd.Function, a tensor hook or retain_grad() inside a layer: that layer's
+    segment is backpropagated by torch's engine (the others still on the calling thread), and the
+    gradients are plain PyTorch's, bitwise."""
+
+    def make() -> nn.Sequential:
+        return nn.Sequential(
+            *[nn.Linear(WIDTH, WIDTH) for _ in range(3)],
+            special(WIDTH, WIDTH),
+            *[nn.Linear(WIDTH, WIDTH) for _ in range(4)],
+        )
+
+    here, engine = _check_against_plain(make, grain)
+    if RUNS_HERE:
+        assert engine == MICROBATCHES  # layer 3's segment (its stage's, or its own)
+        assert here > 0
+
+
+class _CountUnpacks:
+    def __init__(self) -> None:
+        self.unpacked = 0
+
+    def __call__(self) -> object:
+        def unpack(tensor: torch.Tensor) -> torch.Tensor:
+            self.unpacked += 1
+            return tensor
+
+        return torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, unpack)
+
+
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
+@pytest.mark.parametrize(
+    "context",
+    [_CountUnpacks(), torch.autograd.detect_anomaly, torch.profiler.profile],
+    ids=["saved_tensors_hooks", "anomaly", "profiler"],
+)
+def test_process_wide_state_sends_every_pass_to_the_engine(
+    devices: int, context: Callable[[], object]
+) -> None:
+    """Saved-tensor hooks around the call (their unpack hooks are user code that may ask for the
+    engine's graph task), anomaly mode and a running profiler (which record what the engine does
+    per node): every backward pass goes to torch's engine."""
+    here, engine = _check_against_plain(
+        lambda: nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(6)]), "layer", context
+    )
+    assert here == 0 and engine > 0
+    if isinstance(context, _CountUnpacks):
+        assert context.unpacked > 0
+
+
+class _Checkpointed(nn.Module):
+    """Checkpoints part of itself (torch.utils.checkpoint without reentry), counting the runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(WIDTH, WIDTH)
+        self.runs = 0
+
+    def _part(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return torch.tanh(self.inner(x)) * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._part, x, use_reentrant=False) + x
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_a_checkpointed_part_of_a_layer_is_recomputed_once_per_pass(
+    devices: int, grain: str
+) -> None:
+    """torch.utils.checkpoint recomputes its region once per backward pass, telling passes apart
+    by the engine's graph task, which passes on the calling thread have none of: they run in a
+    graph exec group of their own. The region runs three times per microbatch (the forward, the
+    pipeline's recompute, checkpoint's recompute), as under the engine, and the gradients are
+    plain PyTorch's."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[_Checkpointed() for _ in range(6)])
+    wrapped = RoundPipe(copy.deepcopy(plain))
+    here, engine = _train_and_compare(plain, wrapped, grain)
+    assert engine == 0 if RUNS_HERE else here == 0
+    layer = wrapped.model[1]
+    assert isinstance(layer, _Checkpointed)
+    assert layer.runs == 3 * MICROBATCHES
+    if RUNS_HERE:
+        assert torch._C._get_graph_exec_group() is None  # the pass's group is gone
+
+
+class _BreaksItsGraph(nn.Module):
+    """Changes in place a tensor its backward needs, unless told not to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.breaks = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.sigmoid(self.linear(x))
+        out = y * 2
+        if self.breaks:
+            y.add_(1)
+        return out
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_an_error_in_a_pass_on_the_calling_thread_is_torchs_and_the_model_stays_usable(
+    devices: int, grain: str
+) -> None:
+    """A saved tensor changed in place: the pass raises torch's error, as plain PyTorch's
+    backward does, naming the layer and phase; the model then trains as plain PyTorch does."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(
+        *[nn.Linear(WIDTH, WIDTH) for _ in range(2)],
+        _BreaksItsGraph(),
+        *[nn.Linear(WIDTH, WIDTH) for _ in range(3)],
+    )
+    x = torch.randn(4 * MICROBATCHES, WIDTH)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as theirs:
+        _loss(plain(x), x).backward()
+    wrapped = RoundPipe(copy.deepcopy(plain))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as ours:
+        wrapped.forward_backward(
+            input_args=(x,), label=x, loss_fn=_loss, run_config=_config(grain, len(plain))
+        )
+    # The layer itself in layer grain; in stage grain the stage's layers, its among them.
+    layer_named = "layer 2 (_BreaksItsGraph)" if grain == "layer" else "layers 2-3 (_BreaksItsGraph"
+    assert layer_named in str(ours.value) and "failed in backward" in str(ours.value)
+    assert type(ours.value) is type(theirs.value)
+    for model in (plain, wrapped.model):
+        layer = model[2]
+        assert isinstance(layer, _BreaksItsGraph)
+        layer.breaks = False
+    _train_and_compare(plain, wrapped, grain)
