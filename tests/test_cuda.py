@@ -112,6 +112,26 @@ def test_forward_backward_on_cuda_matches_pytorch(grain: str, pin_model: str) ->
     assert_grads_close(model.model, reference)
 
 
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_recomputed_segments_backpropagate_on_the_calling_thread_on_cuda(grain: str) -> None:
+    """On a GPU a recomputed segment's graph is torch's own nodes on the device's current stream:
+    its backward runs on the calling thread (csrc/bindings/local_backward.h), not on the
+    engine's device thread, and the gradients are plain PyTorch's on the GPU."""
+    if not hasattr(torch._C, "_set_graph_exec_group"):
+        pytest.skip("this torch has no graph exec groups: every pass goes to the engine")
+    reference = mlp().cuda()
+    model = RoundPipe(copy.deepcopy(reference).cpu())
+    x, y = torch.randn(10, 32), torch.randn(10, 32)
+    config = RoundPipeRunConfig(num_microbatch=3, recompute_grain=grain)
+    here, engine = _C.backward_counts()
+    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    model.synchronize()
+    ran_here, ran_in_engine = _C.backward_counts()
+    assert ran_here > here and ran_in_engine == engine
+    torch.testing.assert_close(loss, plain_on_gpu(reference, x, y, 3), rtol=1e-5, atol=1e-5)
+    assert_grads_close(model.model, reference)
+
+
 def test_forward_then_backward_and_chaining_on_cuda() -> None:
     first_ref, second_ref = mlp(1).cuda(), mlp(2).cuda()
     first = RoundPipe(copy.deepcopy(first_ref).cpu())

@@ -15,10 +15,10 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <queue>
 #include <sstream>
 #include <string>
 #include <typeinfo>
@@ -65,9 +65,9 @@ bool is_python_node(const ag::Node& node) {
 }
 
 // Whether the engine would do nothing but what run_here does for `node`: no hooks (but
-// ReachedFlag, which run_here calls as the engine would), a
-// node of torch's C++ (a Python node runs user code that may ask for the graph task), no tensor
-// subclass among its inputs, and every input on one device and its current stream (or the CPU).
+// ReachedFlag, which run_here calls as the engine would), a node of torch's C++ (a Python node
+// runs user code that may ask for the graph task), no tensor subclass among its inputs, and every
+// input on one device and its current stream (or the CPU).
 bool runs_here(ag::Node& node, Placement& placement) {
   if (!node.pre_hooks().empty() || !node.tensor_pre_hooks().empty() ||
       !node.retains_grad_hooks().empty() || node.tensor_post_acc_grad_hooks() != nullptr) {
@@ -111,8 +111,10 @@ bool count_dependencies(const ag::edge_list& roots,
   return true;
 }
 
-// A node ready to run and the gradients for it, ordered as the engine's ready queue orders its
-// tasks on one thread: the highest sequence number first.
+// A node ready to run and the gradients for it. Kept in a heap by LaterFirst, as the engine's
+// ready queue keeps its tasks (a std::priority_queue, which pushes and pops with std::push_heap
+// and std::pop_heap): the same pushes then pop in the same order, the highest sequence number
+// first.
 struct Ready {
   NodeRef node;
   std::vector<at::Tensor> inputs;
@@ -146,7 +148,7 @@ void run_here(const ag::edge_list& roots, std::vector<at::Tensor>& grads,
               std::unordered_map<ag::Node*, int>& dependencies) {
   const at::AutoGradMode no_grad(false);  // create_graph off, as the engine's graph task sets
   std::unordered_map<ag::Node*, std::vector<at::Tensor>> waiting;
-  std::priority_queue<Ready, std::vector<Ready>, LaterFirst> ready;
+  std::vector<Ready> ready;
   // What the engine does with a node's output: hand it to the next node, which is ready once
   // every edge into it delivered.
   const auto deliver = [&](const ag::Edge& edge, at::Tensor&& grad) {
@@ -158,14 +160,16 @@ void run_here(const ag::edge_list& roots, std::vector<at::Tensor>& grads,
     }
     accumulate(buffer->second.at(edge.input_nr), std::move(grad));
     if (--dependencies.at(next) == 0) {
-      ready.push(Ready{edge.function, std::move(buffer->second)});
+      ready.push_back(Ready{edge.function, std::move(buffer->second)});
+      std::push_heap(ready.begin(), ready.end(), LaterFirst{});
       waiting.erase(buffer);
     }
   };
   for (std::size_t i = 0; i < roots.size(); ++i) deliver(roots[i], std::move(grads[i]));
   while (!ready.empty()) {
-    Ready task = std::move(const_cast<Ready&>(ready.top()));
-    ready.pop();
+    std::pop_heap(ready.begin(), ready.end(), LaterFirst{});
+    Ready task = std::move(ready.back());
+    ready.pop_back();
     ag::Node& node = *task.node;
     node.will_release_variables();
     // With post hooks the engine keeps the inputs for them, which AccumulateGrad counts on when
