@@ -94,12 +94,20 @@ def _train_and_compare(
 
 
 def _check_against_plain(
-    make: Callable[[], nn.Sequential], grain: str, context: Callable[[], object] | None = None
+    make: Callable[[], nn.Sequential],
+    grain: str,
+    context: Callable[[], object] | None = None,
+    prepare: Callable[[nn.Module], object] | None = None,
 ) -> tuple[int, int]:
-    """:func:`_train_and_compare` on ``make()`` and a wrapped copy of it."""
+    """:func:`_train_and_compare` on ``make()`` and a wrapped copy of it (after ``prepare`` of
+    each, when given)."""
     torch.manual_seed(0)
     plain = make()
-    return _train_and_compare(plain, RoundPipe(copy.deepcopy(plain)), grain, context)
+    wrapped = RoundPipe(copy.deepcopy(plain))
+    if prepare is not None:
+        prepare(plain)
+        prepare(wrapped.model)
+    return _train_and_compare(plain, wrapped, grain, context)
 
 
 class _Residual(nn.Module):
@@ -225,6 +233,32 @@ def test_a_segment_with_python_nodes_or_hooks_goes_to_the_engine(
     here, engine = _check_against_plain(make, grain)
     if RUNS_HERE:
         assert engine == MICROBATCHES  # layer 3's segment (its stage's, or its own)
+        assert here > 0
+
+
+def _parameter_hook(model: nn.Module) -> object:
+    return model[3].weight.register_hook(lambda grad: grad * 2)
+
+
+def _module_backward_hook(model: nn.Module) -> object:
+    return model[3].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+
+
+@pytest.mark.parametrize("prepare", [_parameter_hook, _module_backward_hook])
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_hooks_on_a_layers_parameters_or_module_go_to_the_engine(
+    devices: int, grain: str, prepare: Callable[[nn.Module], object]
+) -> None:
+    """A hook on the gradient of a parameter of layer 3, or a full backward hook on the layer:
+    the passes through it go to torch's engine, and the gradients are plain PyTorch's,
+    bitwise."""
+    here, engine = _check_against_plain(
+        lambda: nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(8)]),
+        grain,
+        prepare=prepare,
+    )
+    if RUNS_HERE:
+        assert engine >= MICROBATCHES  # layer 3's segment, at least (its stage's, or its own)
         assert here > 0
 
 
