@@ -138,6 +138,8 @@ void accumulate(at::Tensor& slot, at::Tensor&& grad) {
                         slot.storage().use_count() == 1 && !slot._is_zerotensor();
   if (reusable) {
     slot.add_(grad);
+  } else if (slot.is_sparse() && !grad.is_sparse()) {
+    slot = grad + slot;  // ATen adds a sparse tensor to a dense one, not the other way round
   } else {
     slot = slot + grad;
   }
