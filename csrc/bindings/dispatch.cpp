@@ -44,9 +44,10 @@ namespace roundpipe::bindings {
 namespace {
 
 // torch.autograd.backward(outputs, grads) without its Python entry (argument normalisation and
-// shape checks in Python, about 40% of a small backward's host time): the same engine run
-// (torch's PythonEngine, so Python hooks and custom Functions behave as under
-// torch.autograd.backward), gradients accumulated into the leaves, the graph freed. A shape
+// shape checks in Python, about 40% of a small backward's host time): run_backward, which runs
+// the pass on the calling thread where torch's engine would change nothing and hands any other
+// graph to the engine (torch's PythonEngine, so Python hooks and custom Functions behave as under
+// torch.autograd.backward); gradients accumulated into the leaves, the graph freed. A shape
 // mismatch is still refused, by the engine's own check of the root gradients.
 void backward(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& grads) {
   HANDLE_TH_ERRORS
@@ -183,7 +184,8 @@ class GradReach {
   }
 
  private:
-  // Written by the autograd engine's thread, read once its passes are done.
+  // Written by the thread that runs the backward passes (the caller's, or the engine's), read
+  // once they are done.
   std::vector<std::uint8_t> reached_;
   std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators_;
 };
