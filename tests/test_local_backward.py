@@ -4,8 +4,10 @@ graph they cannot vouch for goes to the engine, which then computes what plain P
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import pytest
 import roundpipe
@@ -55,7 +57,7 @@ def _train_and_compare(
     plain: nn.Sequential,
     wrapped: RoundPipe,
     grain: str,
-    context: Callable[[], object] | None = None,
+    context: Callable[[], AbstractContextManager[object]] | None = None,
 ) -> tuple[int, int]:
     """One forward_backward of ``wrapped`` and the per-microbatch loop of ``plain`` from no
     gradients (under ``context`` when given): the losses and gradients must be bitwise equal.
@@ -64,10 +66,7 @@ def _train_and_compare(
     for p in plain.parameters():
         p.grad = None
     x, y = torch.randn(4 * MICROBATCHES, WIDTH), torch.randn(4 * MICROBATCHES, WIDTH)
-    scope = context() if context is not None else None
-    if scope is not None:
-        scope.__enter__()  # type: ignore[attr-defined]
-    try:
+    with context() if context is not None else contextlib.nullcontext():
         torch.manual_seed(1)
         losses = []
         for xm, ym in zip(x.tensor_split(MICROBATCHES), y.tensor_split(MICROBATCHES), strict=True):
@@ -81,9 +80,6 @@ def _train_and_compare(
         )
         wrapped.synchronize()
         after = _counts()
-    finally:
-        if scope is not None:
-            scope.__exit__(None, None, None)  # type: ignore[attr-defined]
     assert torch.equal(loss, torch.stack(losses).sum())
     for ours, theirs in zip(wrapped.model.parameters(), plain.parameters(), strict=True):
         assert (ours.grad is None) == (theirs.grad is None)
@@ -96,7 +92,7 @@ def _train_and_compare(
 def _check_against_plain(
     make: Callable[[], nn.Sequential],
     grain: str,
-    context: Callable[[], object] | None = None,
+    context: Callable[[], AbstractContextManager[object]] | None = None,
     prepare: Callable[[nn.Module], object] | None = None,
 ) -> tuple[int, int]:
     """:func:`_train_and_compare` on ``make()`` and a wrapped copy of it (after ``prepare`` of
@@ -266,7 +262,7 @@ class _CountUnpacks:
     def __init__(self) -> None:
         self.unpacked = 0
 
-    def __call__(self) -> object:
+    def __call__(self) -> AbstractContextManager[object]:
         def unpack(tensor: torch.Tensor) -> torch.Tensor:
             self.unpacked += 1
             return tensor
@@ -281,7 +277,7 @@ class _CountUnpacks:
     ids=["saved_tensors_hooks", "anomaly", "profiler"],
 )
 def test_process_wide_state_sends_every_pass_to_the_engine(
-    devices: int, context: Callable[[], object]
+    devices: int, context: Callable[[], AbstractContextManager[object]]
 ) -> None:
     """Saved-tensor hooks around the call (their unpack hooks are user code that may ask for the
     engine's graph task), anomaly mode and a running profiler (which record what the engine does

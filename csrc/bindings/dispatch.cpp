@@ -422,9 +422,7 @@ class InputGrad final : public torch::autograd::Node {
   at::Tensor grad_;
 };
 
-// Autograd holds its nodes in c10::intrusive_ptr in recent torch (2.13 here), in std::shared_ptr
-// in earlier releases: make_node<T>() builds whichever Edge takes.
-using NodeRef = decltype(torch::autograd::Edge::function);
+// make_node<T>() builds whichever pointer Edge takes (NodeRef, local_backward.h).
 
 template <class T>
 NodeRef make_node() {

@@ -31,9 +31,6 @@ namespace {
 
 namespace ag = torch::autograd;
 
-// c10::intrusive_ptr in recent torch, std::shared_ptr before (as dispatch.cpp's NodeRef).
-using NodeRef = decltype(ag::Edge::function);
-
 std::atomic<std::int64_t> local_runs{0};
 std::atomic<std::int64_t> engine_runs{0};
 
@@ -197,9 +194,10 @@ void run_here(const ag::edge_list& roots, std::vector<at::Tensor>& grads,
 // What BackwardScope calls, looked up when the module is imported and kept for the life of the
 // process (never destroyed: the interpreter may be gone by then): torch._C's _get_graph_exec_group
 // and _set_graph_exec_group and torch.utils.checkpoint.GraphExecGroup, None where this torch has
-// none.
+// none; and the name of compiled autograd's module, made once rather than per pass.
 struct GroupCalls {
   py::object get, set, make;
+  py::str compiled_autograd{"torch._dynamo.compiled_autograd"};
 };
 const GroupCalls* group_calls = nullptr;
 
@@ -219,7 +217,7 @@ const GroupCalls* find_group_calls() {
 
 // Whether torch._dynamo's compiled autograd is on.
 bool compiled_autograd_enabled() {
-  PyObject* module = PyImport_GetModule(py::str("torch._dynamo.compiled_autograd").ptr());
+  PyObject* module = PyImport_GetModule(group_calls->compiled_autograd.ptr());
   if (module == nullptr) {
     if (PyErr_Occurred() != nullptr) throw py::error_already_set();
     return false;  // never imported: never enabled

@@ -16,12 +16,17 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function_hook.h>
 
 #include <cstdint>
 #include <vector>
 
 namespace roundpipe::bindings {
+
+// Autograd holds its nodes in c10::intrusive_ptr in recent torch (2.13 here), in std::shared_ptr
+// in earlier releases.
+using NodeRef = decltype(torch::autograd::Edge::function);
 
 // A post hook that sets a flag when its node runs and changes nothing (a stage's GradReach puts one
 // on each parameter copy's AccumulateGrad): the one kind of hook run_backward runs itself.
