@@ -28,9 +28,31 @@ GLOBAL_BATCH = 12
 ITERATIONS = 4
 
 
+VOCAB = 64
+
+
+def tied_lm() -> nn.Sequential:
+    """A causal-LM-shaped model whose output layer is its embedding (tied weights): with 3
+    ranks the embedding's second use spans a whole shard of the gradient arena."""
+    embedding = nn.Embedding(VOCAB, 8)
+    head = nn.Linear(8, VOCAB, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(embedding, nn.Linear(8, 8), nn.Tanh(), nn.LayerNorm(8), head)
+
+
 def build(cfg: dict[str, Any], rank: int) -> nn.Sequential:
     # "seed": rank 1 builds its replica from another seed; rank 0's weights are broadcast.
     torch.manual_seed(rank if cfg["scenario"] == "seed" else 0)
+    if cfg["scenario"] == "tied":
+        return tied_lm().double()
+    if cfg["scenario"] in ("batchnorm", "buffer_mismatch", "buffer_shape"):
+        # "buffer_mismatch": rank 1 keeps no running statistics; "buffer_shape": a buffer of
+        # another size on rank 1.
+        tracked = not (cfg["scenario"] == "buffer_mismatch" and rank == 1)
+        norm = nn.BatchNorm1d(10, track_running_stats=tracked)
+        if cfg["scenario"] == "buffer_shape":
+            norm.register_buffer("extra", torch.ones(4 + rank))
+        return nn.Sequential(nn.Linear(6, 10), norm, nn.Tanh(), nn.Linear(10, 3)).double()
     hidden = 10 + (1 if cfg["scenario"] == "mismatch" and rank == 1 else 0)
     layers: list[nn.Module] = [
         nn.Linear(6, hidden),
@@ -47,8 +69,13 @@ def build(cfg: dict[str, Any], rank: int) -> nn.Sequential:
     return nn.Sequential(*layers).to(torch.float16 if cfg["dtype"] == "fp16" else torch.float64)
 
 
-def data(dtype: torch.dtype, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
+def data(
+    dtype: torch.dtype, iteration: int, tokens: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 + iteration)
+    if tokens:
+        ids = torch.randint(VOCAB, (GLOBAL_BATCH + 1,), generator=generator)
+        return ids[:-1], ids[1:]
     x = torch.randn(GLOBAL_BATCH, 6, generator=generator, dtype=torch.float64)
     y = torch.randn(GLOBAL_BATCH, 3, generator=generator, dtype=torch.float64)
     return x.to(dtype), y.to(dtype)
@@ -91,7 +118,10 @@ def main() -> None:
         tracing = roundpipe.trace(os.path.join(out, f"trace{rank}.json"))
     try:
         with tracing:
-            train(cfg, rank, max(world, 1), group, result)
+            if cfg.get("ddp"):
+                train_ddp(cfg, rank, world, result)
+            else:
+                train(cfg, rank, max(world, 1), group, result)
     except Exception as error:  # the test reads what each rank raised
         result["error"] = f"{type(error).__name__}: {error}"
     torch.save(result, os.path.join(out, f"{cfg.get('tag', 'rank')}{rank}.pt"))
@@ -107,11 +137,14 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
     if cfg["dtype"] == "bf16":
         model_dtype = torch.bfloat16
     optim_dtype = None if cfg["dtype"] == "float64" else torch.float32
+    tokens = scenario == "tied"
+    # BatchNorm: one microbatch per rank, whose statistics are the rank's batch's (as DDP's).
+    microbatches = 1 if scenario == "batchnorm" else 2
     model = roundpipe.RoundPipe(
         build(cfg, rank),
         optim_dtype=optim_dtype,
         name="dp",
-        model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=2),
+        model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=microbatches),
         data_parallel_group=group,
         data_parallel_reduce=cfg.get("reduce", "auto"),
     )
@@ -137,7 +170,10 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
     ours = slice(rank * local, (rank + 1) * local)
 
     def loss_fn(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-        loss = ((output.double() - label.double()) ** 2).sum() / local
+        if tokens:
+            loss = nn.functional.cross_entropy(output, label, reduction="sum") / local
+        else:
+            loss = ((output.double() - label.double()) ** 2).sum() / local
         return scaler.scale(loss) if scaler is not None else loss
 
     def step_fn(iteration: int) -> None:
@@ -158,7 +194,7 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
     for iteration in range(first, ITERATIONS):
         if scenario == "exit" and rank == 1 and iteration == 1:
             os._exit(3)
-        x, y = data(model_dtype, iteration)
+        x, y = data(model_dtype, iteration, tokens)
         if scaler is not None:
             result["scales"].append(scaler.get_scale())
         model.forward_backward(input_args=(x[ours],), label=y[ours], loss_fn=loss_fn)
@@ -173,6 +209,9 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
             roundpipe.save_checkpoint(cfg["ckpt"], model, optimizer, extra=extra)
     model.synchronize()
     result["params"] = {k: v.detach().clone() for k, v in model.model.named_parameters()}
+    result["buffers"] = {k: v.detach().clone() for k, v in model.model.named_buffers()}
+    if cfg.get("final_ckpt"):
+        roundpipe.save_checkpoint(cfg["final_ckpt"], model, optimizer)
     shard = model.data_parallel_shard()
     result["shard"] = [
         (piece.name, tuple(piece.shape), piece.start, piece.stop, piece.copy.detach().clone())
@@ -184,6 +223,26 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
             roundpipe.models.AutoRoundPipe(nn.Sequential(model))
         except ValueError as error:
             result["auto_error"] = str(error)
+
+
+def train_ddp(cfg: dict[str, Any], rank: int, world: int, result: dict[str, Any]) -> None:
+    """The "batchnorm" training of :func:`train` with plain PyTorch's DistributedDataParallel
+    (buffers broadcast from rank 0 before each forward), for the buffers to compare with."""
+    model = nn.parallel.DistributedDataParallel(build(cfg, rank))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    local = GLOBAL_BATCH // world
+    ours = slice(rank * local, (rank + 1) * local)
+    for iteration in range(ITERATIONS):
+        x, y = data(torch.float64, iteration)
+        loss = ((model(x[ours]) - y[ours]) ** 2).sum() / local
+        loss.backward()
+        result["norms"].append(float(nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    result["params"] = {k: v.detach().clone() for k, v in model.module.named_parameters()}
+    result["buffers"] = {k: v.detach().clone() for k, v in model.module.named_buffers()}
 
 
 if __name__ == "__main__":

@@ -835,10 +835,18 @@ def test_stage_layout_matches_the_arena_layout_and_stays_bounded() -> None:
     assert layout.buffer_modules == ()
     bn = layers[0][1]
     assert memory.stage_layout(range(0, 1)).buffer_modules == (bn, bn, bn)  # BatchNorm1d's
+    # Every use of a parameter in the stage is bound to the stage's first copy of it: autograd
+    # sums the uses' gradients there, as in plain PyTorch. A module that several layers are
+    # (layers 2 and 3) is bound once, so that unbinding gives it its parameter back.
+    first = {id(slot.param): slot for slot in reversed(slots)}
     bindings = zip(layout.owner_modules, layout.owner_names, layout.owner_slots, strict=True)
-    assert [(owner, name, slots[i]) for owner, name, i in bindings] == [
-        (owner, name, slot) for slot in slots for owner, name in slot.owners
-    ]
+    expected = {}
+    for slot in slots:
+        for owner, name in slot.owners:
+            expected.setdefault((id(owner), name), (owner, name, first[id(slot.param)]))
+    assert [(owner, name, slots[i]) for owner, name, i in bindings] == list(expected.values())
+    assert len(layout.owner_slots) == 3  # layer 1's weight, the shared weight and bias
+    assert memory.stage_layout(range(3, 4)).owner_slots == (0, 1)  # the alias alone: its own
     # A plan that changes every call caches new layouts every call; each adds only a few objects
     # the garbage collector tracks (the layout and its tuples of modules, parameters, slots), so
     # they do not set off full collections (see StageLayout).

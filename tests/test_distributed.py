@@ -359,3 +359,125 @@ def test_example_runs_under_torchrun_on_cpu():
     assert done.returncode == 0, done.stdout + done.stderr
     first, last = done.stdout.strip().splitlines()[-1].removeprefix("loss ").split(" -> ")
     assert float(last) < float(first), done.stdout
+
+
+# -- shared parameters and buffers -----------------------------------------------------------
+
+
+def plain_tied_training() -> dict[str, torch.Tensor]:
+    """dp_worker's "tied" training with synchronous steps, in plain PyTorch (one process, the
+    whole batch in the worker's two microbatches)."""
+    model = worker.build({"scenario": "tied"}, 0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    for iteration in range(worker.ITERATIONS):
+        x, y = worker.data(torch.float64, iteration, tokens=True)
+        for xs, ys in zip(x.tensor_split(2), y.tensor_split(2), strict=True):
+            loss = torch.nn.functional.cross_entropy(model(xs), ys, reduction="sum")
+            (loss / worker.GLOBAL_BATCH).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("world", "reduce", "is_async"),
+    [
+        (2, "host", False),
+        (2, "stage", False),
+        (2, "stage", True),
+        (3, "host", True),
+        (3, "stage", False),
+        (3, "stage", True),
+    ],
+)
+def test_tied_weights_train_as_one_process(tmp_path: Path, world: int, reduce: str, is_async: bool):
+    # An embedding tied to the output head: the head's use of the weight is an alias in the
+    # last layer, whose gradient must reach the embedding's on every rank, whichever rank's
+    # shard holds either ("stage": each rank downloads only its shard). At 3 ranks the last
+    # shard lies inside the alias: that rank steps an empty piece and still takes part.
+    results, ref, _ = run(tmp_path, world, scenario="tied", reduce=reduce, is_async=is_async)
+    assert_matches(results, ref, rtol=1e-10, atol=1e-12)
+    assert ref is not None
+    if not is_async:
+        for name, value in plain_tied_training().items():
+            torch.testing.assert_close(ref["params"][name], value, rtol=1e-10, atol=1e-12)
+    if world == 3:
+        empty = [r for r in results if r is not None and all(p[2] == p[3] for p in r["shard"])]
+        assert len(empty) == 1, [r["shard"] for r in results if r is not None]
+
+
+def test_empty_shard_rank_saves_and_resumes(tmp_path: Path):
+    # 3 ranks with a rank whose shard holds no trainable element save a checkpoint folder;
+    # 2 ranks resume from it and end where an uninterrupted run ends.
+    ckpt = str(tmp_path / "ckpt")
+    _, ref, _ = run(_folder(tmp_path, "ref"), 0, scenario="tied", is_async=False)
+    saved, _, _ = run(
+        _folder(tmp_path, "save"),
+        3,
+        reference=False,
+        scenario="tied",
+        is_async=False,
+        save_at=1,
+        ckpt=ckpt,
+    )
+    assert_matches(saved, ref, rtol=1e-10, atol=1e-12)
+    resumed, _, _ = run(
+        _folder(tmp_path, "resume"),
+        2,
+        reference=False,
+        scenario="tied",
+        is_async=False,
+        resume=True,
+        ckpt=ckpt,
+    )
+    assert ref is not None
+    assert_matches(resumed, {**ref, "norms": ref["norms"][2:]}, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(("world", "reduce"), [(2, "host"), (3, "stage")])
+def test_buffers_follow_rank_0_as_under_ddp(tmp_path: Path, world: int, reduce: str):
+    # BatchNorm statistics: every rank computes with rank 0's, as DistributedDataParallel
+    # (broadcast_buffers=True) makes them, and holds rank 0's after every training call, so the
+    # replicas and the checkpoint agree. Compared with DDP itself on the same data.
+    ckpt = tmp_path / "ckpt"
+    ours, _, _ = run(
+        _folder(tmp_path, "ours"),
+        world,
+        reference=False,
+        scenario="batchnorm",
+        reduce=reduce,
+        is_async=False,
+        final_ckpt=str(ckpt),
+    )
+    ddp, _, _ = run(
+        _folder(tmp_path, "ddp"), world, reference=False, scenario="batchnorm", ddp=True
+    )
+    assert all(r is not None and "error" not in r for r in ours + ddp), (ours, ddp)
+    rank0 = ddp[0]
+    assert rank0 is not None
+    assert not torch.equal(ddp[1]["buffers"]["1.running_mean"], rank0["buffers"]["1.running_mean"])  # type: ignore[index]
+    for result in ours:
+        assert result is not None
+        for name, value in rank0["buffers"].items():
+            torch.testing.assert_close(result["buffers"][name], value, rtol=1e-9, atol=1e-12)
+        for name, value in rank0["params"].items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-9, atol=1e-12)
+    assert result["norms"] == pytest.approx(rank0["norms"], rel=1e-9)
+    alone = roundpipe.RoundPipe(worker.build({"scenario": "batchnorm"}, 0), name="alone")
+    roundpipe.load_checkpoint(str(ckpt), alone)
+    for name, value in alone.model.named_buffers():
+        torch.testing.assert_close(value, rank0["buffers"][name], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("scenario", ["buffer_mismatch", "buffer_shape"])
+def test_mismatched_buffers_raise_on_every_rank(tmp_path: Path, scenario: str):
+    # Rank 1 keeps no BatchNorm statistics, or has a buffer of another size: the construction
+    # check names it on every rank (it used to wait out the group timeout, or half-overwrite).
+    results, _, _ = run(tmp_path, 2, reference=False, scenario=scenario, timeout=20)
+    for result in results:
+        assert result is not None
+        error = result["error"]
+        assert error.startswith("ValueError") and "on rank 1" in error and "buffers" in error

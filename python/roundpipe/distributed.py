@@ -238,10 +238,13 @@ class DataParallel:
         # Steps submitted, and backward calls since the last one (what the ranks agree on).
         self.steps = 0
         self.calls = 0
-        if reduce_mode == "stage":
+        # Buffers are broadcast from rank 0 after each training call (broadcast_buffers).
+        self.has_buffers = bool(memory.buffers())
+        if reduce_mode == "stage" or self.has_buffers:
             self.call_group = dist.new_group(
                 ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
             )
+        if reduce_mode == "stage":
             self.gpus = sorted({d.index or 0 for d in pool if d.type == "cuda"})
             self.gpu_groups = [
                 dist.new_group(
@@ -268,6 +271,8 @@ class DataParallel:
                 self.slices.append(
                     _Slice(slot, (low - first) // size, (high - first) // size, low - self.begin)
                 )
+        if not self.slices:
+            self.slices = self._placeholder_slice()
         self.piece_by_param = {id(piece.slot.param): piece for piece in self.slices}
         self.runs = memory.grad_runs(range(len(memory.layers)))
         # The own shard's averaged gradients (the arena is zeroed for the next iteration while
@@ -275,6 +280,14 @@ class DataParallel:
         self.shard_grads = torch.zeros(self.shard_bytes, dtype=torch.uint8)
         # New weights in the gradient arena's layout, padded to world_size shards.
         self.staging = torch.zeros(self.world_size * self.shard_bytes, dtype=torch.uint8)
+
+    def _placeholder_slice(self) -> list[_Slice]:
+        """A shard that holds no trainable element (more ranks than the arena has bytes for, or
+        a shard inside a shared parameter's second use) still steps: an empty piece of the
+        first trainable parameter stands in, so the rank's ``optim_parameters()`` is not empty
+        (an optimizer refuses an empty parameter list) while it steps nothing."""
+        first = next((slot for slot in self.memory.slots() if slot.grad_offset is not None), None)
+        return [] if first is None else [_Slice(first, 0, 0, 0)]
 
     def _broadcast_initial_state(self, memory: ModelMemory) -> None:
         """Every rank starts from rank 0's parameters and buffers, as DistributedDataParallel
@@ -287,15 +300,28 @@ class DataParallel:
             tensors.append(memory.params)
         else:
             tensors.extend(slot.param.data for slot in memory.slots())
-        for layer in memory.layers:
-            for owner, name in layer.buffers:
-                buffer = getattr(owner, name, None)
-                if isinstance(buffer, torch.Tensor):
-                    tensors.append(buffer.data)
+        tensors.extend(buffer.data for buffer in memory.buffers())
         with torch.no_grad():
             for tensor in tensors:
                 if tensor.numel() > 0:
                     dist.broadcast(tensor, src=source, group=self.group)
+
+    def broadcast_buffers(self) -> None:
+        """Rank 0's buffers into every rank's, one broadcast per dtype, on the calling thread's
+        group: after every training call (a ``forward_backward``, or a ``forward()`` with
+        gradients), so that the replicas compute with rank 0's statistics as under
+        ``DistributedDataParallel(broadcast_buffers=True)``, and hold them alike at rest."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buffer in self.memory.buffers():
+            by_dtype.setdefault(buffer.dtype, []).append(buffer)
+        with torch.no_grad():
+            for buffers in by_dtype.values():
+                flat = torch.cat([buffer.reshape(-1) for buffer in buffers])
+                dist.broadcast(flat, src=self.ranks[0], group=self.call_group)
+                offset = 0
+                for buffer in buffers:
+                    buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
+                    offset += buffer.numel()
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -381,10 +407,14 @@ class DataParallel:
 
     def reduce_stage(
         self, buffer: torch.Tensor, first_byte: int, layers: range, device: torch.device
-    ) -> tuple[int, int]:
+    ) -> list[tuple[int, int]]:
         """Sum a backward stage's device gradients (``buffer``: the gradient arena's bytes from
         ``first_byte`` on, on ``device``) into the ranks that own them, layer by layer in
-        descending order; returns the own shard's byte range, the only part to download."""
+        descending order; returns the byte ranges to download, disjoint and in order.
+
+        Those are the own shard and every alias (a later use of a shared parameter): an alias's
+        gradient is summed into every rank, which folds it into its parameter's before the step
+        (see ``ModelMemory.fold_alias_grads``), wherever the two lie in the shards."""
         group, gpu = self.call_group, device.index or 0
         if device.type == "cuda" and gpu in self.gpus:
             group = self.gpu_groups[self.gpus.index(gpu)]
@@ -396,14 +426,20 @@ class DataParallel:
             )
         size = self.shard_bytes
         if size == 0:
-            return 0, 0
+            return []
+        ranges = [(self.begin, self.begin + size)]
         for layer in reversed(layers):
-            for begin, end, dtype in self.memory.grad_runs(range(layer, layer + 1)):
+            for begin, end, dtype, alias in self.memory.layer_grad_runs(layer):
+                if alias:
+                    local = buffer[begin - first_byte : end - first_byte].view(dtype)
+                    all_reduce(local, dist.ReduceOp.SUM, group)
+                    ranges.append((begin, end))
+                    continue
                 for owner in range(begin // size, -(-end // size)):
                     low, high = max(begin, owner * size), min(end, (owner + 1) * size)
                     local = buffer[low - first_byte : high - first_byte].view(dtype)
                     reduce(local, self.ranks[owner], group)
-        return self.begin, self.begin + size
+        return _union(ranges)
 
     def gather_weights(self) -> None:
         """Every rank's staged new weights into every rank's staging arena (as bytes)."""
@@ -445,6 +481,17 @@ class DataParallel:
             yield
         finally:
             _active.model = previous
+
+
+def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The byte ranges ``(begin, end)`` covering ``ranges``, disjoint and in order."""
+    merged: list[tuple[int, int]] = []
+    for begin, end in sorted(ranges):
+        if merged and begin <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((begin, end))
+    return merged
 
 
 def any_rank(flag: bool) -> bool:

@@ -200,6 +200,10 @@ class GradientState:
             return
         self.wait_pending()  # the pass's downloads
         self.memory.fold_alias_grads(arena)
+        for slot in self.memory.borrowed:  # handed to the parameter's .grad later
+            if id(slot.param) in grads.reached:
+                self.memory.grad_view(slot).add_(self.memory.grad_view(slot, arena))
+                self.reached.add(id(slot.param))
         sums = _C.typed_views(arena, 0, self._offsets, self._params)
         views = self._views()
         with torch.no_grad():
@@ -227,6 +231,7 @@ class GradientState:
         with interrupts_deferred():
             self._absorb_user_grads()
             self.memory.fold_alias_grads()
+            self._hand_over_borrowed()
         arena = self.memory.grads
         try:
             yield
@@ -236,6 +241,32 @@ class GradientState:
             if self.memory.grads is not arena:
                 self.dirty = False
                 self.reached = set()
+
+    def hand_over_shared(self) -> None:
+        """Add the gradients this model accumulated for the parameters another owner trains
+        (``shared_parameters``: borrowed slots, see ``roundpipe.memory``) to their ``.grad``, as
+        a backward through this model's uses would in plain PyTorch, and clear them here;
+        transfers still landing are waited for first."""
+        if not self.memory.borrowed:
+            return
+        self.wait_pending()
+        with interrupts_deferred():
+            self.memory.fold_alias_grads()
+            self._hand_over_borrowed()
+
+    def _hand_over_borrowed(self) -> None:
+        memory = self.memory
+        with torch.no_grad():
+            for slot in memory.borrowed:
+                if id(slot.param) not in self.reached:
+                    continue
+                self.reached.discard(id(slot.param))
+                grad, param = memory.grad_view(slot), slot.param
+                if param.grad is None:
+                    param.grad = grad.clone()
+                else:
+                    param.grad.add_(grad)
+                grad.zero_()
 
     def _drop_passes(self) -> None:
         """Forget the sums of every pass in progress: a step or ``zero_grad()`` comes after the
@@ -281,6 +312,7 @@ class GradientState:
         if not self.published:
             self._absorb_stray_grads()
         memory.fold_alias_grads()
+        self._hand_over_borrowed()
         if self.dirty:
             _C.set_grads(self._params, self._views())
         for param in self._params:

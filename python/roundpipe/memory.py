@@ -16,7 +16,11 @@ parameter from its own storage.
 A parameter shared by several layers (tied embeddings) lives in its first layer; every later
 layer that uses it gets an *alias* slot, a copy in its own part of the arenas, so each stage
 still uploads in one copy. Aliases are refreshed from the parameter before each call and their
-gradients are folded into the parameter's before they are published or stepped.
+gradients are folded into the parameter's before they are published, reduced across ranks or
+stepped. Within a stage every use is bound to the stage's first copy, so autograd sums the uses
+there as plain PyTorch does. A parameter that another owner trains (``shared``: a weight tied
+across the parts of an ``AutoRoundPipe``, whose host glue steps it) is *borrowed*: its first use
+here is an alias too, without a primary, and its gradient goes to the parameter's ``.grad``.
 
 Host memory is the capacity limit of the design, so the arenas are anonymous mappings of their own
 (native ``allocate_host_arena``): a zeroed arena costs nothing until written, a gradient arena
@@ -59,6 +63,9 @@ class ParamSlot:
     grad_offset: int | None  # bytes into the gradient arena; None when frozen
     primary: ParamSlot | None = None  # for an alias: the slot in the parameter's first layer
     layer: int = 0
+    # Another owner trains the parameter (see ModelMemory): this slot is a copy refreshed before
+    # each call, and its gradient is handed to the parameter's ``.grad``.
+    borrowed: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -168,7 +175,11 @@ class StageLayout:
 class ModelMemory:
     """Flat host arenas for a list of layers; the parameters are moved into them in place."""
 
-    def __init__(self, layers: list[nn.Module], pin_model: str) -> None:
+    def __init__(
+        self, layers: list[nn.Module], pin_model: str, shared: frozenset[int] = frozenset()
+    ) -> None:
+        """Lay out ``layers`` and move their parameters into the arenas, but those whose ``id``
+        is in ``shared`` (trained by another owner: borrowed, see the module docstring)."""
         self.pin_model = pin_model
         self.layers: list[LayerMemory] = []
         first_slot: dict[int, ParamSlot] = {}
@@ -185,9 +196,11 @@ class ModelMemory:
                     if key in by_param:
                         by_param[key].owners.append((owner, name))
                         continue
-                    slot = ParamSlot(param, [(owner, name)], 0, None, first_slot.get(key), index)
+                    primary = first_slot.get(key)
+                    borrowed = primary is None and key in shared
+                    slot = ParamSlot(param, [(owner, name)], 0, None, primary, index, borrowed)
                     first_slot.setdefault(key, slot)
-                    if slot.primary is not None:
+                    if primary is not None or borrowed:
                         self.aliases.append(slot)
                     by_param[key] = slot
                     layer.slots.append(slot)
@@ -206,7 +219,12 @@ class ModelMemory:
             self.layers.append(layer)
         # ``id`` of each trained parameter that several layers use (tied weights): its gradient
         # is the sum of the uses' parts, each accumulated in its own slot (fold_alias_grads).
-        self.tied = frozenset(id(a.param) for a in self.aliases if a.grad_offset is not None)
+        self.tied = frozenset(
+            id(a.param) for a in self.aliases if a.grad_offset is not None and not a.borrowed
+        )
+        # The slots of borrowed parameters that train here (their gradients leave through
+        # GradientState.hand_over_shared).
+        self.borrowed = [a for a in self.aliases if a.borrowed and a.grad_offset is not None]
 
         # None with pin_model="off": every parameter keeps its own storage.
         self.params: torch.Tensor | None = (
@@ -286,10 +304,16 @@ class ModelMemory:
         maybe_frozen: list[int] = []
         owners: tuple[list[nn.Module], list[str], list[int]] = ([], [], [])
         buffers: tuple[list[int], list[nn.Module], list[str]] = ([], [], [])
+        # A parameter that several layers of the stage use is bound to one device copy, its
+        # first: autograd sums its uses' gradients there, as plain PyTorch sums them into the
+        # parameter's (one module used twice could not be bound to two copies at once anyway).
+        first_use: dict[int, int] = {}
+        bound_once: set[tuple[int, str]] = set()  # (module, attribute): one binding each
         for index in layers:
             layer = self.layers[index]
             for slot in layer.slots:
                 i = len(slots)
+                bound = first_use.setdefault(id(slot.param), i)
                 slots.append(slot)
                 layer_of.append(index)
                 if slot.grad_offset is None:
@@ -298,9 +322,12 @@ class ModelMemory:
                     trained.append(i)
                     grad_offsets.append(slot.grad_offset)
                 for owner, name in slot.owners:
+                    if (id(owner), name) in bound_once:  # one module used by several layers
+                        continue
+                    bound_once.add((id(owner), name))
                     owners[0].append(owner)
                     owners[1].append(name)
-                    owners[2].append(i)
+                    owners[2].append(bound)
             for owner, name in layer.buffers:
                 buffers[0].append(index)
                 buffers[1].append(owner)
@@ -391,11 +418,10 @@ class ModelMemory:
 
     def fold_alias_grads(self, arena: torch.Tensor | None = None) -> None:
         """Add the aliases' gradients into their parameters' and clear them, in ``arena``
-        (default: the current one)."""
+        (default: the current one); a borrowed parameter's sum stays in its borrowed slot."""
         with torch.no_grad():
             for alias in self.aliases:
-                if alias.grad_offset is not None:
-                    assert alias.primary is not None
+                if alias.grad_offset is not None and alias.primary is not None:
                     alias_grad = self.grad_view(alias, arena)
                     self.grad_view(alias.primary, arena).add_(alias_grad)
                     alias_grad.zero_()
@@ -432,10 +458,22 @@ class ModelMemory:
                         landed.synchronize()
                     buffer.copy_(source)
 
-    def slots(self) -> Iterator[ParamSlot]:
-        """Every parameter once, in its first layer (aliases excluded)."""
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer of the layers once (their host tensors, outside a call), in layer
+        order."""
+        found: dict[int, torch.Tensor] = {}
         for layer in self.layers:
-            yield from (slot for slot in layer.slots if slot.primary is None)
+            for owner, name in layer.buffers:
+                buffer = owner._buffers.get(name)
+                if buffer is not None:
+                    found.setdefault(id(buffer), buffer)
+        return list(found.values())
+
+    def slots(self) -> Iterator[ParamSlot]:
+        """Every parameter this model holds once, in its first layer (aliases excluded, and
+        so borrowed parameters)."""
+        for layer in self.layers:
+            yield from (slot for slot in layer.slots if slot.primary is None and not slot.borrowed)
 
     def grad_view(self, slot: ParamSlot, arena: torch.Tensor | None = None) -> torch.Tensor:
         """The host gradient of ``slot``: a view into ``arena`` (default: the current one)."""
@@ -447,6 +485,20 @@ class ModelMemory:
 
     def grad_range(self, layers: range) -> tuple[int, int]:
         return self.layers[layers.start].grad_begin, self.layers[layers.stop - 1].grad_end
+
+    def layer_grad_runs(self, layer: int) -> list[tuple[int, int, torch.dtype, bool]]:
+        """Maximal byte runs ``(begin, end, dtype, alias)`` of layer ``layer``'s gradients, split
+        where aliases (later uses of a shared parameter) begin and end: ``alias`` tells which."""
+        runs = _coalesced(
+            (
+                slot.grad_offset,
+                slot.grad_offset + _aligned(slot.nbytes),
+                (slot.param.dtype, slot.primary is not None),
+            )
+            for slot in self.layers[layer].slots
+            if slot.grad_offset is not None
+        )
+        return [(begin, end, dtype, alias) for begin, end, (dtype, alias) in runs]
 
     def grad_runs(self, layers: range) -> list[tuple[int, int, torch.dtype]]:
         """Maximal byte runs ``(begin, end, dtype)`` of same-dtype gradients over ``layers``."""

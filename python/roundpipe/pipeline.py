@@ -341,6 +341,15 @@ class ResidentStage:
                     "and act on the gradients in step_fn"
                 )
             hooks = param._backward_hooks
+            if hooks and self.layout.slots[i].borrowed:
+                _, module, name = self._param_name(i)
+                raise RuntimeError(
+                    f"RoundPipe model '{self.model}': parameter '{name}' of layer "
+                    f"{self.layout.layer_of[i]} ({type(module).__name__}) is shared with "
+                    "another RoundPipe part and has a hook registered with register_hook, "
+                    "which would run on each part's share of its gradient instead of once on "
+                    "the sum; remove the hook and act on the gradient in step_fn"
+                )
             if hooks and share and id(param) in self.memory.tied:
                 _, module, name = self._param_name(i)
                 raise RuntimeError(
@@ -517,10 +526,10 @@ class ResidentStage:
             staging.copy_(working, non_blocking=True)
         return staging, _C.record_event(self.device_index)
 
-    def download_grads(self, only: tuple[int, int] | None = None) -> list[Any]:
+    def download_grads(self, only: Sequence[tuple[int, int]] | None = None) -> list[Any]:
         """Accumulate this stage's device gradients into the host arena (``only``: just the
-        bytes in this range of the gradient arena), or copy them there when the buffer started
-        from the arena's; returns the events.
+        bytes in these disjoint, ordered ranges of the gradient arena), or copy them there when
+        the buffer started from the arena's; returns the events.
 
         On CUDA the downloads go through the model's page-locked staging at the stage's own
         offsets (see :meth:`ModelMemory.download_staging`)."""
@@ -528,8 +537,8 @@ class ResidentStage:
         staging = self.memory.download_staging() if self.grad_buffer.is_cuda else None
         runs: Sequence[tuple[int, int, torch.dtype]] = self.layout.grad_runs
         if only is not None:
-            clipped = [(max(b, only[0]), min(e, only[1]), t) for b, e, t in runs]
-            runs = [(b, e, t) for b, e, t in clipped if b < e]
+            clipped = [(max(b, lo), min(e, hi), t) for lo, hi in only for b, e, t in runs]
+            runs = sorted((b, e, t) for b, e, t in clipped if b < e)
         with _marked(self.nvtx_model, "download", self.layers):
             events = _C.download_grads(
                 self.device_index,
@@ -704,6 +713,9 @@ class LayerRunner:
     memory: ModelMemory
     timer: ModelTimer | None
     stage_reduce: DataParallel | None = None
+    # The data-parallel replica set of a model with buffers: every training call ends with
+    # rank 0's buffers on every rank (DataParallel.broadcast_buffers).
+    replica_buffers: DataParallel | None = None
 
 
 @dataclass
@@ -851,6 +863,13 @@ class Call:
             finally:
                 self.layer_calls.clear()
                 memory.settle_buffers()
+        replicas = self.runner.replica_buffers
+        if replicas is not None and self.saving and stages[0].kind != "backward":
+            try:
+                replicas.broadcast_buffers()
+            except Exception as error:
+                where = f"RoundPipe model '{self.runner.name}': data-parallel buffer broadcast"
+                raise annotate(error, where) from error
         return values
 
     def _run_stage(

@@ -9,7 +9,7 @@ import gc
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -105,11 +105,38 @@ _runtimes: weakref.WeakSet[_Runtime] = weakref.WeakSet()
 _held_for_fork: list[CallLock] = []
 
 
-def _refuse_wrapped_twice(layers: list[nn.Module]) -> None:
+def _checked_shared(model: nn.Module, shared: Any) -> tuple[nn.Parameter, ...]:
+    """``shared_parameters`` validated: parameters of ``model``, each once."""
+    if isinstance(shared, torch.Tensor) or not isinstance(shared, Iterable):
+        raise TypeError(
+            f"shared_parameters must be an iterable of nn.Parameter, got {type(shared).__name__}"
+        )
+    params = tuple(shared)
+    mine = {id(p) for p in model.parameters()}
+    for param in params:
+        if not isinstance(param, nn.Parameter):
+            raise TypeError(
+                f"shared_parameters must hold nn.Parameter objects, got {type(param).__name__}"
+            )
+        if id(param) not in mine:
+            raise ValueError(
+                "shared_parameters holds a parameter that is not one of the model's: list only "
+                "parameters the wrapped model uses"
+            )
+    return tuple({id(p): p for p in params}.values())
+
+
+def _refuse_wrapped_twice(layers: list[nn.Module], shared: frozenset[int]) -> None:
     """A trained parameter lives in one model's host arena: wrapping it again would leave the
     first model training weights the module no longer shows. ``ValueError`` naming that model.
-    (Frozen parameters may be shared: nothing trains them.)"""
-    ours = {id(p) for layer in layers for p in layer.parameters() if p.requires_grad}
+    (Frozen parameters may be shared: nothing trains them; so may ``shared``, which another
+    owner trains.)"""
+    ours = {
+        id(p)
+        for layer in layers
+        for p in layer.parameters()
+        if p.requires_grad and id(p) not in shared
+    }
     if not ours:
         return
     owner = _owner_of(ours)
@@ -211,6 +238,13 @@ class RoundPipe(ForwardingModule):
             of every backward stage, on the stage's device, so that each rank downloads only
             its own shard: every rank must then run the same backward calls with the same
             plan), or ``"auto"`` (``"stage"`` on CUDA GPUs, ``"host"`` on virtual CPU devices).
+        shared_parameters: parameters of ``model`` that another owner trains, typically a weight
+            tied across the parts of an ``AutoRoundPipe`` (whose host glue then holds its
+            optimizer copy; ``wrap_model_to_roundpipe`` sets this). This model computes with a
+            copy of each, refreshed before every call, and adds its gradient to the
+            parameter's ``.grad`` when its gradients are handed over (``step()``,
+            ``synchronize()``, :meth:`hand_over_shared_grads`); it keeps no optimizer copy of
+            them. Not with data parallelism.
     """
 
     name: str
@@ -218,6 +252,7 @@ class RoundPipe(ForwardingModule):
     model_run_config: RoundPipeRunConfig
     pin_model: str
     layers: list[nn.Module]
+    shared_parameters: tuple[nn.Parameter, ...]
     _runtime: _Runtime
 
     def __init__(
@@ -229,6 +264,8 @@ class RoundPipe(ForwardingModule):
         pin_model: str = "alloc",
         data_parallel_group: Any = None,
         data_parallel_reduce: str = "auto",
+        *,
+        shared_parameters: Iterable[nn.Parameter] = (),
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -253,13 +290,21 @@ class RoundPipe(ForwardingModule):
             raise ValueError(f"pin_model must be one of {_PIN_MODES}, got {pin_model!r}")
         data_parallel_size = check_group(data_parallel_group)
         check_reduce_mode(data_parallel_reduce)
+        shared = _checked_shared(model, shared_parameters)
+        if shared and data_parallel_size > 1:
+            raise ValueError(
+                "shared_parameters cannot be used with data_parallel_group: their gradients "
+                "leave the model through .grad, which the ranks would not average; put every "
+                "use of a shared weight in one data-parallel RoundPipe (an nn.Sequential or a "
+                "preset)"
+            )
         # list(Sequential) keeps a module that appears twice (children() would drop the repeat).
         layers = list(model) if isinstance(model, nn.Sequential) else [model]
         if not layers:
             raise ValueError("model is an empty nn.Sequential; give it at least one layer")
         name = name if name is not None else _default_name()
-        _refuse_wrapped_twice(layers)
-        memory = ModelMemory(layers, pin_model)
+        _refuse_wrapped_twice(layers, frozenset(id(p) for p in shared))
+        memory = ModelMemory(layers, pin_model, frozenset(id(p) for p in shared))
         data_parallel = None
         if data_parallel_size > 1:
             params = list(model.named_parameters(remove_duplicate=False))
@@ -273,6 +318,10 @@ class RoundPipe(ForwardingModule):
                 "data_parallel_reduce": reduce_mode,
                 "parameters": [
                     (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in params
+                ],
+                "buffers": [
+                    (n, tuple(b.shape), str(b.dtype))
+                    for n, b in model.named_buffers(remove_duplicate=False)
                 ],
             }
             if reduce_mode == "stage":  # one group per GPU: the ranks need as many
@@ -288,7 +337,14 @@ class RoundPipe(ForwardingModule):
         runtime = _Runtime(
             memory=memory,
             timer=timer,
-            runner=LayerRunner(name, layers, memory, timer, stage_reduce),
+            runner=LayerRunner(
+                name,
+                layers,
+                memory,
+                timer,
+                stage_reduce,
+                data_parallel if data_parallel is not None and data_parallel.has_buffers else None,
+            ),
             gradients=GradientState(memory, name, {id(p): n for n, p in param_names}),
             steps=StepPipeline(memory, optim_dtype, name, data_parallel),
             param_names=param_names,
@@ -302,6 +358,7 @@ class RoundPipe(ForwardingModule):
             model_run_config=model_run_config,
             pin_model=pin_model,
             layers=layers,
+            shared_parameters=shared,
             _runtime=runtime,
         )
 
@@ -507,6 +564,13 @@ class RoundPipe(ForwardingModule):
         runtime.gradients.wait_pending()
         runtime.steps.finish()
         runtime.gradients.publish()
+
+    @serialized
+    def hand_over_shared_grads(self) -> None:
+        """Add the gradients accumulated for ``shared_parameters`` to their ``.grad`` (waiting
+        for the transfers in flight) and clear them here, for their owner to step; ``step()``
+        and ``synchronize()`` do it too. Nothing without shared parameters."""
+        self._runtime.gradients.hand_over_shared()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``nn.Module.zero_grad``: clear the gradients accumulated so far, in the host arena

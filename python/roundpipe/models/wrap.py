@@ -112,7 +112,6 @@ class _Converter:
         self.roundpipe_kwargs = roundpipe_kwargs
         self.unused_paths = set(self.path_overrides)
         self.unused_modules = set(self.module_overrides)
-        self.wrapped_params: set[int] = set()
         # (parent, attribute name or ModuleList index, child, the part replacing it), in the
         # order the strategy reached them.
         self.replacements: list[tuple[nn.Module, str | int, nn.Module, _Part]] = []
@@ -131,14 +130,6 @@ class _Converter:
             kwargs["model_run_config"] = _derived_config(
                 self.model_run_config, chained, single_microbatch
             )
-        params = {id(p) for p in module.parameters()}
-        if params & self.wrapped_params:
-            raise ValueError(
-                f"module '{path}' shares parameters with another RoundPipe part (tied weights?); "
-                "RoundPipe parts cannot share parameters: list one of the modules in "
-                "skip_modules, or untie the weights"
-            )
-        self.wrapped_params |= params
         return _Part(module, kwargs)
 
     def override_for(self, module: nn.Module, path: str) -> dict[str, Any]:
@@ -226,9 +217,11 @@ def _built(converter: _Converter, root: nn.Module | _Part, name: str) -> RoundPi
     in place is taken out again: the model is left as it came (its parameters keep their values,
     in the host memory of the parts built meanwhile)."""
     placed: list[tuple[nn.Module, str | int, nn.Module]] = []
+    shared = _shared_across(part.module for _, _, _, part in converter.replacements)
     try:
         for parent, key, child, part in converter.replacements:
-            _put(parent, key, RoundPipe(part.module, **part.kwargs))
+            borrowed = [p for p in part.module.parameters() if id(p) in shared]
+            _put(parent, key, RoundPipe(part.module, **part.kwargs, shared_parameters=borrowed))
             placed.append((parent, key, child))
         if isinstance(root, _Part):
             return RoundPipe(root.module, **root.kwargs)
@@ -238,6 +231,17 @@ def _built(converter: _Converter, root: nn.Module | _Part, name: str) -> RoundPi
         for parent, key, child in reversed(placed):
             _put(parent, key, child)
         raise
+
+
+def _shared_across(modules: Iterable[nn.Module]) -> set[int]:
+    """``id`` of each trained parameter that several of ``modules`` use (a weight tied across
+    parts): the host glue trains it, and every part that uses it borrows it."""
+    users: dict[int, int] = {}
+    for module in modules:
+        for param in module.parameters():
+            if param.requires_grad:
+                users[id(param)] = users.get(id(param), 0) + 1
+    return {key for key, count in users.items() if count > 1}
 
 
 def _put(parent: nn.Module, key: str | int, child: nn.Module) -> None:
@@ -360,7 +364,13 @@ class AutoRoundPipe(ForwardingModule):
                 "ranks; data parallelism needs the whole model in one RoundPipe (an "
                 "nn.Sequential or a preset)"
             )
-        part_params = {id(p) for _, part in parts for p in part.model.parameters()}
+        # What the parts train; a weight they share (shared_parameters) is the glue's.
+        part_params = {
+            id(p)
+            for _, part in parts
+            for p in part.model.parameters()
+            if not any(p is shared for shared in part.shared_parameters)
+        }
         glue = [
             (param_name, param)
             for param_name, param in model.named_parameters()
@@ -428,6 +438,8 @@ class AutoRoundPipe(ForwardingModule):
         if not isinstance(is_async, bool):
             raise TypeError(f"is_async must be a bool, got {type(is_async).__name__}")
         self._finish_step()
+        for _, part in self.parts:
+            part.hand_over_shared_grads()  # the weights they share are the glue's to step
         glue_grads = self._take_glue_grads()
         copies = self._glue_copy_map()
 
@@ -458,6 +470,8 @@ class AutoRoundPipe(ForwardingModule):
         """Wait for the optimizer, publish the newest weights into every parameter and the
         accumulated gradients into the parts' ``param.grad`` (the glue's are there already)."""
         self._finish_step()
+        for _, part in self.parts:
+            part.hand_over_shared_grads()
         for _, part in self.parts:
             part.synchronize()
 

@@ -1,0 +1,251 @@
+"""A parameter that several layers use (tied weights), wherever the layers fall: one stage, several
+stages, a recompute stage, several microbatches, forward() + backward(), inference calls, both
+recompute grains, and across the parts of a wrapped Hugging Face model. Every gradient and every
+trained weight is compared with plain PyTorch on the unwrapped model.
+
+Where every use of the parameter is in one stage, autograd sums the uses there as plain PyTorch
+does, and a ``forward_backward`` in stage grain is bitwise equal to plain PyTorch (layer grain
+backpropagates each layer on its own, adding the uses' parts in turn). Where the uses fall in
+different stages, each stage accumulates its use's part over the microbatches and the parts are
+added once, before the gradient is published or stepped: equal up to the summation order.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import pytest
+import torch
+from roundpipe import RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
+from roundpipe.scheduler import ModelExecutePlan
+from torch import nn
+
+MICROBATCHES = 3
+BATCH = 6
+
+
+def one_module_twice() -> nn.Sequential:
+    """One Linear used as layers 0 and 2: the same module, bound twice."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    return nn.Sequential(lin, nn.Tanh(), lin, nn.Tanh())
+
+
+def two_modules_one_weight() -> nn.Sequential:
+    """Two Linears sharing one weight, as tied input and output embeddings do."""
+    torch.manual_seed(1)
+    first, last = nn.Linear(8, 8, bias=False), nn.Linear(8, 8)
+    last.weight = first.weight
+    return nn.Sequential(first, nn.Tanh(), last, nn.Tanh())
+
+
+MODELS = {"one_module_twice": one_module_twice, "two_modules": two_modules_one_weight}
+
+
+def plan(fwd: list[range], bwd: list[range]) -> ModelExecutePlan:
+    result = ModelExecutePlan()
+    result.fwd_plan, result.bwd_plan = fwd, bwd
+    return result
+
+
+# forward_backward plans: both uses in the fused stage, both in one recompute stage, apart.
+FUSED_PLANS = {
+    "fused_stage": (plan([], [range(0, 4)]), True),
+    "recompute_stage": (plan([range(0, 3)], [range(3, 4), range(0, 3)]), True),
+    "apart": (plan([range(0, 2)], [range(2, 4), range(0, 2)]), False),
+    "auto": (None, False),
+}
+# forward() + backward() plans.
+TRAIN_PLANS = {
+    "one_stage": plan([range(0, 4)], [range(0, 4)]),
+    "apart": plan([range(0, 2), range(2, 4)], [range(2, 4), range(0, 2)]),
+    "auto": None,
+}
+
+
+def data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, 8, generator=generator), torch.randn(BATCH, 8, generator=generator)
+
+
+def mse(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, label, reduction="sum")
+
+
+def plain_microbatches(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """What forward_backward is equivalent to: one backward per microbatch."""
+    for xs, ys in zip(x.tensor_split(MICROBATCHES), y.tensor_split(MICROBATCHES), strict=True):
+        mse(model(xs), ys).backward()
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads(ours: nn.Module, reference: nn.Module, exact: bool) -> None:
+    expected, got = grads(reference), grads(ours)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert value.norm() > 0, name  # a gradient to compare, not zeros
+        if exact:
+            assert torch.equal(got[name], value), (name, (got[name] - value).abs().max())
+        else:
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("plan_name", sorted(FUSED_PLANS))
+@pytest.mark.parametrize("build", sorted(MODELS))
+def test_forward_backward_matches_pytorch(
+    num_devices: int, build: str, plan_name: str, grain: str
+) -> None:
+    reference = MODELS[build]()
+    model = RoundPipe(copy.deepcopy(reference))
+    execute_plan, exact = FUSED_PLANS[plan_name]
+    config = RoundPipeRunConfig(
+        num_microbatch=MICROBATCHES, execute_plan=execute_plan, recompute_grain=grain
+    )
+    ours = torch.optim.SGD(model.optim_parameters(), lr=0.1)
+    theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for iteration in range(3):
+        x, y = data(iteration)
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+        model.synchronize()
+        plain_microbatches(reference, x, y)
+        # Layer grain backpropagates each layer on its own: the uses' parts are added in turn.
+        assert_grads(model.model, reference, exact and grain == "stage")
+        model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
+        theirs.step()
+        theirs.zero_grad()
+    for (name, p), q in zip(model.model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    # The uses stay one parameter.
+    assert model.model[0].weight is model.model[2].weight
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("plan_name", sorted(TRAIN_PLANS))
+@pytest.mark.parametrize("build", sorted(MODELS))
+def test_forward_then_backward_matches_pytorch(
+    num_devices: int, build: str, plan_name: str, grain: str
+) -> None:
+    reference = MODELS[build]()
+    model = RoundPipe(copy.deepcopy(reference))
+    config = RoundPipeRunConfig(
+        num_microbatch=MICROBATCHES, execute_plan=TRAIN_PLANS[plan_name], recompute_grain=grain
+    )
+    for iteration in range(2):  # the second accumulates onto the first, as .grad does
+        x, y = data(iteration)
+        mse(model(x, roundpipe_run_config=config), y).backward()
+        mse(reference(x), y).backward()
+    model.synchronize()
+    assert_grads(model.model, reference, exact=False)
+
+
+def test_inference_after_a_step_uses_the_new_shared_weight(num_devices: int) -> None:
+    reference = two_modules_one_weight()
+    model = RoundPipe(copy.deepcopy(reference))
+    config = RoundPipeRunConfig(num_microbatch=MICROBATCHES, execute_plan=FUSED_PLANS["apart"][0])
+    ours = torch.optim.SGD(model.optim_parameters(), lr=0.5)
+    theirs = torch.optim.SGD(reference.parameters(), lr=0.5)
+    x, y = data(7)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    model.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
+    plain_microbatches(reference, x, y)
+    theirs.step()
+    with torch.no_grad():
+        expected = reference(x)
+        got = model(x, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=MICROBATCHES))
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(expected, copy.deepcopy(two_modules_one_weight())(x))  # it moved
+
+
+def test_unbound_after_a_stage_that_uses_a_module_twice(num_devices: int) -> None:
+    # A module bound twice in one stage must get its own parameter back afterwards (it was once
+    # left bound to a device copy, and every gradient after that was lost).
+    reference = one_module_twice()
+    model = RoundPipe(copy.deepcopy(reference))
+    config = RoundPipeRunConfig(num_microbatch=1, execute_plan=FUSED_PLANS["fused_stage"][0])
+    x, y = data(3)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+    assert isinstance(model.model[0].weight, nn.Parameter)
+    assert model.model[0].weight is model.model[2].weight
+
+
+# -- Hugging Face: tied input and output embeddings ------------------------------------------
+
+transformers = pytest.importorskip("transformers", reason="the Hugging Face cases need it")
+
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+}
+
+
+def tied_causal_lm(family: str) -> nn.Module:
+    config_name, model_name = FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        tie_word_embeddings=True,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+def lm_batch(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 96, (4, 7), generator=generator)
+    return {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.parametrize("preset", [True, False], ids=["preset", "plain_wrapping"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tied_embeddings_train_like_pytorch(num_devices: int, family: str, preset: bool) -> None:
+    """Through the preset (one RoundPipe: embedding and head are layers of one model) and
+    through plain wrapping (an AutoRoundPipe whose embedding and head parts share the weight:
+    its host glue steps it), three SGD steps at a learning rate large enough that a lost
+    gradient would show, against the unwrapped model."""
+    reference = tied_causal_lm(family)
+    wrapped: Any = wrap_model_to_roundpipe(copy.deepcopy(reference), use_sequential_preset=preset)
+    assert type(wrapped).__name__ == ("RoundPipe" if preset else "AutoRoundPipe")
+    tied = wrapped.original_model if preset else wrapped.model
+    ours = torch.optim.SGD(wrapped.optim_parameters(), lr=1.0)
+    theirs = torch.optim.SGD(reference.parameters(), lr=1.0)
+    assert len(list(wrapped.optim_parameters())) == len(list(reference.parameters()))
+    for iteration in range(3):
+        batch = lm_batch(iteration)
+        expected = reference(**batch).loss
+        expected.backward()
+        loss = wrapped(**batch).loss
+        loss.backward()
+        torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+        wrapped.synchronize()
+        got = tied.model.embed_tokens.weight.grad
+        want = reference.model.embed_tokens.weight.grad
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        wrapped.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
+        theirs.step()
+        theirs.zero_grad()
+    for name, param in reference.named_parameters():  # parts forward attribute reads
+        ours = functools.reduce(getattr, name.split("."), tied)
+        torch.testing.assert_close(ours, param, rtol=1e-4, atol=1e-5, msg=name)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+
+
+def test_shared_parameters_is_checked() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="shared_parameters must be an iterable"):
+        RoundPipe(model, shared_parameters=model[0].weight)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not one of the model's"):
+        RoundPipe(model, shared_parameters=[nn.Parameter(torch.zeros(2))])
