@@ -174,6 +174,43 @@ def test_unbound_after_a_stage_that_uses_a_module_twice(num_devices: int) -> Non
     assert model.model[0].weight is model.model[2].weight
 
 
+def test_chained_models_sharing_a_weight(num_devices: int) -> None:
+    # Two RoundPipes chained (the first's packed outputs feed the second's forward_backward):
+    # the first holds the weight, the second borrows it (shared_parameters) and hands its
+    # gradient to .grad, which the first takes in as it does any gradient found in .grad.
+    reference = two_modules_one_weight()
+    first = RoundPipe(copy.deepcopy(reference)[:2])
+    weight = first.model[0].weight
+    head = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    head[0].weight = weight
+    with torch.no_grad():
+        head[0].bias.copy_(reference[2].bias)
+    second = RoundPipe(head, shared_parameters=[weight])
+    chained = RoundPipeRunConfig(num_microbatch=MICROBATCHES, merge_output=False)
+    ours = torch.optim.SGD(first.optim_parameters(), lr=0.5)
+    ours_head = torch.optim.SGD(second.optim_parameters(), lr=0.5)
+    theirs = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for iteration in range(2):
+        x, y = data(iteration)
+        hidden = first(x, roundpipe_run_config=chained)
+        second.forward_backward(
+            input_args=(hidden,),
+            label=y,
+            loss_fn=mse,
+            run_config=RoundPipeRunConfig(num_microbatch=MICROBATCHES),
+        )
+        plain_microbatches(reference, x, y)
+        # The borrower steps first: that hands its part of the shared weight's gradient over.
+        second.step(lambda: (ours_head.step(), ours_head.zero_grad()), is_async=False)
+        first.step(lambda: (ours.step(), ours.zero_grad()), is_async=False)
+        theirs.step()
+        theirs.zero_grad()
+    first.synchronize()
+    second.synchronize()
+    torch.testing.assert_close(weight, reference[0].weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(second.model[0].bias, reference[2].bias, rtol=1e-5, atol=1e-6)
+
+
 # -- Hugging Face: tied input and output embeddings ------------------------------------------
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face cases need it")
