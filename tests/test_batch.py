@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from roundpipe.batch import (
-    Batch,
+    BatchRows,
     RoundPipePackedData,
     merge_output,
     pack_output,
@@ -222,7 +222,7 @@ def test_auto_split_cuts_a_flattened_label_along_the_samples() -> None:
     for rows, n in [(8, 4), (7, 3)]:
         ids = torch.arange(rows * tokens).reshape(rows, tokens)
         label = ids.reshape(-1) * 10
-        batch = Batch()
+        batch = BatchRows()
         args_list, _ = split_input((ids,), {}, n, None, batch)
         labels = split_label(label, n, None, batch)
         for args, part in zip(args_list, labels, strict=True):
@@ -239,7 +239,7 @@ def test_auto_split_refuses_leaves_not_cut_along_the_batch() -> None:
     fix = r"TensorChunkSpec\(0\).*_Replicate"
     with pytest.raises(ValueError, match=rf"args\[1\] has 4 rows .* args\[0\] has 8.*{fix}"):
         split_input((x, torch.randn(4, 4)), {}, 2, None)
-    batch = Batch()
+    batch = BatchRows()
     split_input((x,), {}, 2, None, batch)
     with pytest.raises(ValueError, match=rf"label has 12 rows .* args\[0\] has 8.*{fix}"):
         split_label(torch.randn(12), 2, None, batch)
@@ -538,13 +538,16 @@ def test_packed_rows_drive_the_kwargs_batch_split() -> None:
 def test_packed_leaf_of_another_length() -> None:
     # Fewer microbatches than asked for: 0.1.1 warned and ran as many as the packed value holds.
     packed = RoundPipePackedData([1, 2])
-    with pytest.warns(UserWarning, match=r"args\[0\]: RoundPipePackedData holds 2 microbatches"):
+    with pytest.warns(UserWarning, match=r"downsizing batch size to 2\. \(args\[0\] holds 2"):
         args_list, _ = split_input((packed,), {}, 3, None)
     assert args_list == [(1,), (2,)]
-    with pytest.raises(ValueError, match=r"args\[0\]: RoundPipePackedData holds 2 microbatches"):
-        split_input((packed,), {}, 1, None)
-    with pytest.raises(ValueError, match=r"label: RoundPipePackedData holds 2"):
-        split_label(packed, 1, None)
+    # More: microbatch m takes element m, as in 0.1.1, and ours says the rest is unused.
+    unused = r"RoundPipePackedData holds 2 microbatches but the call runs 1; using its first 1"
+    with pytest.warns(UserWarning, match=r"args\[0\]: " + unused):
+        args_list, _ = split_input((packed,), {}, 1, None)
+    assert args_list == [(1,)]
+    with pytest.warns(UserWarning, match=r"label: " + unused):
+        assert split_label(packed, 1, None) == [1]
 
 
 def test_packed_data_single_microbatch_yields_its_element() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from roundpipe import RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
+from roundpipe.models import merge_summed_loss
 from torch import nn
 
 transformers = pytest.importorskip("transformers", reason="the presets need transformers")
@@ -257,8 +258,43 @@ def test_num_items_in_batch_gives_whole_batch_token_weighting(
     )
     torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-6)
     assert_same_grads(reference, wrapped)
-    merged = wrapped(**batch, num_items_in_batch=num_items)  # shares add up in forward too
+    # forward's merged loss averages the microbatch shares (the automatic merge averages every
+    # scalar, as 0.1.1's does): num_microbatch times that is the whole batch's loss;
+    # merge_summed_loss asks for the whole batch's loss itself.
+    config = RoundPipeRunConfig(num_microbatch=3)
+    merged = wrapped(**batch, num_items_in_batch=num_items, roundpipe_run_config=config)
+    torch.testing.assert_close(merged.loss * 3, expected.loss.detach(), rtol=1e-5, atol=1e-6)
+    summed = RoundPipeRunConfig(num_microbatch=3, merge_output=merge_summed_loss)
+    merged = wrapped(**batch, num_items_in_batch=num_items, roundpipe_run_config=summed)
     torch.testing.assert_close(merged.loss, expected.loss.detach(), rtol=1e-5, atol=1e-6)
+    if loss_chunk_size is None:
+        assert merged.logits.shape[0] == batch["input_ids"].shape[0]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_per_call_switches_of_0_1_1(num_devices: int, family: str) -> None:
+    # return_logits=False computes the loss chunk by chunk without logits (0.1.1's per-call
+    # switch; same loss); output_router_logits=False is accepted per call, True refused.
+    reference, wrapped = make_pair(family)
+    batch = make_batch(padding=True)
+    expected = reference(**batch).loss
+    config = RoundPipeRunConfig(num_microbatch=2)
+    out = wrapped(**batch, return_logits=False, roundpipe_run_config=config)
+    assert out.logits is None
+    plain = wrapped(**batch, roundpipe_run_config=config)
+    torch.testing.assert_close(out.loss, plain.loss, rtol=1e-5, atol=1e-6)
+    assert out.loss.item() != pytest.approx(expected.item() * 2)  # a mean, not a sum
+    loss = wrapped.forward_backward(
+        input_kwargs={**batch, "return_logits": False, "output_router_logits": False},
+        loss_fn=lambda output, _: output.loss / 2,
+        run_config=config,
+    )
+    torch.testing.assert_close(loss, reference_loss(reference, batch, 2), rtol=1e-5, atol=1e-6)
+    assert_same_grads(reference, wrapped)
+    with pytest.raises(NotImplementedError, match="router auxiliary loss"):
+        wrapped(**batch, output_router_logits=True)
+    with pytest.raises(TypeError, match="return_logits must be a bool"):
+        wrapped(**batch, return_logits="no")
 
 
 def test_unsupported_model_settings_are_refused() -> None:

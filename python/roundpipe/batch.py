@@ -63,32 +63,64 @@ class RoundPipePackedData(list[Any]):
     """Per-microbatch values of one output leaf, returned when ``merge_output=False``.
 
     A plain ``list`` of the microbatch values (element ``m`` belongs to microbatch ``m``) plus
-    ``events``: for each element, the event that completes its transfer, or ``None`` when it is
-    ready. Passing packed data to another RoundPipe with the same ``num_microbatch`` hands element
-    ``m`` to microbatch ``m`` without waiting on the host; call :meth:`synchronize` before reading
-    the values yourself.
+    ``transfer_event``: for each element a ``(forward_event, backward_event)`` pair, as roundpipe
+    0.1.1 keeps them. The forward event completes the value's transfer (``None``: ready); the
+    backward event is kept for code that reads it (this runtime hands gradients back through
+    autograd and needs none). ``RoundPipePackedData(data, transfer_event)`` takes such pairs, or
+    one forward event (or ``None``) per value; ``events`` lists the forward events.
+
+    Passing packed data to another RoundPipe with the same ``num_microbatch`` hands element ``m``
+    to microbatch ``m`` without waiting on the host; call :meth:`synchronize` before reading the
+    values yourself.
     """
 
-    def __init__(self, values: Iterable[Any] = (), events: Sequence[Event | None] | None = None):
-        super().__init__(values)
-        self.events: list[Event | None] = [None] * len(self) if events is None else list(events)
-        if len(self.events) != len(self):
-            raise ValueError(
-                f"RoundPipePackedData got {len(self)} values but {len(self.events)} events; "
-                "pass one event (or None) per value"
+    def __init__(self, data: Iterable[Any] = (), transfer_event: Sequence[Any] | None = None):
+        super().__init__(data)
+        if transfer_event is None:
+            transfer_event = [None] * len(self)
+        if isinstance(transfer_event, (str, bytes)) or not isinstance(transfer_event, Sequence):
+            raise TypeError(
+                "RoundPipePackedData's transfer_event must be a list with one "
+                f"(forward_event, backward_event) pair or event per value, got "
+                f"{type(transfer_event).__name__}"
             )
+        if len(transfer_event) != len(self):
+            raise ValueError(
+                f"RoundPipePackedData got {len(self)} values but {len(transfer_event)} events; "
+                "pass one (forward_event, backward_event) pair, event or None per value"
+            )
+        self.transfer_event: list[tuple[Event | None, Event | None]] = [
+            _event_pair(entry) for entry in transfer_event
+        ]
+
+    @property
+    def events(self) -> list[Event | None]:
+        """The forward event of each value (``None``: ready)."""
+        return [forward for forward, _ in self.transfer_event]
 
     def synchronize(self) -> RoundPipePackedData:
         """Wait until every value has arrived, then return ``self``."""
-        for event in self.events:
-            if event is not None:
-                event.synchronize()
-        self.events = [None] * len(self)
+        for forward, _ in self.transfer_event:
+            if forward is not None:
+                forward.synchronize()
+        self.transfer_event = [(None, backward) for _, backward in self.transfer_event]
         return self
 
     def __repr__(self) -> str:
         pending = sum(event is not None for event in self.events)
         return f"RoundPipePackedData({list.__repr__(self)}, pending_events={pending})"
+
+
+def _event_pair(entry: Any) -> tuple[Event | None, Event | None]:
+    """A ``transfer_event`` entry as its ``(forward, backward)`` pair."""
+    if isinstance(entry, tuple):
+        if len(entry) != 2:
+            raise ValueError(
+                "RoundPipePackedData's transfer_event pairs are (forward_event, backward_event), "
+                f"got a tuple of {len(entry)}"
+            )
+        return entry[0], entry[1]
+    return entry, None
 
 
 def marker_kind(obj: Any) -> MarkerKind | None:
@@ -228,7 +260,7 @@ def check_spec(spec: Any, field: str, allow_reduce: bool) -> None:
 # Splitting
 
 
-class Batch:
+class BatchRows:
     """Row counts of the batch the automatic rules follow, set by the first dim-0 split, and the
     path of the leaf that set them. Shared by a call's inputs and label, so every automatically
     split leaf of both must have the batch's size, or a whole multiple of it (so many rows per
@@ -280,20 +312,27 @@ def _packed_rows(packed: RoundPipePackedData) -> list[int] | None:
     return None
 
 
-def _unpack(packed: RoundPipePackedData, n: int, path: str, batch: Batch) -> list[Any]:
+def _unpack(packed: RoundPipePackedData, n: int, path: str, batch: BatchRows) -> list[Any]:
     if 0 < len(packed) < n:
         raise _FewerMicrobatches(len(packed), path, packed=True)
-    if len(packed) != n:
-        raise ValueError(
-            f"{path}: RoundPipePackedData holds {len(packed)} microbatches but num_microbatch is "
-            f"{n}; run the producing and the consuming RoundPipe with the same num_microbatch"
+    if not packed:
+        raise ValueError(f"{path}: RoundPipePackedData holds no microbatch")
+    values = list(packed)
+    if len(values) > n:
+        # As 0.1.1: microbatch m takes element m, so the elements past the call's last
+        # microbatch are not used (another packed input held fewer, or num_microbatch is lower).
+        warnings.warn(
+            f"{path}: RoundPipePackedData holds {len(values)} microbatches but the call runs "
+            f"{n}; using its first {n}",
+            stacklevel=5,
         )
-    batch.set(_packed_rows(packed), path)
-    return list(packed)
+        values = values[:n]
+    batch.set(_packed_rows(RoundPipePackedData(values)), path)
+    return values
 
 
 def _split_leaf(
-    value: Any, spec: Any, n: int, path: str, batch: Batch, batch_only: bool
+    value: Any, spec: Any, n: int, path: str, batch: BatchRows, batch_only: bool
 ) -> list[Any]:
     kind = marker_kind(spec)
     is_tensor = isinstance(value, torch.Tensor)
@@ -344,7 +383,7 @@ def _split_leaf(
 
 
 def _split_tree(
-    value: Any, spec: Any, n: int, path: str, batch: Batch, batch_only: bool
+    value: Any, spec: Any, n: int, path: str, batch: BatchRows, batch_only: bool
 ) -> list[Any]:
     """Split ``value`` into ``n`` values following ``spec`` (``None``, a marker or a tree).
 
@@ -419,7 +458,7 @@ def split_input(
     kwargs: dict[str, Any],
     num_microbatch: int,
     spec: tuple[Any, Any] | SplitInputFn | None,
-    batch: Batch | None = None,
+    batch: BatchRows | None = None,
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
     """Split a call's ``(args, kwargs)`` into per-microbatch ``(args_list, kwargs_list)``.
 
@@ -460,7 +499,7 @@ def split_input(
                 )
         return [tuple(a) for a in args_list], [dict(k) for k in kwargs_list]
     args_spec, kwargs_spec = (None, None) if spec is None else spec
-    batch = Batch() if batch is None else batch
+    batch = BatchRows() if batch is None else batch
     while True:
         try:
             with _naming("split_input"):
@@ -473,10 +512,12 @@ def split_input(
             # As torch.distributed.pipelining splits (and 0.1.1 with it): a batch of fewer rows
             # than microbatches (a short last batch) runs as that many microbatches.
             if fewer.packed:
+                # The first sentence is 0.1.1's, which code may match on.
                 warnings.warn(
-                    f"{fewer.path}: RoundPipePackedData holds {fewer.count} microbatches but "
-                    f"num_microbatch is {num_microbatch}; running {fewer.count} (its producer "
-                    "ran another num_microbatch, or a batch of fewer rows)",
+                    f"Batch index {fewer.count} out of range for RoundPipePackedData input, "
+                    f"downsizing batch size to {fewer.count}. ({fewer.path} holds {fewer.count} "
+                    f"microbatches but num_microbatch is {num_microbatch}: its producer ran "
+                    "another num_microbatch, or a batch of fewer rows)",
                     stacklevel=4,
                 )
             num_microbatch = fewer.count
@@ -484,7 +525,7 @@ def split_input(
 
 
 def split_label(
-    label: Any, num_microbatch: int, spec: Any | SplitLabelFn | None, batch: Batch | None = None
+    label: Any, num_microbatch: int, spec: Any | SplitLabelFn | None, batch: BatchRows | None = None
 ) -> list[Any]:
     """Split a label into ``num_microbatch`` labels (automatic, a spec, or ``fn(label, n)``).
 
@@ -493,7 +534,7 @@ def split_label(
     _check_count(num_microbatch)
     if is_user_function(spec):
         return _check_list(spec(label, num_microbatch), num_microbatch, "split_label's result")
-    batch = Batch() if batch is None else batch
+    batch = BatchRows() if batch is None else batch
     try:
         with _naming("split_label"):
             return _split_tree(label, spec, num_microbatch, "label", batch, batch_only=False)
@@ -650,6 +691,113 @@ def merge_output(outputs: list[Any], spec: Any | MergeOutputFn | bool | None) ->
         return _combine(outputs, spec, "output", _merge_leaf)
 
 
+class SplitMergeConfig(Protocol):
+    """What :class:`Batch` reads of a resolved run configuration."""
+
+    num_microbatch: int
+    split_input: Any
+    split_label: Any
+    merge_output: Any
+
+
+class Batch:
+    """roundpipe 0.1.1's microbatch holder, kept as compatibility surface: the inputs of one
+    call split into microbatches by :func:`split_input` / :func:`split_label`, and merged back
+    by :func:`merge_output` or :func:`pack_output`. No machinery of its own.
+
+    ``Batch(args, kwargs, run_config, label=None)`` takes a resolved configuration
+    (``roundpipe.run_config.FullRoundPipeRunConfig``). Per microbatch ``m`` it holds
+    ``flatten_states[m]`` / ``flatten_specs[m]`` (the ``tree_flatten`` of ``(args, kwargs)``),
+    ``forward_events[m]`` / ``backward_events[m]`` (the distinct events of the packed inputs'
+    ``transfer_event`` pairs for ``m``) and ``label_list[m]``; ``num_microbatch`` is how many
+    there are (fewer than asked when a packed input holds fewer). :meth:`dump` merges the
+    states back as the configuration's ``merge_output`` says.
+    """
+
+    def __init__(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        run_config: SplitMergeConfig,
+        label: Any = None,
+    ) -> None:
+        rows = BatchRows()
+        args_list, kwargs_list = split_input(
+            args, kwargs, run_config.num_microbatch, run_config.split_input, rows
+        )
+        self.num_microbatch = len(args_list)
+        self.flatten_states: list[list[Any]] = []
+        self.flatten_specs: list[TreeSpec] = []
+        for state in zip(args_list, kwargs_list, strict=True):
+            leaves, spec = tree_flatten(state)
+            self.flatten_states.append(leaves)
+            self.flatten_specs.append(spec)
+        packed = [leaf for _, leaf in _iter_leaves((args, kwargs), "") if _is_packed(leaf)]
+        self.forward_events: list[list[Event]] = []
+        self.backward_events: list[list[Event]] = []
+        for m in range(self.num_microbatch):
+            pairs = [value.transfer_event[m] for value in packed]
+            self.forward_events.append(_distinct(forward for forward, _ in pairs))
+            self.backward_events.append(_distinct(backward for _, backward in pairs))
+        self.label_list = split_label(label, self.num_microbatch, run_config.split_label, rows)
+
+    def dump(self, run_config: SplitMergeConfig) -> Any:
+        """The microbatch states merged into one value: packed (``merge_output=False``, each
+        leaf a :class:`RoundPipePackedData` whose ``transfer_event`` pairs are the
+        microbatches' events), else merged by ``merge_output`` once the forward events
+        completed."""
+        states = [
+            tree_unflatten(leaves, spec)
+            for leaves, spec in zip(self.flatten_states, self.flatten_specs, strict=True)
+        ]
+        if run_config.merge_output is False:
+            pairs = [
+                (_joined(forward), _joined(backward))
+                for forward, backward in zip(self.forward_events, self.backward_events, strict=True)
+            ]
+            return _combine(
+                states,
+                None,
+                "output",
+                lambda values, _spec, _path: RoundPipePackedData(values, pairs),
+            )
+        for events in self.forward_events:
+            for event in events:
+                event.synchronize()
+        return merge_output(states, run_config.merge_output)
+
+
+def _is_packed(value: Any) -> TypeIs[RoundPipePackedData]:
+    return isinstance(value, RoundPipePackedData)
+
+
+def _distinct(events: Iterable[Event | None]) -> list[Event]:
+    """``events`` without ``None`` and repeats (by identity), in order."""
+    seen: dict[int, Event] = {}
+    for event in events:
+        if event is not None:
+            seen.setdefault(id(event), event)
+    return list(seen.values())
+
+
+class _AllEvents:
+    """Several events waited for as one."""
+
+    def __init__(self, events: list[Event]) -> None:
+        self.events = events
+
+    def synchronize(self) -> None:
+        for event in self.events:
+            event.synchronize()
+
+
+def _joined(events: list[Event]) -> Event | None:
+    """One event completing after every one of ``events`` (``None`` for none)."""
+    if not events:
+        return None
+    return events[0] if len(events) == 1 else _AllEvents(events)
+
+
 def pack_output(outputs: list[Any], events: Sequence[Event | None]) -> Any:
     """The structure of ``outputs[0]`` with each leaf replaced by its RoundPipePackedData.
 
@@ -667,8 +815,10 @@ def pack_output(outputs: list[Any], events: Sequence[Event | None]) -> Any:
 
 __all__ = [
     "Batch",
+    "BatchRows",
     "Event",
     "RoundPipePackedData",
+    "SplitMergeConfig",
     "check_spec",
     "is_user_function",
     "marker_kind",

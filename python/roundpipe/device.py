@@ -15,11 +15,17 @@ Logical CUDA devices each have their own copy engine (own copy lanes) and share 
 compute stream, so a one-GPU machine runs the multi-device round-robin path.
 
 Nothing is probed at import: the first query resolves the configuration.
+
+On a torch built without CUDA, ``torch.cuda.Event()`` cannot be created at all (torch's class is
+a placeholder that raises); importing roundpipe makes it :class:`HostEvent`, the event of the
+virtual CPU devices, so code written against roundpipe 0.1.1, which creates events to pair with
+packed data, runs on CPU devices unchanged. A torch with CUDA keeps its own class.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import time
+from typing import Any, Literal
 
 import torch
 
@@ -104,13 +110,55 @@ def min_device_memory() -> int:
     return min(device_total_memory(i) for i in range(device_count()))
 
 
+def get_num_devices() -> int:
+    """roundpipe 0.1.1's name for :func:`device_count`."""
+    return device_count()
+
+
+class HostEvent:
+    """An event of the virtual CPU devices, with ``torch.cuda.Event``'s methods: their work is
+    done on the host by the time the call that issues it returns, so a recorded event has
+    completed; ``elapsed_time`` measures the host clock between two recorded events."""
+
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> None:
+        self.recorded_at: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        """Mark now."""
+        self.recorded_at = time.perf_counter()
+
+    def wait(self, stream: Any = None) -> None:
+        """Nothing to wait for: host work is ordered already."""
+
+    def query(self) -> bool:
+        """Always complete."""
+        return True
+
+    def synchronize(self) -> None:
+        """Returns at once (complete)."""
+
+    def elapsed_time(self, end_event: HostEvent) -> float:
+        """Milliseconds from this event's record to ``end_event``'s, as ``torch.cuda.Event``."""
+        if self.recorded_at is None or end_event.recorded_at is None:
+            raise RuntimeError("both events must be recorded before calculating elapsed time")
+        return (end_event.recorded_at - self.recorded_at) * 1e3
+
+
+if not torch.backends.cuda.is_built():  # type: ignore[no-untyped-call]
+    torch.cuda.Event = HostEvent  # type: ignore[misc,assignment]
+
+
 __all__ = [
+    "HostEvent",
     "configure_devices",
     "device_at",
     "device_count",
     "device_kind",
     "device_total_memory",
     "devices",
+    "get_num_devices",
     "min_device_memory",
     "num_cuda_devices",
 ]

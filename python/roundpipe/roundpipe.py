@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 from roundpipe._native import _C
 from roundpipe.autograd import PipelineNode, backward_into_inputs, connect
 from roundpipe.batch import (
-    Batch,
+    BatchRows,
     RoundPipePackedData,
     merge_output,
     pack_output,
@@ -510,7 +510,7 @@ class RoundPipe(ForwardingModule):
                 "forward_backward computes gradients but requires_grad resolved to False; call it "
                 "with gradients enabled, or use forward() for inference"
             )
-        batch = Batch()
+        batch = BatchRows()
         args_list, kwargs_list = split_input(
             input_args, input_kwargs, config.num_microbatch, config.split_input, batch
         )

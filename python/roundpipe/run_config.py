@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -285,4 +286,25 @@ def resolve_run_config(call: RoundPipeRunConfig, model: RoundPipeRunConfig) -> R
     )
 
 
-__all__ = ["RecomputeGrain", "ResolvedRunConfig", "RoundPipeRunConfig", "resolve_run_config"]
+class FullRoundPipeRunConfig(ResolvedRunConfig):
+    """roundpipe 0.1.1's name for a resolved configuration, kept as compatibility surface:
+    ``FullRoundPipeRunConfig(call_config, model_config)`` is
+    ``resolve_run_config(call_config, model_config)`` (``merge_output=False`` stays ``False``,
+    automatic choices stay ``None``)."""
+
+    def __init__(
+        self, call_config: RoundPipeRunConfig, model_config: RoundPipeRunConfig | None = None
+    ) -> None:
+        resolved = resolve_run_config(call_config, model_config or RoundPipeRunConfig())
+        super().__init__(
+            **{item.name: getattr(resolved, item.name) for item in dataclasses.fields(resolved)}
+        )
+
+
+__all__ = [
+    "FullRoundPipeRunConfig",
+    "RecomputeGrain",
+    "ResolvedRunConfig",
+    "RoundPipeRunConfig",
+    "resolve_run_config",
+]

@@ -598,6 +598,19 @@ def wrap_model(model: nn.Module, **roundpipe_kwargs: Any) -> RoundPipe:
     return preset.wrap(model, **roundpipe_kwargs)
 
 
+def wrap_with_preset(model: nn.Module, expected: type, **roundpipe_kwargs: Any) -> RoundPipe:
+    """:func:`wrap_model` for a model that must be an ``expected`` (roundpipe 0.1.1's
+    per-family ``wrap_model``, see ``roundpipe.models.qwen3`` and its siblings); otherwise
+    ``NotImplementedError`` naming both classes."""
+    if not isinstance(model, expected):
+        raise NotImplementedError(
+            f"model class {type(model).__name__} is not an instance of the expected class "
+            f"{expected.__name__}; use roundpipe.models.wrap_model(model), which finds the "
+            "preset for the model's class"
+        )
+    return wrap_model(model, **roundpipe_kwargs)
+
+
 def _check_threshold(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int (bytes), got {type(value).__name__}")

@@ -12,8 +12,11 @@
 Each microbatch's ``loss`` is Hugging Face's loss for that microbatch, as in roundpipe 0.1.1:
 the mean over its target tokens, or its summed loss divided by ``num_items_in_batch`` when the
 caller passes that (the whole batch's target-token count gives exact whole-batch weighting).
-The merged output of ``forward`` averages the microbatch means (the automatic merge of 0.1.1),
-or adds up the microbatch shares when ``num_items_in_batch`` was given.
+The merged output of ``forward`` averages the microbatch losses, as the automatic merge averages
+every scalar (and 0.1.1 does); :func:`merge_summed_loss` adds them up instead, which with
+``num_items_in_batch`` is the whole batch's Hugging Face loss. A call may pass
+``return_logits=False`` (0.1.1's per-call switch): the loss is then computed chunk by chunk
+without logits, as with ``loss_chunk_size``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 
 IGNORE_INDEX = -100  # Hugging Face's label value for "no target here"
+# Tokens per chunk of the loss of a call with return_logits=False when the model was wrapped
+# without loss_chunk_size.
+DEFAULT_LOSS_CHUNK = 1024
 
 MaskKinds = Callable[[Any], list[str]]
 
@@ -86,7 +92,7 @@ class DecoderFamily:
         sequential = self.build(base_model_of(model), loss_chunk_size)
         wrapped = RoundPipe(
             sequential,
-            model_run_config=_with_preset_rules(model_run_config, self.output_type),
+            model_run_config=_with_preset_rules(model_run_config),
             name=name or type(model).__name__,
             **roundpipe_kwargs,
         )
@@ -123,14 +129,13 @@ class MicrobatchOutput(dict[str, Any]):
 
     Unlike a Hugging Face ``ModelOutput`` it keeps ``None`` entries when rebuilt from its
     leaves, so the runtime's gradient trees (``None`` where a leaf got no gradient) keep its
-    shape. ``loss_is_share`` says the loss was divided by the caller's ``num_items_in_batch``
-    (microbatch losses then add up to the batch's) rather than averaged over the microbatch.
-    The merged output of a call is the model's own output type.
+    shape. ``output_type`` names the model's own output type (in
+    ``transformers.modeling_outputs``), which the merged output of a call is.
     """
 
-    def __init__(self, *args: Any, loss_is_share: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, output_type: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.__dict__["loss_is_share"] = loss_is_share
+        self.__dict__["output_type"] = output_type
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -141,9 +146,9 @@ class MicrobatchOutput(dict[str, Any]):
 
 register_pytree_node(
     MicrobatchOutput,
-    lambda output: (list(output.values()), (tuple(output.keys()), output.loss_is_share)),
+    lambda output: (list(output.values()), (tuple(output.keys()), output.output_type)),
     lambda values, context: MicrobatchOutput(
-        zip(context[0], values, strict=True), loss_is_share=context[1]
+        zip(context[0], values, strict=True), output_type=context[1]
     ),
     serialized_type_name="roundpipe.models.presets.MicrobatchOutput",
 )
@@ -199,9 +204,19 @@ class DecoderPrefix(nn.Module):
         use_cache: bool | None = None,
         logits_to_keep: int = 0,
         num_items_in_batch: torch.Tensor | int | None = None,
+        return_logits: bool = True,
+        output_router_logits: bool | None = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if not isinstance(return_logits, bool):
+            raise TypeError(f"return_logits must be a bool, got {type(return_logits).__name__}")
+        if output_router_logits:
+            raise NotImplementedError(
+                f"the {self.family.name} preset does not compute the router auxiliary loss; "
+                "call with output_router_logits=False (or leave it unset), or wrap with "
+                "use_sequential_preset=False"
+            )
         if past_key_values is not None or use_cache:
             raise ValueError(
                 "the RoundPipe preset trains without a KV cache; leave past_key_values and "
@@ -224,6 +239,7 @@ class DecoderPrefix(nn.Module):
             "position_ids": position_ids,
             "labels": labels,
             "num_items_in_batch": num_items_in_batch,
+            "return_logits": return_logits,
         }
         return embeds, context
 
@@ -289,13 +305,16 @@ class CausalLMPostfix(nn.Module):
         hidden, context = state
         hidden = self.norm(hidden)
         labels, num_items = context["labels"], context["num_items_in_batch"]
+        output_type = self.family.output_type
         loss: torch.Tensor | None
-        share = labels is not None and num_items is not None
-        if labels is not None and self.loss_chunk_size is not None:
-            loss = chunked_causal_lm_loss(
-                hidden, self.lm_head, labels, num_items, self.loss_chunk_size
-            )
-            return MicrobatchOutput(loss=loss, logits=None, loss_is_share=share)
+        chunk = self.loss_chunk_size
+        if not context["return_logits"]:
+            chunk = chunk or DEFAULT_LOSS_CHUNK
+            if labels is None:
+                return MicrobatchOutput(loss=None, logits=None, output_type=output_type)
+        if labels is not None and chunk is not None:
+            loss = chunked_causal_lm_loss(hidden, self.lm_head, labels, num_items, chunk)
+            return MicrobatchOutput(loss=loss, logits=None, output_type=output_type)
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
@@ -305,7 +324,7 @@ class CausalLMPostfix(nn.Module):
                 vocab_size=self.config.vocab_size,
                 num_items_in_batch=num_items,
             )
-        return MicrobatchOutput(loss=loss, logits=logits, loss_is_share=share)
+        return MicrobatchOutput(loss=loss, logits=logits, output_type=output_type)
 
 
 def _shifted_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -333,7 +352,22 @@ def chunked_causal_lm_loss(
     logits exists at any time. Normalised by ``num_items`` when given (Hugging Face's
     ``num_items_in_batch``), else by this microbatch's target-token count.
     """
-    targets = _shifted_targets(labels).reshape(-1).to(hidden.device)
+    return chunked_linear_cross_entropy(
+        hidden, head, _shifted_targets(labels), num_items, chunk_size
+    )
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    targets: torch.Tensor,
+    num_items: torch.Tensor | int | None,
+    chunk_size: int,
+) -> torch.Tensor:
+    """The cross-entropy of ``head(hidden)`` against ``targets`` (already shifted; positions
+    holding ``IGNORE_INDEX`` count for nothing), ``chunk_size`` tokens at a time, normalised as
+    :func:`chunked_causal_lm_loss`."""
+    targets = targets.reshape(-1).to(hidden.device)
     flat = hidden.reshape(-1, hidden.size(-1))
     chunk_loss = functools.partial(_summed_cross_entropy, head)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -367,33 +401,46 @@ def _split_tokens_first(
     return split_input(args, ordered, num_microbatch, None)
 
 
-def _merger(output_type_name: str) -> Callable[[list[MicrobatchOutput]], Any]:
-    """The merge rule: logits concatenated; microbatch losses averaged (each is its
-    microbatch's mean) or, when normalised by the caller's ``num_items_in_batch``, added up."""
+def _merged(outputs: list[MicrobatchOutput], summed: bool) -> Any:
+    """The model's output type over the microbatch outputs: logits concatenated, losses
+    averaged (the automatic merge's rule for scalars) or, with ``summed``, added up."""
+    from transformers import modeling_outputs
 
-    def merge(outputs: list[MicrobatchOutput]) -> Any:
-        from transformers import modeling_outputs
-
-        merged: dict[str, Any] = {}
-        losses = [output["loss"] for output in outputs]
-        if losses[0] is not None:
-            total = torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
-            merged["loss"] = total if outputs[0].loss_is_share else total / len(losses)
-        logits = [output["logits"] for output in outputs]
-        if logits[0] is not None:
-            merged["logits"] = merge_output(logits, None)
-        return getattr(modeling_outputs, output_type_name)(**merged)
-
-    return merge
+    merged: dict[str, Any] = {}
+    losses = [output["loss"] for output in outputs]
+    if losses[0] is not None:
+        total = torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
+        merged["loss"] = total if summed else total / len(losses)
+    logits = [output["logits"] for output in outputs]
+    if logits[0] is not None:
+        merged["logits"] = merge_output(logits, None)
+    return getattr(modeling_outputs, outputs[0].output_type)(**merged)
 
 
-def _with_preset_rules(config: RoundPipeRunConfig, output_type: str) -> RoundPipeRunConfig:
+def merge_mean_loss(outputs: list[MicrobatchOutput]) -> Any:
+    """A preset's default ``merge_output``: logits concatenated, the microbatch losses
+    averaged, as the automatic merge averages every scalar."""
+    return _merged(outputs, summed=False)
+
+
+def merge_summed_loss(outputs: list[MicrobatchOutput]) -> Any:
+    """A ``merge_output`` for a preset's forward that adds the microbatch losses up: with
+    ``num_items_in_batch`` (the whole batch's target-token count) each is its share of the whole
+    batch, so the merged ``loss`` is the Hugging Face loss of the whole batch::
+
+        out = model(**batch, num_items_in_batch=n,
+                    roundpipe_run_config=RoundPipeRunConfig(merge_output=merge_summed_loss))
+    """
+    return _merged(outputs, summed=True)
+
+
+def _with_preset_rules(config: RoundPipeRunConfig) -> RoundPipeRunConfig:
     """``config`` with the preset's split and merge rules where it leaves them unset."""
     fields = {field: getattr(config, field) for field in RoundPipeRunConfig.__slots__}
     if fields["split_input"] is None:
         fields["split_input"] = _split_tokens_first
     if fields["merge_output"] is None:
-        fields["merge_output"] = _merger(output_type)
+        fields["merge_output"] = merge_mean_loss
     return RoundPipeRunConfig(**fields)
 
 
@@ -405,6 +452,9 @@ __all__ = [
     "MicrobatchOutput",
     "all_layers",
     "chunked_causal_lm_loss",
+    "chunked_linear_cross_entropy",
     "kinds_from_layer_types",
+    "merge_mean_loss",
+    "merge_summed_loss",
     "sliding_if_windowed",
 ]
