@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -395,6 +396,84 @@ def test_plot_without_matplotlib_says_how_to_install(
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"roundpipe\[plot\]"):
         plot_trace(rt.Trace([event("forward", 0, "compute", 0, 1)]), tmp_path / "x.png")
+
+
+DEVICE_0 = {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "device 0"}}
+FORWARD = {"ph": "X", "cat": "forward", "name": "f", "ts": 0, "dur": 5, "pid": 0, "tid": 0}
+
+
+@pytest.mark.parametrize(
+    ("events", "problem"),
+    [
+        ([1, 2], r"traceEvents\[0\] is 1, not an event object"),
+        ([{"ph": "M", "name": "process_name", "pid": 0}], r"traceEvents\[0\] .* has no 'args'"),
+        ([DEVICE_0, {**FORWARD, "pid": None}], r"traceEvents\[1\] .* has pid None, not an int"),
+        ([DEVICE_0, {k: v for k, v in FORWARD.items() if k != "tid"}], "has no 'tid'"),
+        ([DEVICE_0, {**FORWARD, "args": {"layers": 3}}], "args.layers 3, not \\[first, last\\]"),
+        ([DEVICE_0, {**FORWARD, "ts": "soon"}], "has ts 'soon', not a finite number"),
+        ([DEVICE_0, {**FORWARD, "dur": -1}], "negative dur"),
+    ],
+)
+def test_plot_command_line_says_in_one_line_what_is_wrong_with_a_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], events: list, problem: str
+) -> None:
+    from roundpipe.plot import main
+
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    with pytest.raises(SystemExit) as exited:
+        main([str(path)])
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"python -m roundpipe.plot: error: {path}: ")
+    assert re.search(problem, lines[0]), lines[0]
+    assert not (tmp_path / "bad.png").exists()
+
+
+def test_plot_command_line_without_matplotlib_says_how_to_install_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from roundpipe.plot import main
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    trace_path = tmp_path / "run.json"
+    rt.Trace([event("forward", 0, "compute", 0, 10)]).save(trace_path)
+    with pytest.raises(SystemExit) as exited:
+        main([str(trace_path)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "python -m roundpipe.plot: error: roundpipe.plot needs matplotlib; install it with: "
+        "pip install 'roundpipe[plot]' (or pip install matplotlib)"
+    ]
+
+
+def test_events_on_lanes_without_a_thread_name_are_drawn(tmp_path: Path) -> None:
+    import warnings
+
+    from roundpipe.plot import _rows, plot_trace
+
+    path = tmp_path / "unnamed.json"
+    # No thread_name events: tid 1 is a device's second lane in our format, tid 9 no lane of ours.
+    events = [DEVICE_0, {**FORWARD, "cat": "upload", "tid": 1}, {**FORWARD, "tid": 9}]
+    path.write_text(json.dumps({"traceEvents": events}))
+    trace = rt.Trace.load(path)
+    assert sorted(e.lane for e in trace.events) == ["parameter upload", "thread 9"]
+    assert _rows(trace) == [(0, "parameter upload"), (0, "thread 9")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_trace(trace, tmp_path / "unnamed.png", dpi=40)
+    assert (tmp_path / "unnamed.png").stat().st_size > 0
+
+
+def test_a_cut_short_trace_round_trips_and_says_so(tmp_path: Path) -> None:
+    cut = rt.Trace([event("forward", 0, "compute", 0, 10)], cut_short="ended by SIGTERM")
+    cut.save(tmp_path / "cut.json")
+    loaded = rt.Trace.load(tmp_path / "cut.json")
+    assert loaded.cut_short == "ended by SIGTERM" and "cut short" in repr(loaded)
+    assert rt.Trace.load(tmp_path / "cut.json").events == cut.events
 
 
 def test_plot_rejects_an_empty_trace(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,13 +56,16 @@ def _as_trace(value: Trace | str | os.PathLike[str], name: str) -> Trace:
 
 
 def _rows(trace: Trace) -> list[tuple[int | None, str]]:
-    """(device, lane) of every row, devices in order then the host, lanes in display order."""
-    present = {(e.device, e.lane) for e in trace.events}
-    rows: list[tuple[int | None, str]] = [
-        (d, lane) for d in trace.devices for lane in DEVICE_LANES if (d, lane) in present
-    ]
-    rows += [(None, lane) for lane in HOST_LANES if (None, lane) in present]
-    return rows
+    """(device, lane) of every row: devices in order, then the host; each one's lanes in display
+    order, then lanes of other names (a loaded trace's unnamed threads) by name."""
+
+    def order(row: tuple[int | None, str]) -> tuple[bool, int, int, str]:
+        device, lane = row
+        lanes = HOST_LANES if device is None else DEVICE_LANES
+        position = lanes.index(lane) if lane in lanes else len(lanes)
+        return (device is None, device or 0, position, lane)
+
+    return sorted({(e.device, e.lane) for e in trace.events}, key=order)
 
 
 def _draw(axes: Any, trace: Trace, title: str) -> None:
@@ -88,7 +92,10 @@ def _draw(axes: Any, trace: Trace, title: str) -> None:
     axes.set_ylim(len(rows) - 0.5, -0.5)
     axes.set_title(title, fontsize=10, loc="left")
     axes.grid(axis="x", alpha=0.3)
-    summary = "\n".join(trace.summary().lines())
+    lines = trace.summary().lines()
+    if trace.cut_short is not None:
+        lines += ["cut short:", *textwrap.wrap(trace.cut_short, 40)]
+    summary = "\n".join(lines)
     axes.text(
         1.01,
         1.0,
@@ -171,8 +178,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     output = args.output or os.path.splitext(args.trace)[0] + ".png"
     try:
         plot_trace(args.trace, output, predicted=args.predicted, title=args.title, dpi=args.dpi)
-    except (OSError, ValueError) as error:  # an unreadable or malformed trace: say which
-        parser.error(str(error))
+    except (ImportError, OSError, ValueError) as error:
+        # No matplotlib, an unreadable or malformed trace: one line that says which.
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     print(output)
 
 

@@ -56,7 +56,7 @@ from roundpipe.distributed import DataParallel
 from roundpipe.memory import ModelMemory, clear_arena
 from roundpipe.optim import fused_writeback
 from roundpipe.optimizer_copy import OptimizerCopy
-from roundpipe.tracing import active_tracer
+from roundpipe.tracing import active_tracer, end_trace_now
 
 # Iterations are counted by the steps submitted in this process. The main thread is in iteration
 # `_submitted`; a job runs on behalf of the iteration that submitted it (see current_iteration).
@@ -224,7 +224,13 @@ def _leave_now() -> None:
     """Exit at once, without waiting for a step that still runs on the optimizer thread: a
     normal interpreter shutdown would stop that thread mid-Python when it next takes the GIL
     (which aborts the process) or wait for it forever. Output is flushed first; the exit status
-    is what an uncaught KeyboardInterrupt gives (killed by SIGINT), 1 for another error."""
+    is what an uncaught KeyboardInterrupt gives (killed by SIGINT), 1 for another error. The
+    trace being recorded keeps what it holds (the exit handler that would finish it is skipped)."""
+    ended_by = type(getattr(sys, "last_value", None)).__name__
+    end_trace_now(
+        f"the process ended with an uncaught {ended_by} while optimizer work still ran (left "
+        f"after {EXIT_AFTER_ERROR_SECONDS:g} s): spans not finished by then are missing"
+    )
     if "logging" in sys.modules:
         sys.modules["logging"].shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -41,17 +41,23 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import json
+import math
 import os
 import re
+import signal
+import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol, cast, get_args
+from typing import Any, Final, Literal, Protocol, TypeVar, cast, get_args
 
 from roundpipe._native import _C
+from roundpipe.trace_file import TraceFile, TraceFileBusy
 
 Phase = Literal[
     "forward",
@@ -87,6 +93,7 @@ ENV_VAR: Final[str] = "ROUNDPIPE_TRACE"
 
 #: A timestamp: host ``perf_counter_ns``, or a CUDA event recorded on a device stream.
 Mark = Any
+_T = TypeVar("_T")
 
 
 def range_name(
@@ -155,14 +162,22 @@ class TraceSummary:
 
 
 class Trace:
-    """A timeline: measured (from :func:`trace`) or predicted (from :func:`predict_trace`)."""
+    """A timeline: measured (from :func:`trace`) or predicted (from :func:`predict_trace`).
 
-    def __init__(self, events: Sequence[TraceEvent], kind: str = "measured") -> None:
+    ``cut_short`` is None for a whole recording, else why it ended early (the process ended
+    while recording, or left without waiting for the work still in flight).
+    """
+
+    def __init__(
+        self, events: Sequence[TraceEvent], kind: str = "measured", cut_short: str | None = None
+    ) -> None:
         self.events: list[TraceEvent] = sorted(events, key=lambda e: (e.start_us, e.end_us))
         self.kind = kind
+        self.cut_short = cut_short
 
     def __repr__(self) -> str:
-        return f"Trace(kind={self.kind!r}, events={len(self.events)}, devices={self.devices})"
+        cut = "" if self.cut_short is None else ", cut short"
+        return f"Trace(kind={self.kind!r}, events={len(self.events)}, devices={self.devices}{cut})"
 
     @property
     def devices(self) -> list[int]:
@@ -171,105 +186,70 @@ class Trace:
 
     def to_chrome(self) -> dict[str, Any]:
         """The trace as a Chrome trace event format object (``json.dump`` it)."""
-        out: list[dict[str, Any]] = []
-        lanes = sorted({(e.device, e.lane) for e in self.events}, key=_lane_order)
-        for device in sorted({d for d, _ in lanes}, key=lambda d: HOST_PID if d is None else d):
-            pid = _pid(device)
-            label = "host" if device is None else f"device {device}"
-            out.append(_meta("process_name", pid, 0, {"name": label}))
-            out.append(_meta("process_sort_index", pid, 0, {"sort_index": pid}))
-        for device, lane in lanes:
-            pid, tid = _pid(device), _tid(device, lane)
-            out.append(_meta("thread_name", pid, tid, {"name": lane}))
-            out.append(_meta("thread_sort_index", pid, tid, {"sort_index": tid}))
-        for e in self.events:
-            args: dict[str, Any] = {"model": e.model}
-            if e.stage is not None:
-                args["stage"] = e.stage
-            if e.layers is not None:
-                args["layers"] = [e.layers.start, e.layers.stop - 1]
-            if e.microbatch is not None:
-                args["microbatch"] = e.microbatch
-            args.update(e.args)
-            out.append(
-                {
-                    "name": e.name,
-                    "cat": e.phase,
-                    "ph": "X",
-                    "ts": round(e.start_us, 3),
-                    "dur": round(e.dur_us, 3),
-                    "pid": _pid(e.device),
-                    "tid": _tid(e.device, e.lane),
-                    "args": args,
-                }
-            )
+        lanes = {(e.device, e.lane) for e in self.events}
+        other: dict[str, Any] = {"producer": "roundpipe", "kind": self.kind}
+        if self.cut_short is not None:
+            other["cut_short"] = self.cut_short
         return {
-            "traceEvents": out,
+            "traceEvents": _lane_names(lanes, set())
+            + [
+                _chrome_event(
+                    e.phase,
+                    e.lane,
+                    e.device,
+                    e.start_us,
+                    e.dur_us,
+                    (e.model, e.stage, e.layers, e.microbatch),
+                    e.args,
+                )
+                for e in self.events
+            ],
             "displayTimeUnit": "ms",
-            "otherData": {"producer": "roundpipe", "kind": self.kind},
+            "otherData": other,
         }
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the Chrome trace JSON to ``path`` (replacing it atomically)."""
+        """Write the Chrome trace JSON to ``path`` (replacing it atomically; nothing is left
+        beside it when that fails)."""
         path = os.fspath(path)
         temporary = f"{path}.tmp{os.getpid()}"
-        with open(temporary, "w", encoding="utf-8") as file:
-            json.dump(self.to_chrome(), file)
-        os.replace(temporary, path)
+        try:
+            with open(temporary, "w", encoding="utf-8") as file:
+                json.dump(self.to_chrome(), file)
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
+            raise
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Trace:
-        """Read a trace written by :meth:`save` (other producers' events are skipped).
+        """Read a trace written by :meth:`save` or a recording (other producers' events are
+        skipped).
 
         Raises:
-            ValueError: the file is not JSON, or not a Chrome trace (no ``traceEvents`` list).
+            OSError: the file cannot be read.
+            ValueError: the file is not JSON, not a Chrome trace (no ``traceEvents`` list), or
+                holds a malformed event (the message names it).
         """
+        where = os.fspath(path)
         with open(path, encoding="utf-8") as file:
             try:
                 data = json.load(file)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise ValueError(f"{os.fspath(path)} is not a JSON trace: {error}") from error
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+                raise ValueError(f"{where} is not a JSON trace: {error}") from error
         if isinstance(data, list):  # the bare-array variant of the format
             data = {"traceEvents": data}
         if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-            raise ValueError(f"{os.fspath(path)} is not a Chrome trace: no 'traceEvents' list")
-        raw = data["traceEvents"]
-        processes = {
-            e["pid"]: e["args"]["name"]
-            for e in raw
-            if e.get("ph") == "M" and e.get("name") == "process_name"
-        }
-        threads = {
-            (e["pid"], e["tid"]): e["args"]["name"]
-            for e in raw
-            if e.get("ph") == "M" and e.get("name") == "thread_name"
-        }
-        events = []
-        for e in raw:
-            if e.get("ph") != "X" or e.get("cat") not in PHASES:
-                continue
-            process = processes.get(e["pid"], "")
-            match = re.fullmatch(r"device (\d+)", process)
-            if match is None and process != "host":
-                continue
-            args = dict(e.get("args", {}))
-            first_last = args.pop("layers", None)
-            events.append(
-                TraceEvent(
-                    phase=e["cat"],
-                    lane=threads.get((e["pid"], e["tid"]), str(e["tid"])),
-                    device=int(match.group(1)) if match else None,
-                    start_us=float(e["ts"]),
-                    dur_us=float(e.get("dur", 0.0)),
-                    model=str(args.pop("model", "")),
-                    stage=args.pop("stage", None),
-                    layers=range(first_last[0], first_last[1] + 1) if first_last else None,
-                    microbatch=args.pop("microbatch", None),
-                    args=args,
-                )
-            )
-        kind = data.get("otherData", {}).get("kind", "measured")
-        return cls(events, kind=str(kind))
+            raise ValueError(f"{where} is not a Chrome trace: no 'traceEvents' list")
+        other = data.get("otherData")
+        other = other if isinstance(other, dict) else {}
+        cut_short = other.get("cut_short")
+        return cls(
+            _read_events(data["traceEvents"], where),
+            kind=str(other.get("kind", "measured")),
+            cut_short=None if cut_short is None else str(cut_short),
+        )
 
     def summary(self) -> TraceSummary:
         """Busy and bubble shares per device, and how much upload and optimizer time is hidden."""
@@ -320,6 +300,173 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
     return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
 
 
+def _lane_names(lanes: Iterable[tuple[int | None, str]], named: set[int]) -> list[dict[str, Any]]:
+    """The metadata events naming ``lanes``, each preceded by its process's unless that is in
+    ``named`` (which gains the processes named here)."""
+    out: list[dict[str, Any]] = []
+    for device, lane in sorted(lanes, key=_lane_order):
+        pid, tid = _pid(device), _tid(device, lane)
+        if pid not in named:
+            named.add(pid)
+            label = "host" if device is None else f"device {device}"
+            out.append(_meta("process_name", pid, 0, {"name": label}))
+            out.append(_meta("process_sort_index", pid, 0, {"sort_index": pid}))
+        out.append(_meta("thread_name", pid, tid, {"name": lane}))
+        out.append(_meta("thread_sort_index", pid, tid, {"sort_index": tid}))
+    return out
+
+
+def _chrome_event(
+    phase: str,
+    lane: str,
+    device: int | None,
+    start_us: float,
+    dur_us: float,
+    fields: _Fields,
+    extra: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The complete event of a span (what :class:`TraceEvent` holds, unpacked: the recording
+    writes spans without making TraceEvents of them)."""
+    model, stage, layers, microbatch = fields
+    args: dict[str, Any] = {"model": model}
+    if stage is not None:
+        args["stage"] = stage
+    if layers is not None:
+        args["layers"] = [layers.start, layers.stop - 1]
+    if microbatch is not None:
+        args["microbatch"] = microbatch
+    args.update(extra)
+    return {
+        "name": range_name(model, phase, layers, microbatch),
+        "cat": phase,
+        "ph": "X",
+        "ts": round(start_us, 3),
+        "dur": round(dur_us, 3),
+        "pid": _pid(device),
+        "tid": _tid(device, lane),
+        "args": args,
+    }
+
+
+class _Malformed(Exception):
+    """What is wrong with one event of a trace being read."""
+
+
+def _read_events(raw: list[Any], where: str) -> list[TraceEvent]:
+    """The events of a ``traceEvents`` list that are RoundPipe's (see :meth:`Trace.load`)."""
+    processes: dict[int, str] = {}
+    threads: dict[tuple[int, int], str] = {}
+    complete: list[tuple[int, dict[str, Any]]] = []
+    for index, e in enumerate(raw):
+        try:
+            if not isinstance(e, dict):
+                raise _Malformed(f"is {e!r}, not an event object")
+            if e.get("ph") == "M" and e.get("name") == "process_name":
+                processes[_get(e, "pid", int)] = _label(e)
+            elif e.get("ph") == "M" and e.get("name") == "thread_name":
+                threads[_get(e, "pid", int), _get(e, "tid", int)] = _label(e)
+            elif e.get("ph") == "X" and e.get("cat") in PHASES:
+                complete.append((index, e))
+        except _Malformed as problem:
+            raise ValueError(f"{where}: traceEvents[{index}] {problem}") from None
+    events = []
+    for index, e in complete:
+        try:
+            event = _read_event(e, processes, threads)
+        except _Malformed as problem:
+            raise ValueError(f"{where}: traceEvents[{index}] {problem}") from None
+        if event is not None:
+            events.append(event)
+    return events
+
+
+def _read_event(
+    e: dict[str, Any], processes: dict[int, str], threads: dict[tuple[int, int], str]
+) -> TraceEvent | None:
+    """A complete event of one of RoundPipe's phases; None if its process is not RoundPipe's."""
+    pid, tid = _get(e, "pid", int), _get(e, "tid", int)
+    process = processes.get(pid, "")
+    match = re.fullmatch(r"device (\d+)", process)
+    if match is None and process != "host":
+        return None
+    device = int(match.group(1)) if match else None
+    lanes = HOST_LANES if device is None else DEVICE_LANES
+    # Without a thread name, the lane is the one our format puts at that tid.
+    lane = threads.get((pid, tid)) or (lanes[tid] if 0 <= tid < len(lanes) else f"thread {tid}")
+    args = dict(_get(e, "args", dict, {}))
+    first_last = args.pop("layers", None)
+    if first_last is not None and not (
+        isinstance(first_last, list)
+        and len(first_last) == 2
+        and all(_is_int(i) for i in first_last)
+        and first_last[0] <= first_last[1]
+    ):
+        raise _Malformed(
+            f"({_describe(e)}) has args.layers {first_last!r}, not [first, last] layer indices"
+        )
+    stage, microbatch = args.pop("stage", None), args.pop("microbatch", None)
+    for name, value in (("stage", stage), ("microbatch", microbatch)):
+        if value is not None and not _is_int(value):
+            raise _Malformed(f"({_describe(e)}) has args.{name} {value!r}, not an int")
+    start, duration = _get(e, "ts", float), _get(e, "dur", float, 0.0)
+    if duration < 0:
+        raise _Malformed(f"({_describe(e)}) has a negative dur {duration!r}")
+    return TraceEvent(
+        phase=e["cat"],
+        lane=lane,
+        device=device,
+        start_us=start,
+        dur_us=duration,
+        model=str(args.pop("model", "")),
+        stage=stage,
+        layers=range(first_last[0], first_last[1] + 1) if first_last else None,
+        microbatch=microbatch,
+        args=args,
+    )
+
+
+def _label(e: dict[str, Any]) -> str:
+    """The name a process_name or thread_name event gives."""
+    name = _get(e, "args", dict).get("name")
+    if not isinstance(name, str):
+        raise _Malformed(f"({_describe(e)}) has args.name {name!r}, not a string")
+    return name
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_MISSING: Final = object()
+
+
+def _get(e: dict[str, Any], key: str, kind: type[_T], default: Any = _MISSING) -> _T:
+    """``e[key]`` checked to be a ``kind`` (a float: any finite number)."""
+    value = e.get(key, default)
+    if value is _MISSING:
+        raise _Malformed(f"({_describe(e)}) has no {key!r}")
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value)
+    else:
+        ok = _is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise _Malformed(f"({_describe(e)}) has {key} {value!r}, not {_KIND_NAMES[kind]}")
+    return cast("_T", float(value) if kind is float else value)
+
+
+_KIND_NAMES: Final[dict[type, str]] = {
+    int: "an int",
+    float: "a finite number",
+    str: "a string",
+    dict: "an object",
+}
+
+
+def _describe(e: dict[str, Any]) -> str:
+    return f"ph {e.get('ph')!r}, name {e.get('name')!r}"
+
+
 def _union(
     spans: Iterator[tuple[float, float]] | Sequence[tuple[float, float]],
 ) -> list[tuple[float, float]]:
@@ -358,7 +505,7 @@ def _hidden(items: Sequence[tuple[float, float, list[tuple[float, float]]]]) -> 
 #: model, stage, layers, microbatch of a span.
 _Fields = tuple[str, int | None, range | None, int | None]
 #: A recorded span in host nanoseconds: phase, lane, device, start, end, fields, args. Kept raw
-#: while recording (cheap) and turned into TraceEvents when the trace closes.
+#: while recording (cheap) and turned into TraceEvents when written (or when the trace closes).
 _Span = tuple[str, str, int | None, int, int, _Fields, dict[str, Any]]
 
 
@@ -376,18 +523,57 @@ class _Pending:
     done: Any = None  # a native copy-engine event whose completion is the end (CPU devices)
 
 
+#: A trace file is written when this many events wait for it, or FLUSH_SECONDS after the first.
+FLUSH_EVENTS: Final[int] = 1024
+FLUSH_SECONDS: Final[float] = 0.05
+#: A thread that records an event while this many wait writes them itself (bounded memory when
+#: events come faster than the writer thread is given time).
+_MAX_WAITING: Final[int] = 4 * FLUSH_EVENTS
+#: How long a process that is ending waits for a recording thread or a write in progress.
+_END_NOW_SECONDS: Final[float] = 1.0
+
+
 class Tracer:
-    """Collects the events of a trace; thread-safe. Obtain it with :func:`active_tracer`."""
+    """Collects the events of a trace; thread-safe. Obtain it with :func:`active_tracer`.
+
+    With a path, the events are streamed to the file as the run goes (a writer thread, every
+    ``FLUSH_SECONDS`` or ``FLUSH_EVENTS`` events), so memory stays bounded and the file is a
+    valid trace at any time (see :mod:`roundpipe.trace_file`). Without one, they stay in memory
+    until :meth:`close`.
+
+    ``error`` is the ``OSError`` that stopped the file from being written (None while fine):
+    nothing more is recorded after it.
+    """
 
     def __init__(self, path: str | os.PathLike[str] | None) -> None:
         self.path = None if path is None else os.fspath(path)
         self.origin_ns = time.perf_counter_ns()
+        self.error: OSError | None = None
         self._lock = threading.Lock()
-        self._spans: list[_Span] = []
+        self._spans: list[_Span] = []  # with a file: only those not written yet
         self._pending: collections.deque[_Pending] = collections.deque()
         self._lane_free: dict[tuple[int | None, str], int] = {}
         self._cuda: _CudaClock | None = None
+        self._finished = False
         self._result: Trace | None = None
+        self._file: TraceFile | None = None
+        # Held while a batch is taken and written, so that batches reach the file in order.
+        self._writing = threading.Lock()
+        self._named_lanes: set[tuple[int | None, str]] = set()
+        self._named_processes: set[int] = set()
+        self._waiting = threading.Event()  # events (or copies in flight) wait to be written
+        self._due = threading.Event()  # FLUSH_EVENTS wait, or the trace ends
+        if self.path is None:
+            return
+        try:
+            self._file = TraceFile(self.path, {"producer": "roundpipe", "kind": "measured"})
+        except OSError as error:
+            self.error = error
+            self._finished = True
+            return
+        threading.Thread(
+            target=self._write_continually, name="roundpipe-trace-writer", daemon=True
+        ).start()
 
     # -- the runtime's API -------------------------------------------------------------------
 
@@ -419,11 +605,16 @@ class Tracer:
         _check_lane(phase, lane, device)
         fields = (model, stage, layers, microbatch)
         with self._lock:
+            if self._finished:
+                return
             if isinstance(start, int) and isinstance(end, int):
                 self._spans.append((phase, lane, device, start, end, fields, args))
             else:
                 self._pending.append(_Pending(phase, lane, device, start, end, fields, args))
             self._resolve_locked(final=False)
+            overflowing = self._note_waiting_locked()
+        if overflowing:
+            self._write_waiting()
 
     def record_transfer(
         self,
@@ -448,26 +639,150 @@ class Tracer:
         if device is not None and self._on_cuda():
             end = self._cuda_clock().after(device, done)
         with self._lock:
+            if self._finished:
+                return
             self._pending.append(_Pending(phase, lane, device, issued, end, fields, args, done))
             self._resolve_locked(final=False)
+            overflowing = self._note_waiting_locked()
+        if overflowing:
+            self._write_waiting()
 
     # -- closing -----------------------------------------------------------------------------
 
     def close(self, wait: bool = True) -> Trace:
-        """Stop recording, resolve what is left and write the file (if a path was given); returns
-        the trace. Later calls return the same trace and write nothing.
+        """Stop recording, resolve what is left and finish the file (if a path was given);
+        returns the trace (read back from the file then). Later calls return the same trace.
 
         ``wait=False`` (at interpreter exit) only takes device events that already completed;
         spans still in flight are left out rather than risking a wait on a stopping runtime.
+
+        Raises:
+            OSError: the file could not be written (``error``).
         """
-        with self._lock:
-            if self._result is not None:
-                return self._result
-            self._resolve_locked(final=wait)
-            self._result = Trace([self._event(*span) for span in self._spans], kind="measured")
-        if self.path is not None:
-            self._result.save(self.path)
+        self._finish(wait, cut_short=None)
+        if self.error is not None:
+            raise self.error
+        if self._result is None:
+            assert self.path is not None  # a trace in memory has its result once finished
+            self._result = Trace.load(self.path)
         return self._result
+
+    def _finish(self, wait: bool, cut_short: str | None) -> None:
+        """Stop recording and write what is left, the file's tail saying ``cut_short`` (None: a
+        whole recording); a write error goes to ``error``. Later calls do nothing."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            self._resolve_locked(final=wait)
+            spans, self._spans = self._spans, []
+        if self._file is None:
+            self._result = Trace([self._event(*span) for span in spans], kind="measured")
+            return
+        self._waiting.set()
+        self._due.set()  # the writer thread ends
+        with self._writing:
+            if self._append(spans):
+                try:
+                    self._file.finish(cut_short)
+                except OSError as error:
+                    self.error = error
+
+    def _end_now(self, cut_short: str) -> None:
+        """:meth:`_finish` for a process that is about to end: what is recorded (device work in
+        flight left out) is written without waiting more than about a second for a thread that
+        records or writes."""
+        if self._file is None:
+            return  # a trace in memory dies with the process
+        if not self._lock.acquire(timeout=_END_NOW_SECONDS):
+            return  # the file keeps what was written, marked unfinished
+        try:
+            if self._finished:
+                return
+            self._finished = True
+            self._resolve_locked(final=False)
+            spans, self._spans = self._spans, []
+        finally:
+            self._lock.release()
+        if not self._writing.acquire(timeout=_END_NOW_SECONDS):
+            return
+        try:
+            if self._append(spans):
+                with contextlib.suppress(OSError):  # nobody is left to tell
+                    self._file.finish(cut_short)
+        finally:
+            self._writing.release()
+
+    def _abandon(self) -> None:
+        """In a forked child: stop recording without writing (the file is the parent's); the
+        locks may have been held by parent threads the child does not have."""
+        self._lock, self._writing = threading.Lock(), threading.Lock()
+        self._finished = True
+        self._spans.clear()
+        self._pending.clear()
+        if self._file is not None:
+            self._file.close_unfinished()
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def _note_waiting_locked(self) -> bool:
+        """Wake the writer thread for what waits; True if the caller must write it (too much)."""
+        if self._file is None:
+            return False
+        if (self._spans or self._pending) and not self._waiting.is_set():
+            self._waiting.set()
+        if len(self._spans) >= FLUSH_EVENTS and not self._due.is_set():
+            self._due.set()
+        return len(self._spans) >= _MAX_WAITING
+
+    def _write_continually(self) -> None:
+        """The writer thread: what waits goes to the file at most ``FLUSH_SECONDS`` later."""
+        while True:
+            self._waiting.wait()
+            self._due.wait(FLUSH_SECONDS)
+            if self._finished:
+                return
+            self._waiting.clear()
+            self._due.clear()
+            self._write_waiting()
+            if self._pending:  # keep observing the copies in flight
+                self._waiting.set()
+
+    def _write_waiting(self) -> None:
+        with self._writing:
+            with self._lock:
+                if self._finished or self.error is not None:
+                    return
+                self._resolve_locked(final=False)
+                spans, self._spans = self._spans, []
+            self._append(spans)
+
+    def _append(self, spans: list[_Span]) -> bool:
+        """Write ``spans`` to the file, ``FLUSH_EVENTS`` at a time (the JSON of one batch at a
+        time is in memory). A write error goes to ``error``, ends the recording and closes the
+        file (keeping what it had); False then."""
+        assert self._file is not None
+        try:
+            for first in range(0, len(spans), FLUSH_EVENTS):
+                self._file.append(self._chrome(spans[first : first + FLUSH_EVENTS]))
+        except OSError as error:
+            with self._lock:
+                self.error, self._finished = error, True
+            self._file.close_unfinished()
+            return False
+        return True
+
+    def _chrome(self, spans: list[_Span]) -> list[dict[str, Any]]:
+        """The Chrome events of ``spans``, after the names of lanes not named in the file yet."""
+        lanes = {(device, lane) for _, lane, device, *_ in spans} - self._named_lanes
+        self._named_lanes |= lanes
+        origin = self.origin_ns
+        return _lane_names(lanes, self._named_processes) + [
+            _chrome_event(
+                phase, lane, device, (start - origin) / 1e3, max(0, end - start) / 1e3, fields, args
+            )
+            for phase, lane, device, start, end, fields, args in spans
+        ]
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -683,13 +998,17 @@ _UNREAD: Final = object()
 #: The recording Tracer, None when off, _UNREAD until the environment was read.
 _active: Any = _UNREAD
 _activation_lock = threading.Lock()
+_environment_tracer: Tracer | None = None
+#: Signals that end a process at once by default; while a trace is written (from the main
+#: thread) they first finish its file.
+_ENDING_SIGNALS: Final = (signal.SIGTERM, signal.SIGHUP)
 
 
 def active_tracer() -> Tracer | None:
     """The tracer recording now, or None: the runtime checks this before recording anything.
 
     The first call reads ``ROUNDPIPE_TRACE``; when it names a file, the whole process is traced to
-    it and the file is written at exit.
+    it, written as the run goes and finished at exit.
     """
     tracer = _active
     if tracer is _UNREAD:
@@ -704,19 +1023,104 @@ def _read_environment_locked() -> None:
     if _active is not _UNREAD:
         return
     path = os.environ.get(ENV_VAR) or None
-    _active = _environment_tracer = None if path is None else Tracer(path)
+    _active = _environment_tracer = None if path is None else _environment_trace(path)
+    if _environment_tracer is not None:
+        _catch_ending_signals()
 
 
-_environment_tracer: Tracer | None = None
+def _environment_trace(path: str) -> Tracer | None:
+    """The tracer ``ROUNDPIPE_TRACE=path`` asks for. A path another process writes (ranks of a
+    job sharing the variable) gives this process ``<name>.<pid><suffix>`` beside it; a path that
+    cannot be written leaves the process untraced. Both are warnings, not errors: the training
+    goes on."""
+    tracer = Tracer(path)
+    if isinstance(tracer.error, TraceFileBusy):
+        root, suffix = os.path.splitext(path)
+        tracer = Tracer(f"{root}.{os.getpid()}{suffix}")
+        if tracer.error is None:
+            warnings.warn(
+                f"{ENV_VAR}: another process writes {path}; this one traces to {tracer.path}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    if tracer.error is None:
+        return tracer
+    warnings.warn(
+        f"{ENV_VAR}: {tracer.error}; this process is not traced", RuntimeWarning, stacklevel=4
+    )
+    return None
 
 
 @atexit.register
-def _write_environment_trace() -> None:
-    """Write the ``ROUNDPIPE_TRACE`` file at exit. Registered when this module is imported, that
-    is before the step pipeline registers its drain of the native workers, so it runs after that
-    drain (exit handlers run last-registered first) and sees the last optimizer steps."""
-    if _environment_tracer is not None:
-        _environment_tracer.close(wait=False)
+def _finish_at_exit() -> None:
+    """Finish the trace being recorded (the ``ROUNDPIPE_TRACE`` one, or a block still open) at
+    exit, marked cut short after an uncaught exception (Ctrl-C included). Registered when this
+    module is imported, that is before the step pipeline registers its drain of the native
+    workers, so it runs after that drain (exit handlers run last-registered first) and sees the
+    last optimizer steps; when the drain gives up on work still running, the process leaves at
+    once and the step pipeline calls :func:`end_trace_now` instead."""
+    tracer = _active
+    if not isinstance(tracer, Tracer):
+        return
+    error = getattr(sys, "last_value", None)
+    ended_by = None
+    if isinstance(error, BaseException):
+        ended_by = f"the process ended with an uncaught {type(error).__name__}"
+    tracer._finish(wait=False, cut_short=ended_by)
+    if tracer.error is not None:
+        warnings.warn(f"the trace was not finished: {tracer.error}", RuntimeWarning, stacklevel=1)
+
+
+def end_trace_now(reason: str) -> None:
+    """Finish the file of the trace being recorded, marked cut short for ``reason``, waiting at
+    most about a second for threads that record or write: for a process that ends at once
+    (``os._exit`` or a signal), which skips the exit handler that would finish it."""
+    tracer = _active
+    if isinstance(tracer, Tracer):
+        tracer._end_now(reason)
+
+
+def _catch_ending_signals() -> None:
+    """Have the ending signals finish the trace file first, where their action is still the
+    default and this is the main thread (the only one that may set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for number in _ENDING_SIGNALS:
+        if signal.getsignal(number) == signal.SIG_DFL:
+            signal.signal(number, _end_on_signal)
+
+
+def _release_ending_signals() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for number in _ENDING_SIGNALS:
+        if signal.getsignal(number) == _end_on_signal:
+            signal.signal(number, signal.SIG_DFL)
+
+
+def _end_on_signal(number: int, frame: Any) -> None:
+    """Finish the trace file, then end the process by the signal's default action, as it would
+    have ended without the trace."""
+    end_trace_now(f"the process was ended by {signal.Signals(number).name}")
+    signal.signal(number, signal.SIG_DFL)
+    os.kill(os.getpid(), number)
+
+
+def _forget_parent_trace() -> None:
+    """In a forked child: the parent's trace is the parent's to write, and ``ROUNDPIPE_TRACE``
+    traces the parent process only."""
+    global _active, _environment_tracer, _activation_lock
+    _activation_lock = threading.Lock()
+    if isinstance(_active, Tracer):
+        _active._abandon()
+    _active = _environment_tracer = None
+    _release_ending_signals()
+
+
+os.register_at_fork(after_in_child=_forget_parent_trace)
+if os.environ.get(ENV_VAR):
+    # Now, on the importing (main) thread: the first traced event may come from another one.
+    _catch_ending_signals()
 
 
 @contextmanager
@@ -724,8 +1128,9 @@ def trace(path: str | os.PathLike[str] | None = None) -> Iterator[Tracer]:
     """Record a timeline of every RoundPipe call made inside the block.
 
     Args:
-        path: where the Chrome trace JSON is written when the block ends (also when it raises);
-            None keeps it in memory only.
+        path: the file the Chrome trace JSON is streamed to as the block runs (a valid trace at
+            any time, finished when the block ends, also when it raises); None keeps the trace in
+            memory only.
 
     Yields:
         The :class:`Tracer`; after the block, its ``close()`` returns the finished :class:`Trace`.
@@ -733,6 +1138,9 @@ def trace(path: str | os.PathLike[str] | None = None) -> Iterator[Tracer]:
     Raises:
         TypeError: ``path`` is not a path or None.
         RuntimeError: a trace is already being recorded (a nested block, or ``ROUNDPIPE_TRACE``).
+        OSError: when the block ends, if ``path`` could not be written (a missing folder, a
+            folder, no permission, a full disk; nothing was recorded from then on). If the block
+            raised, its exception is raised instead, with this failure in a note.
     """
     global _active
     if path is not None and not isinstance(path, (str, os.PathLike)):
@@ -746,12 +1154,38 @@ def trace(path: str | os.PathLike[str] | None = None) -> Iterator[Tracer]:
             )
         tracer = Tracer(path)
         _active = tracer
+    if path is not None:
+        _catch_ending_signals()
     try:
         yield tracer
-    finally:
-        with _activation_lock:
-            _active = None
-        tracer.close()
+    except BaseException as error:
+        failure = _end_block(tracer)
+        if failure is not None:
+            _report_beside(error, f"roundpipe.trace could not write its file: {failure}")
+        raise
+    failure = _end_block(tracer)
+    if failure is not None:
+        raise failure
+
+
+def _report_beside(error: BaseException, message: str) -> None:
+    """Tell ``message`` with ``error``: a note in its traceback (Python 3.11+), else a warning."""
+    add_note = getattr(error, "add_note", None)
+    if add_note is not None:
+        add_note(message)
+    else:
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _end_block(tracer: Tracer) -> OSError | None:
+    """Stop the block's trace and finish its file; the error that kept the file from being
+    written, if any."""
+    global _active
+    with _activation_lock:
+        _active = None
+    _release_ending_signals()
+    tracer._finish(wait=True, cut_short=None)
+    return tracer.error
 
 
 # --------------------------------------------------------------------------------------------
@@ -862,6 +1296,7 @@ __all__ = [
     "TraceSummary",
     "Tracer",
     "active_tracer",
+    "end_trace_now",
     "predict_trace",
     "range_name",
     "stage_trace",
