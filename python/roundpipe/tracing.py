@@ -6,8 +6,10 @@ Recording::
         model.forward_backward(...)
 
 or ``ROUNDPIPE_TRACE=run.json python train.py`` for an unchanged script (the variable is read at
-the first traced event and the file is written when the process exits). The file opens in
-Perfetto (ui.perfetto.dev), ``chrome://tracing`` and ``python -m roundpipe.plot run.json``.
+the first traced event; the trace ends when the process does). The file is written as the run
+goes and is a whole trace at any time, marked cut short (``otherData.cut_short``) until the
+recording ends normally (:class:`Tracer`, :mod:`roundpipe.trace_file`). It opens in Perfetto
+(ui.perfetto.dev), ``chrome://tracing`` and ``python -m roundpipe.plot run.json``.
 
 Layout of a trace: one process per device (``device 0``, ``device 1``, ...) with the lanes
 ``compute``, ``parameter upload``, ``gradient download`` and ``activation``, and one ``host``
