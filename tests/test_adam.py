@@ -281,28 +281,57 @@ def test_grad_accumulate_matches_torch_and_detects_non_finite(
             assert _C.grad_accumulate([dst], [src], False)
 
 
-def test_optimizer_threads_follow_torch_num_threads_and_exit_cleanly() -> None:
+def test_optimizer_threads_follow_affinity_and_local_ranks_not_torch_and_exit_cleanly() -> None:
+    # torchrun sets OMP_NUM_THREADS=1 for several ranks per machine; the optimizer ignores it.
     script = """
-        import torch
-        from roundpipe import _C
-        from roundpipe.optim import Adam
+        import os, torch
+        from roundpipe import _C, optim
+        torch.set_num_threads(1)
         params = [torch.randn(2_000_000)]
         params[0].grad = torch.randn(2_000_000)
-        optimizer = Adam(params)
-        torch.set_num_threads(1)
+        optimizer = optim.Adam(params)
+        os.sched_setaffinity(0, [min(os.sched_getaffinity(0))])
         optimizer.step()
-        print(_C.optimizer_threads_started())
-        torch.set_num_threads(2)
+        print(optim.get_num_threads(), _C.optimizer_threads_started())
+        os.sched_setaffinity(0, range(os.cpu_count()))
         optimizer.step()
-        print(_C.optimizer_threads_started())
+        print(optim.get_num_threads(), _C.optimizer_threads_started())
+        optim.set_num_threads(3)
+        print(optim.get_num_threads())
+        optim.set_num_threads(None)
+        print(optim.get_num_threads())
     """
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    single, double = map(int, result.stdout.split())
-    assert single == 0
-    assert double == min(1, (os.cpu_count() or 1) - 1)
+    cpus = os.cpu_count() or 1
+    for env, per_rank in (({}, cpus), ({"LOCAL_WORLD_SIZE": "2"}, max(1, cpus // 2))):
+        result = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(script)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        )
+        assert result.returncode == 0, result.stderr
+        lines = [list(map(int, line.split())) for line in result.stdout.splitlines()]
+        assert lines[0] == [1, 0]  # one CPU allowed: no helper thread
+        assert lines[1] == [per_rank, per_rank - 1]
+        assert lines[2:] == [[3], [per_rank]]
+
+
+def test_optimizer_threads_environment_override_is_checked() -> None:
+    script = "from roundpipe import optim; print(optim.get_num_threads())"
+    for value, expected in (("3", "3"), ("zero", "ROUNDPIPE_OPTIMIZER_THREADS must be")):
+        result = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "ROUNDPIPE_OPTIMIZER_THREADS": value},
+        )
+        assert expected in result.stdout + result.stderr
+    with pytest.raises(ValueError, match="at least 1"):
+        rp_optim.set_num_threads(0)
+    with pytest.raises(TypeError, match="int or None"):
+        rp_optim.set_num_threads(2.0)  # type: ignore[arg-type]
 
 
 def test_in_place_updates_bump_version_counters() -> None:

@@ -1,5 +1,6 @@
 #include "optim/adam.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <vector>
@@ -12,6 +13,21 @@ namespace {
 // Elements per parallel task: large enough to amortise claiming a task, small enough to balance
 // the load across threads (a task touches about 1 MiB of optimizer state).
 constexpr std::int64_t kChunkElements = 1 << 15;
+
+// murmur3's 32-bit finaliser.
+std::uint32_t mix(std::uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
+
+// A chunk boundary inside a tensor with 8-bit moments, moved to the next block boundary; both
+// chunks that share a boundary move it alike, so the chunks still cover every block once.
+std::int64_t block_boundary(std::int64_t index, std::int64_t numel) {
+  return std::min(numel, (index + kStateBlock - 1) / kStateBlock * kStateBlock);
+}
 
 template <class Buffers>
 std::vector<std::int64_t> numels_of(std::span<const Buffers> buffers) {
@@ -42,6 +58,7 @@ AdamCoefficients adam_coefficients(const AdamHyper& hyper, double step, float gr
   c.maximize = hyper.maximize;
   c.l2_decay = decay && !hyper.decoupled_weight_decay;
   c.decay_weights = decay && hyper.decoupled_weight_decay;
+  c.rounding_seed = mix(static_cast<std::uint32_t>(static_cast<std::int64_t>(step)) * 0x27D4EB2Fu);
   return c;
 }
 
@@ -67,7 +84,32 @@ void adam_step(ThreadPool& pool, int num_threads, SimdLevel level,
   const std::vector<std::int64_t> numels = numels_of(buffers);
   parallel_for_chunks(pool, num_threads, numels, kChunkElements,
                       [&](std::size_t k, std::int64_t begin, std::int64_t end) {
-                        adam_update(level, coefficients[k], buffers[k], begin, end);
+                        const AdamBuffers& b = buffers[k];
+                        if (b.state_dtype == StateDType::kInt8) {
+                          begin = block_boundary(begin, b.numel);
+                          end = block_boundary(end, b.numel);
+                        }
+                        if (begin < end) adam_update(level, coefficients[k], b, begin, end);
+                      });
+}
+
+void quantize_moment(ThreadPool& pool, int num_threads, bool is_exp_avg, const float* values,
+                     void* codes, float* scales, std::int64_t numel) {
+  const std::int64_t blocks[] = {state_blocks(numel)};
+  parallel_for_chunks(pool, num_threads, blocks, kChunkElements / kStateBlock,
+                      [&](std::size_t, std::int64_t first, std::int64_t last) {
+                        kernels::quantize_blocks(is_exp_avg, values, codes, scales, numel, first,
+                                                 last);
+                      });
+}
+
+void dequantize_moment(ThreadPool& pool, int num_threads, bool is_exp_avg, const void* codes,
+                       const float* scales, float* values, std::int64_t numel) {
+  const std::int64_t blocks[] = {state_blocks(numel)};
+  parallel_for_chunks(pool, num_threads, blocks, kChunkElements / kStateBlock,
+                      [&](std::size_t, std::int64_t first, std::int64_t last) {
+                        kernels::dequantize_blocks(is_exp_avg, codes, scales, values, numel, first,
+                                                   last);
                       });
 }
 

@@ -1,11 +1,14 @@
 // Host optimizer kernels on raw buffers: Adam/AdamW and the gradient passes the runtime runs
 // before it (cast + accumulate + inf/NaN check). Torch-free.
 //
-// Master weights and moments are fp32. Gradients may be fp32, bf16 or fp16 and are unscaled
-// (multiplied by a GradScaler's inverse scale) as they are read; the updated weights may also be
-// written as bf16/fp16 into the model's low-precision parameter buffer in the same pass. bf16 and
-// fp16 are handled as uint16 bit patterns, with round-to-nearest-even conversions that match
-// torch's `.to(dtype)` bit for bit (NaN becomes one canonical quiet NaN).
+// Master weights are fp32. The moments are fp32, bf16 or block-wise 8-bit (see StateDType); compact
+// moments are written back with stochastic rounding driven by a counter-based hash of the element's
+// index and the step, so results do not depend on threads, chunks or instruction set. Gradients may
+// be fp32, bf16 or fp16 and are unscaled (multiplied by a GradScaler's inverse scale) as they are
+// read; the updated weights may also be written as bf16/fp16 into the model's low-precision
+// parameter buffer in the same pass. bf16 and fp16 are handled as uint16 bit patterns, with
+// round-to-nearest-even conversions that match torch's `.to(dtype)` bit for bit (NaN becomes one
+// canonical quiet NaN).
 //
 // Every SIMD variant (scalar, AVX2, AVX-512; picked at run time by active_simd_level()) performs
 // the same IEEE operations in the same order without FMA contraction, so all variants give
@@ -21,6 +24,25 @@
 namespace roundpipe::optim {
 
 enum class DType : std::uint8_t { kFloat32, kBFloat16, kFloat16 };
+
+// How Adam's moments are stored.
+//   kFloat32:  fp32, as torch.optim.Adam.
+//   kBFloat16: bf16, stochastically rounded (round-to-nearest would freeze the second moment: its
+//              per-step change, (1 - beta2) = 0.1%, is below half a bf16 step, 0.2%).
+//   kInt8:     8-bit codes with one fp32 scale per kStateBlock elements (the block's largest
+//              magnitude). The code is a small float relative to the scale, stochastically rounded:
+//              exp_avg as int8 (sign and 7 bits: 4 exponent, 3 mantissa, smallest step 2^-17),
+//              exp_avg_sq as uint8 (5 exponent, 3 mantissa bits, smallest step 2^-33, and never
+//              rounded to zero unless it is zero, which would make the update m / eps).
+enum class StateDType : std::uint8_t { kFloat32, kBFloat16, kInt8 };
+
+// Elements per scale of kInt8 moments: 256 measured as well as 64 in convergence and 0.03 byte
+// per parameter of scales (benchmarks/adam_state_convergence.py).
+inline constexpr std::int64_t kStateBlock = 256;
+
+inline constexpr std::int64_t state_blocks(std::int64_t numel) {
+  return (numel + kStateBlock - 1) / kStateBlock;
+}
 
 // Hyper-parameters of one param group, as the user gave them (torch.optim.Adam's meaning).
 struct AdamHyper {
@@ -48,8 +70,9 @@ struct AdamCoefficients {
   float eps;
   bool amsgrad;
   bool maximize;
-  bool l2_decay;       // l2_weight_decay applies
-  bool decay_weights;  // decay_factor applies
+  bool l2_decay;                // l2_weight_decay applies
+  bool decay_weights;           // decay_factor applies
+  std::uint32_t rounding_seed;  // of the step's stochastic rounding of compact moments
 };
 
 AdamCoefficients adam_coefficients(const AdamHyper& hyper, double step, float grad_scale_inv);
@@ -59,15 +82,19 @@ struct AdamBuffers {
   float* param;
   const void* grad;
   DType grad_dtype;
-  float* exp_avg;
-  float* exp_avg_sq;
-  float* max_exp_avg_sq;  // only with amsgrad
+  void* exp_avg;          // float, bf16 (uint16) or int8 codes, as state_dtype says
+  void* exp_avg_sq;       // float, bf16 (uint16) or uint8 codes
+  float* max_exp_avg_sq;  // only with amsgrad (fp32 moments only)
   void* lowp_param;       // optional: receives the updated weights as lowp_dtype (bf16/fp16)
   DType lowp_dtype;
   std::int64_t numel;
+  StateDType state_dtype = StateDType::kFloat32;
+  float* exp_avg_scale = nullptr;     // kInt8: state_blocks(numel) scales
+  float* exp_avg_sq_scale = nullptr;  // kInt8: likewise
 };
 
-// Updates elements [begin, end) of one tensor with the kernel of `level`.
+// Updates elements [begin, end) of one tensor with the kernel of `level`. With kInt8 moments
+// both ends must lie on a block boundary (a multiple of kStateBlock, or numel).
 void adam_update(SimdLevel level, const AdamCoefficients& coefficients, const AdamBuffers& buffers,
                  std::int64_t begin, std::int64_t end);
 
@@ -98,6 +125,17 @@ bool grad_pass(SimdLevel level, GradMode mode, const GradBuffers& buffers, std::
 // grad_pass over many tensors in parallel chunks; true iff every element is finite.
 bool grad_pass(ThreadPool& pool, int num_threads, SimdLevel level, GradMode mode,
                std::span<const GradBuffers> buffers);
+
+// Encodes fp32 moments (`numel` elements) as kInt8 codes and scales, rounded to the nearest code
+// (ties to even), as a step would store them but without its random rounding: what a state in
+// another form becomes when loaded into an optimizer with 8-bit moments. `is_exp_avg` picks the
+// int8 code of the first moment, else the uint8 code of the second.
+void quantize_moment(ThreadPool& pool, int num_threads, bool is_exp_avg, const float* values,
+                     void* codes, float* scales, std::int64_t numel);
+
+// The inverse: codes and scales back to fp32 values (exact: every code times its scale).
+void dequantize_moment(ThreadPool& pool, int num_threads, bool is_exp_avg, const void* codes,
+                       const float* scales, float* values, std::int64_t numel);
 
 // Exact conversions, exposed for tests and scalar code paths.
 float bf16_to_float(std::uint16_t bits);

@@ -58,6 +58,67 @@ struct Avx2Isa {
   static F neg(F a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
   static bool any_nan(F a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
+
+  using I = __m256i;
+  using M = __m256i;  // all ones where true
+  static I bits(F x) { return _mm256_castps_si256(x); }
+  static F from_bits(I x) { return _mm256_castsi256_ps(x); }
+  static I iset1(std::uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I iand(I a, I b) { return _mm256_and_si256(a, b); }
+  static I ixor(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I imin(I a, I b) { return _mm256_min_epi32(a, b); }
+  static I imax(I a, I b) { return _mm256_max_epi32(a, b); }
+  template <int n>
+  static I shl(I a) {
+    return _mm256_slli_epi32(a, n);
+  }
+  template <int n>
+  static I shr(I a) {
+    return _mm256_srli_epi32(a, n);
+  }
+  template <int n>
+  static I sar(I a) {
+    return _mm256_srai_epi32(a, n);
+  }
+  static M less(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
+  static M iless(I a, I b) { return _mm256_cmpgt_epi32(b, a); }
+  static M is_nan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+  static F select(M mask, F a, F b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(mask)); }
+  static I iselect(M mask, I a, I b) { return _mm256_blendv_epi8(b, a, mask); }
+  template <bool kSigned>
+  static I load_codes(const void* base, std::int64_t i) {
+    const __m128i bytes = _mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(static_cast<const std::uint8_t*>(base) + i));
+    return kSigned ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+  }
+  static void store_codes(void* base, std::int64_t i, I x) {
+    // The low byte of each lane to the first 4 bytes of its 128-bit half, the halves joined.
+    const __m256i low_bytes = _mm256_shuffle_epi8(
+        x, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8,
+                            12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    const __m256i joined =
+        _mm256_permutevar8x32_epi32(low_bytes, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(static_cast<std::uint8_t*>(base) + i),
+                     _mm256_castsi256_si128(joined));
+  }
+  static void store_u16(void* base, std::int64_t i, I x) {
+    const __m256i low_halves = _mm256_shuffle_epi8(
+        x, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8,
+                            9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1));
+    const __m256i joined = _mm256_permute4x64_epi64(low_halves, 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<std::uint16_t*>(base) + i),
+                     _mm256_castsi256_si128(joined));
+  }
+  static std::uint32_t hmax(I a) {
+    __m128i m = _mm_max_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4E));
+    m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xB1));
+    return static_cast<std::uint32_t>(_mm_cvtsi128_si32(m));
+  }
 };
 
 }  // namespace

@@ -60,6 +60,54 @@ struct Avx512Isa {
   }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static bool any_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
+
+  using I = __m512i;
+  using M = __mmask16;
+  static I bits(F x) { return _mm512_castps_si512(x); }
+  static F from_bits(I x) { return _mm512_castsi512_ps(x); }
+  static I iset1(std::uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static I iota() {
+    return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+  static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I iand(I a, I b) { return _mm512_and_si512(a, b); }
+  static I ixor(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I imin(I a, I b) { return _mm512_min_epi32(a, b); }
+  static I imax(I a, I b) { return _mm512_max_epi32(a, b); }
+  template <int n>
+  static I shl(I a) {
+    return _mm512_slli_epi32(a, n);
+  }
+  template <int n>
+  static I shr(I a) {
+    return _mm512_srli_epi32(a, n);
+  }
+  template <int n>
+  static I sar(I a) {
+    return _mm512_srai_epi32(a, n);
+  }
+  static M less(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static M iless(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
+  static M is_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+  static F select(M mask, F a, F b) { return _mm512_mask_blend_ps(mask, b, a); }
+  static I iselect(M mask, I a, I b) { return _mm512_mask_blend_epi32(mask, b, a); }
+  template <bool kSigned>
+  static I load_codes(const void* base, std::int64_t i) {
+    const __m128i bytes = _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(static_cast<const std::uint8_t*>(base) + i));
+    return kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+  }
+  static void store_codes(void* base, std::int64_t i, I x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<std::uint8_t*>(base) + i),
+                     _mm512_cvtepi32_epi8(x));
+  }
+  static void store_u16(void* base, std::int64_t i, I x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<std::uint16_t*>(base) + i),
+                        _mm512_cvtepi32_epi16(x));
+  }
+  static std::uint32_t hmax(I a) { return static_cast<std::uint32_t>(_mm512_reduce_max_epi32(a)); }
 };
 
 }  // namespace

@@ -85,6 +85,55 @@ struct ScalarIsa {
   static F neg(F a) { return -a; }
   static F max(F a, F b) { return a > b ? a : b; }
   static bool any_nan(F a) { return std::isnan(a); }
+
+  using I = std::uint32_t;
+  using M = bool;
+  static I bits(F x) { return std::bit_cast<I>(x); }
+  static F from_bits(I x) { return std::bit_cast<F>(x); }
+  static I iset1(std::uint32_t x) { return x; }
+  static I iota() { return 0; }
+  static I iadd(I a, I b) { return a + b; }
+  static I isub(I a, I b) { return a - b; }
+  static I iand(I a, I b) { return a & b; }
+  static I ixor(I a, I b) { return a ^ b; }
+  static I imul(I a, I b) { return a * b; }
+  static I imin(I a, I b) { return signed_of(a) < signed_of(b) ? a : b; }
+  static I imax(I a, I b) { return signed_of(a) > signed_of(b) ? a : b; }
+  template <int n>
+  static I shl(I a) {
+    return a << n;
+  }
+  template <int n>
+  static I shr(I a) {
+    return a >> n;
+  }
+  template <int n>
+  static I sar(I a) {
+    return static_cast<I>(signed_of(a) >> n);
+  }
+  static M less(F a, F b) { return a < b; }
+  static M iless(I a, I b) { return signed_of(a) < signed_of(b); }
+  static M is_nan(F a) { return std::isnan(a); }
+  static F select(M mask, F a, F b) { return mask ? a : b; }
+  static I iselect(M mask, I a, I b) { return mask ? a : b; }
+  template <bool kSigned>
+  static I load_codes(const void* base, std::int64_t i) {
+    if constexpr (kSigned) {
+      return static_cast<I>(static_cast<std::int32_t>(static_cast<const std::int8_t*>(base)[i]));
+    } else {
+      return static_cast<const std::uint8_t*>(base)[i];
+    }
+  }
+  static void store_codes(void* base, std::int64_t i, I x) {
+    static_cast<std::uint8_t*>(base)[i] = static_cast<std::uint8_t>(x);
+  }
+  static void store_u16(void* base, std::int64_t i, I x) {
+    static_cast<std::uint16_t*>(base)[i] = static_cast<std::uint16_t>(x);
+  }
+  static std::uint32_t hmax(I a) { return a; }
+
+ private:
+  static std::int32_t signed_of(I a) { return static_cast<std::int32_t>(a); }
 };
 
 }  // namespace
@@ -98,6 +147,39 @@ bool grad_pass_scalar(GradMode mode, const GradBuffers& b, std::int64_t begin, s
   bool finite = true;
   grad_dispatch<ScalarIsa>(mode, b, begin, end, finite);
   return finite;
+}
+
+void quantize_blocks(bool is_exp_avg, const float* values, void* codes, float* scales,
+                     std::int64_t numel, std::int64_t first_block, std::int64_t last_block) {
+  for (std::int64_t block = first_block; block < last_block; ++block) {
+    const std::int64_t begin = block * kStateBlock;
+    const std::int64_t end = std::min(begin + kStateBlock, numel);
+    std::uint32_t largest = 0;
+    for (std::int64_t i = begin; i < end; ++i) {
+      largest = ScalarIsa::imax(largest, ScalarIsa::bits(values[i]) & kMagnitudeMask);
+    }
+    scales[block] = block_scale(largest);
+    const float inv = inverse_scale(scales[block]);
+    for (std::int64_t i = begin; i < end; ++i) {
+      ScalarIsa::store_codes(codes, i,
+                             is_exp_avg ? encode_exp_avg<ScalarIsa, false>(values[i], inv, 0)
+                                        : encode_exp_avg_sq<ScalarIsa, false>(values[i], inv, 0));
+    }
+  }
+}
+
+void dequantize_blocks(bool is_exp_avg, const void* codes, const float* scales, float* values,
+                       std::int64_t numel, std::int64_t first_block, std::int64_t last_block) {
+  for (std::int64_t block = first_block; block < last_block; ++block) {
+    const std::int64_t end = std::min((block + 1) * kStateBlock, numel);
+    for (std::int64_t i = block * kStateBlock; i < end; ++i) {
+      values[i] =
+          is_exp_avg
+              ? decode_exp_avg<ScalarIsa>(ScalarIsa::load_codes<true>(codes, i), scales[block])
+              : ExpAvgSqCode::decode<ScalarIsa>(ScalarIsa::load_codes<false>(codes, i)) *
+                    scales[block];
+    }
+  }
 }
 
 }  // namespace kernels

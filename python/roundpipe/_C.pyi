@@ -103,8 +103,9 @@ def simulate_schedule(
 ) -> tuple[float, list[tuple[int, int, int, float, float]]]: ...
 
 # Host optimizer kernels (csrc/optim, csrc/bindings/optim.cpp). Tensors are CPU and contiguous;
-# master weights and moments float32; grads float32/bfloat16/float16; lowp_params bfloat16/float16.
-# num_threads=None uses torch.get_num_threads().
+# master weights float32; moments float32, bfloat16, or 8-bit codes (int8 exp_avgs, uint8
+# exp_avg_sqs) with float32 scales, one per state_block elements; grads float32/bfloat16/float16;
+# lowp_params bfloat16/float16. num_threads=None uses optimizer_threads().
 def adam_step(
     params: list[Tensor],
     grads: list[Tensor],
@@ -124,7 +125,15 @@ def adam_step(
     grad_scale_inv: float = 1.0,
     lowp_params: list[Tensor | None] | None = None,
     num_threads: int | None = None,
+    exp_avg_scales: list[Tensor] | None = None,
+    exp_avg_sq_scales: list[Tensor] | None = None,
 ) -> None: ...
+
+def state_block() -> int: ...
+def quantize_moment(is_exp_avg: bool, values: Tensor, codes: Tensor, scales: Tensor) -> None: ...
+def dequantize_moment(is_exp_avg: bool, codes: Tensor, scales: Tensor, values: Tensor) -> None: ...
+def optimizer_threads() -> int: ...
+def set_optimizer_threads(threads: int) -> None: ...
 @overload
 def grad_accumulate(
     dsts: list[Tensor], srcs: list[Tensor], overwrite: bool, num_threads: int | None = None

@@ -8,6 +8,9 @@ parameter group with SIMD (scalar, AVX2 or AVX-512, picked for the CPU in use;
 ``ROUNDPIPE_SIMD`` lowers it) on a native thread pool, with the GIL released. Every other
 parameter torch's Adam takes (complex, bf16/fp16/fp64, strided, or with a strided gradient) is
 updated by torch's own single-tensor Adam, so its results are torch's bit for bit.
+``Adam(..., state_dtype=torch.bfloat16 | torch.int8)`` keeps the moments compact (bf16, or
+block-wise 8-bit codes): 20 or 16 bytes moved per parameter and step instead of 28, 4 or 2 bytes
+of host memory per parameter instead of 8. The kernels run on :func:`get_num_threads` threads.
 
 For the RoundPipe runtime, the same pass reads low-precision gradients, unscales them
 (:meth:`Adam.unscaling`, which ``roundpipe.GradScaler.step`` uses), and writes the new weights as
@@ -29,14 +32,14 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam as torch_adam
 
+from roundpipe import optim_state
 from roundpipe._native import _C
 from roundpipe.optimizer_copy import OptimizerCopy, gradient_of
 
-__all__ = ["Adam", "fused_writeback"]
+__all__ = ["Adam", "fused_writeback", "get_num_threads", "set_num_threads"]
 
 # One update per param group: (group, params, grads, low-precision targets).
 _GroupCall = tuple[dict[str, Any], list[Tensor], list[Tensor], list["Tensor | None"]]
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 _warned: set[str] = set()
 _writeback = threading.local()
@@ -52,6 +55,32 @@ def _warn_once(option: str) -> None:
         UserWarning,
         stacklevel=3,
     )
+
+
+def get_num_threads() -> int:
+    """Threads of the host optimizer's kernels (Adam's step, gradient checks and casts).
+
+    By default the CPUs this process may run on (its CPU affinity) divided by the ranks that
+    share the machine (``LOCAL_WORLD_SIZE``, which torchrun sets), at least one; not torch's
+    intra-op setting, which torchrun lowers to 1 (``OMP_NUM_THREADS=1``) when it starts several
+    processes per machine. ``ROUNDPIPE_OPTIMIZER_THREADS=<n>`` or :func:`set_num_threads`
+    overrides it."""
+    return int(_C.optimizer_threads())
+
+
+def set_num_threads(num_threads: int | None) -> None:
+    """Fixes the host optimizer's threads (a positive int) for this process; ``None`` returns
+    to the default of :func:`get_num_threads`."""
+    if num_threads is None:
+        _C.set_optimizer_threads(0)
+        return
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int):
+        raise TypeError(f"num_threads must be an int or None, got {type(num_threads).__name__}")
+    if num_threads < 1:
+        raise ValueError(
+            f"num_threads must be at least 1 (None for the default), got {num_threads}"
+        )
+    _C.set_optimizer_threads(num_threads)
 
 
 def _as_float(value: Any, name: str) -> float:
@@ -129,6 +158,16 @@ class Adam(torch.optim.Optimizer):
     ``foreach`` and ``fused`` are accepted for compatibility, warned about once and ignored.
     ``capturable=True`` and ``differentiable=True`` are not supported on the host (ValueError).
     ``lr`` and ``betas`` may be floats or one-element tensors (read at every step).
+
+    ``state_dtype`` (keyword only) is how the moments of dense float32 parameters are kept (the
+    master weights stay float32): ``torch.float32`` (default: torch's state, bit for bit as
+    before), ``torch.bfloat16`` (4 bytes per parameter instead of 8, stochastically rounded) or
+    ``torch.int8`` (2 bytes plus one float32 scale per 256 elements: block-wise 8-bit codes,
+    stochastically rounded; see :mod:`roundpipe.optim_state`). Compact moments move fewer bytes
+    per step (the step is memory-bound) and need ``amsgrad=False``. ``load_state_dict`` takes a
+    state of any form (torch's included) and converts it into ``state_dtype``; ``state_dict``
+    holds this optimizer's own form (for ``torch.int8`` also ``exp_avg_scale`` and
+    ``exp_avg_sq_scale``). Parameters that torch's code updates keep torch's state.
     """
 
     def __init__(
@@ -146,7 +185,9 @@ class Adam(torch.optim.Optimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         decoupled_weight_decay: bool = False,
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
+        self.state_dtype = optim_state.check_state_dtype(state_dtype)
         if not 0.0 <= _as_float(lr, "lr"):
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -196,7 +237,43 @@ class Adam(torch.optim.Optimizer):
                     f"use torch.optim.Adam for device parameters, or for a RoundPipe model "
                     f"optimize model.optim_parameters() (host copies)"
                 )
+        if param_group.get("amsgrad", self.defaults.get("amsgrad")):
+            self._check_amsgrad()
         super().add_param_group({**param_group, "params": params})
+
+    def _check_amsgrad(self) -> None:
+        if self.state_dtype != torch.float32:
+            raise ValueError(
+                f"amsgrad=True needs state_dtype=torch.float32 (its running maximum is kept in "
+                f"fp32), got state_dtype={self.state_dtype}; drop amsgrad or the compact state"
+            )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, and the saved moments, in whatever form they were saved (fp32 as torch's
+        Adam saves them, bf16, or 8-bit codes with their scales), are converted into this
+        optimizer's ``state_dtype`` (a state already in that form is taken bit for bit)."""
+        saved = state_dict["state"]
+        moment_keys = (*optim_state.MOMENT_KEYS, *optim_state.SCALE_KEYS.values())
+        moments = {
+            index: {key: value for key, value in entry.items() if key in moment_keys}
+            for index, entry in saved.items()
+            if isinstance(entry, Mapping)
+        }
+        rest = {
+            index: (
+                {key: value for key, value in entry.items() if key not in moment_keys}
+                if isinstance(entry, Mapping)
+                else entry
+            )
+            for index, entry in saved.items()
+        }
+        super().load_state_dict({**state_dict, "state": rest})
+        saved_ids = [index for group in state_dict["param_groups"] for index in group["params"]]
+        params = [param for group in self.param_groups for param in group["params"]]
+        for index, param in zip(saved_ids, params, strict=True):
+            if moments.get(index):
+                form = self.state_dtype if self._takes_compact(param) else torch.float32
+                self.state[param].update(optim_state.convert_moments(moments[index], param, form))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """As ``torch.optim.Adam.__setstate__`` (which ``load_state_dict`` runs): missing group
@@ -320,7 +397,7 @@ class Adam(torch.optim.Optimizer):
     @staticmethod
     def _all_finite(native: list[_GroupCall], other: list[_GroupCall]) -> bool:
         present = [grad for _, _, group_grads, _ in native for grad in group_grads]
-        if not _C.all_finite(present, torch.get_num_threads()):
+        if not _C.all_finite(present):
             return False
         others = [grad for _, _, group_grads, _ in other for grad in group_grads]
         return all(bool(torch.isfinite(grad).all()) for grad in others)
@@ -336,6 +413,8 @@ class Adam(torch.optim.Optimizer):
         other: list[_GroupCall] = []
         index = 0
         for group in self.param_groups:
+            if group["amsgrad"]:
+                self._check_amsgrad()
             split: dict[bool, _GroupCall] = {fast: (group, [], [], []) for fast in (True, False)}
             for param in group["params"]:
                 grad = gradient_of(param) if grads is None else grads[index]
@@ -357,6 +436,13 @@ class Adam(torch.optim.Optimizer):
                     )
                 if target is not None:
                     _check_companion(target, param, f"lowp_params[{index - 1}]", _LOWP_DTYPES)
+                if (
+                    self.state_dtype != torch.float32
+                    and self._takes_compact(param)
+                    and not self._native_fits(param, grad)
+                ):
+                    # Compact moments have no torch path: the kernel reads a dense fp32 copy.
+                    grad = grad.to(torch.float32, memory_format=torch.contiguous_format)
                 _, params, group_grads, lowp = split[self._native_fits(param, grad)]
                 params.append(param)
                 group_grads.append(grad)
@@ -378,19 +464,26 @@ class Adam(torch.optim.Optimizer):
             and grad.is_contiguous()
         )
         state = self.state.get(param, {})
-        return dense and all(
-            state[key].dtype == torch.float32 and state[key].is_contiguous()
-            for key in _STATE_KEYS
-            if key in state
+        max_sq = state.get("max_exp_avg_sq")
+        return (
+            dense
+            and optim_state.in_form(state, param, self.state_dtype)
+            and (max_sq is None or (max_sq.dtype == torch.float32 and max_sq.is_contiguous()))
         )
 
+    def _takes_compact(self, param: Tensor) -> bool:
+        """Whether ``param``'s moments are kept in ``state_dtype`` (else in torch's form): the
+        native kernel's dense float32 host parameters."""
+        return param.dtype == torch.float32 and param.is_contiguous() and param.device.type == "cpu"
+
     def _state_of(self, param: Tensor, amsgrad: bool) -> dict[str, Any]:
-        """``param``'s state, created as torch's Adam creates it on first use."""
+        """``param``'s state, created as torch's Adam creates it on first use (the moments in
+        ``state_dtype``'s form where the native kernel updates ``param``)."""
         state: dict[str, Any] = self.state[param]
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            form = self.state_dtype if self._takes_compact(param) else torch.float32
+            state.update(optim_state.fresh_moments(param, form))
             if amsgrad:
                 state["max_exp_avg_sq"] = torch.zeros_like(
                     param, memory_format=torch.preserve_format
@@ -453,6 +546,7 @@ class Adam(torch.optim.Optimizer):
         exp_avg_sqs: list[Tensor] = []
         max_exp_avg_sqs: list[Tensor] = []
         steps: list[Tensor] = []
+        scales: dict[str, list[Tensor]] = {key: [] for key in optim_state.SCALE_KEYS.values()}
         for param in params:
             state = self._state_of(param, bool(group["amsgrad"]))
             exp_avgs.append(state["exp_avg"])
@@ -460,6 +554,9 @@ class Adam(torch.optim.Optimizer):
             if group["amsgrad"]:
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             steps.append(state["step"])
+            if self.state_dtype == torch.int8:
+                for key in scales:
+                    scales[key].append(state[key])
         beta1, beta2 = group["betas"]
         _C.adam_step(
             params,
@@ -478,5 +575,6 @@ class Adam(torch.optim.Optimizer):
             decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
             grad_scale_inv=float(grad_scale_inv),
             lowp_params=lowp if any(t is not None for t in lowp) else None,
-            num_threads=torch.get_num_threads(),
+            exp_avg_scales=scales["exp_avg_scale"] or None,
+            exp_avg_sq_scales=scales["exp_avg_sq_scale"] or None,
         )

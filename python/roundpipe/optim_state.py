@@ -1,0 +1,154 @@
+"""The forms of Adam's moments in :class:`roundpipe.optim.Adam` (its ``state_dtype``) and the
+conversions between them.
+
+* ``torch.float32``: ``exp_avg`` and ``exp_avg_sq`` as torch's Adam keeps them.
+* ``torch.bfloat16``: the same keys in bf16 (the step rounds them stochastically).
+* ``torch.int8``: ``exp_avg`` as int8 codes and ``exp_avg_sq`` as uint8 codes, in the
+  parameter's shape, each with one float32 scale per block of :data:`STATE_BLOCK` elements of the
+  flattened parameter (``exp_avg_scale``, ``exp_avg_sq_scale``): a code is a small float (3
+  mantissa bits) in units of its block's largest magnitude (``csrc/optim/kernel_impl.h``).
+
+A state in any form converts into any other (:func:`convert_moments`), so an optimizer loads the
+state of another ``state_dtype`` (torch's included) and keeps its own form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from roundpipe._native import _C
+
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+SCALE_KEYS = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
+CODE_DTYPES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+# Elements per scale of int8 moments.
+STATE_BLOCK: int = _C.state_block()
+
+
+def check_state_dtype(state_dtype: Any) -> torch.dtype:
+    """``state_dtype`` if it is one of :data:`STATE_DTYPES`, else TypeError/ValueError."""
+    if not isinstance(state_dtype, torch.dtype):
+        raise TypeError(
+            f"state_dtype must be a torch.dtype (torch.float32, torch.bfloat16 or torch.int8), "
+            f"got {type(state_dtype).__name__}"
+        )
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(
+            f"state_dtype must be torch.float32, torch.bfloat16 or torch.int8 (block-wise 8-bit "
+            f"moments), got {state_dtype}"
+        )
+    return state_dtype
+
+
+def blocks(numel: int) -> int:
+    """Scales of an int8 moment of ``numel`` elements."""
+    return -(-numel // STATE_BLOCK)
+
+
+def fresh_moments(param: Tensor, state_dtype: torch.dtype) -> dict[str, Tensor]:
+    """Zero moments for ``param`` in ``state_dtype``'s form."""
+    if state_dtype != torch.int8:
+        dtype = param.dtype if state_dtype == torch.float32 else state_dtype
+        return {
+            key: torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+            for key in MOMENT_KEYS
+        }
+    moments = {}
+    for key in MOMENT_KEYS:
+        moments[key] = torch.zeros(param.shape, dtype=CODE_DTYPES[key])
+        moments[SCALE_KEYS[key]] = torch.zeros(blocks(param.numel()))
+    return moments
+
+
+def in_form(state: Mapping[str, Any], param: Tensor, state_dtype: torch.dtype) -> bool:
+    """Whether ``state``'s moments (if any) are dense CPU tensors in ``state_dtype``'s form for
+    ``param``, as the native kernel reads them."""
+    for key in MOMENT_KEYS:
+        value = state.get(key)
+        if value is None:
+            continue
+        dtype = CODE_DTYPES[key] if state_dtype == torch.int8 else state_dtype
+        if value.dtype != dtype or not value.is_contiguous() or value.numel() != param.numel():
+            return False
+        if state_dtype == torch.int8:
+            scale = state.get(SCALE_KEYS[key])
+            if not _is_scale_of(scale, param.numel()):
+                return False
+    return True
+
+
+def _is_scale_of(scale: Any, numel: int) -> bool:
+    return (
+        isinstance(scale, Tensor)
+        and scale.dtype == torch.float32
+        and scale.device.type == "cpu"
+        and scale.is_contiguous()
+        and scale.numel() == blocks(numel)
+    )
+
+
+def moment_values(entry: Mapping[str, Any], key: str) -> Tensor:
+    """The moment ``key`` of a parameter's state ``entry`` as float32 values (a new tensor for
+    8-bit codes, decoded exactly; the tensor itself or a cast of it otherwise)."""
+    value: Tensor = entry[key]
+    if value.dtype not in (torch.int8, torch.uint8):
+        return value.to(torch.float32)
+    if value.dtype != CODE_DTYPES[key]:
+        raise ValueError(
+            f"the optimizer state's {key} holds {value.dtype} codes; 8-bit {key} is "
+            f"{CODE_DTYPES[key]}"
+        )
+    scale = entry.get(SCALE_KEYS[key])
+    if scale is None or not _is_scale_of(scale, value.numel()):
+        raise ValueError(
+            f"the optimizer state's 8-bit {key} needs {SCALE_KEYS[key]}: a float32 tensor of "
+            f"{blocks(value.numel())} block scales, got "
+            f"{None if scale is None else tuple(scale.shape)}"
+        )
+    values = torch.empty(value.shape)
+    _C.dequantize_moment(key == "exp_avg", value.contiguous(), scale, values)
+    return values
+
+
+def convert_moments(
+    entry: Mapping[str, Any], param: Tensor, state_dtype: torch.dtype
+) -> dict[str, Tensor]:
+    """The moments of a saved state ``entry`` (any form) in ``state_dtype``'s form for
+    ``param``: copies, so the saved state is never aliased. A state already in that form is
+    copied as it is (bit for bit); fp32 values become int8 codes rounded to nearest."""
+    moments: dict[str, Tensor] = {}
+    for key in MOMENT_KEYS:
+        if key not in entry:
+            continue
+        value: Tensor = entry[key]
+        if state_dtype == torch.int8 and value.dtype == CODE_DTYPES[key]:
+            moment_values(entry, key)  # validates the scales
+            moments[key] = value.detach().clone(memory_format=torch.contiguous_format)
+            moments[SCALE_KEYS[key]] = entry[SCALE_KEYS[key]].detach().clone()
+        elif state_dtype == torch.int8:
+            values = moment_values(entry, key).contiguous()
+            moments[key] = torch.empty(param.shape, dtype=CODE_DTYPES[key])
+            moments[SCALE_KEYS[key]] = torch.empty(blocks(param.numel()))
+            _C.quantize_moment(key == "exp_avg", values, moments[key], moments[SCALE_KEYS[key]])
+        else:
+            dtype = param.dtype if state_dtype == torch.float32 else state_dtype
+            values = value if value.dtype == dtype else moment_values(entry, key)
+            moments[key] = values.to(dtype=dtype, device=param.device, copy=True)
+    return moments
+
+
+def elementwise_state(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A parameter's state with 8-bit moments decoded into float32 values: every tensor is then
+    one value per element, so pieces of it can be cut at any element (sharded checkpoints)."""
+    if not any(key in entry for key in SCALE_KEYS.values()):
+        return dict(entry)
+    state = {key: value for key, value in entry.items() if key not in SCALE_KEYS.values()}
+    for key in MOMENT_KEYS:
+        if key in entry:
+            state[key] = moment_values(entry, key)
+    return state
