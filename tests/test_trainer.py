@@ -1,0 +1,236 @@
+"""RoundPipeTrainer against plain ``transformers.Trainer``: logged losses, gradient norms and
+learning rates on the same model and data, resume from a checkpoint, PEFT, refused arguments."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from roundpipe import RoundPipeRunConfig  # noqa: E402
+from roundpipe.integrations.transformers import STATE_NAME, RoundPipeTrainer  # noqa: E402
+from transformers import (  # noqa: E402
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Trainer,
+    TrainingArguments,
+)
+
+STEPS = 12
+ACCUMULATION = 2
+BATCH = 4
+SEQ = 16
+VOCAB = 64
+
+
+def tiny_qwen3(seed: int = 0) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def dataset(count: int = STEPS * ACCUMULATION * BATCH) -> list[dict[str, torch.Tensor]]:
+    """Counting sequences; some targets masked so that batches have unequal token counts."""
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(count):
+        start = int(torch.randint(0, VOCAB, (1,), generator=generator))
+        ids = (start + torch.arange(SEQ)) % VOCAB
+        labels = ids.clone()
+        labels[: int(torch.randint(0, SEQ // 2, (1,), generator=generator))] = -100
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def arguments(out: Path, **overrides: Any) -> TrainingArguments:
+    options: dict[str, Any] = {
+        "output_dir": str(out),
+        "max_steps": STEPS,
+        "per_device_train_batch_size": BATCH,
+        "gradient_accumulation_steps": ACCUMULATION,
+        "learning_rate": 3e-3,
+        "weight_decay": 0.1,
+        "warmup_steps": 2,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "seed": 3,
+        "dataloader_num_workers": 0,
+    }
+    options.update(overrides)
+    return TrainingArguments(**options)
+
+
+def step_logs(trainer: Trainer) -> list[dict[str, float]]:
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def reference_logs(out: Path) -> list[dict[str, float]]:
+    trainer = Trainer(model=tiny_qwen3(), args=arguments(out), train_dataset=dataset())
+    trainer.train()
+    return step_logs(trainer)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, float]]:
+    return reference_logs(tmp_path_factory.mktemp("reference"))
+
+
+def assert_logs_match(ours: list[dict[str, float]], theirs: list[dict[str, float]]) -> None:
+    assert [entry["step"] for entry in ours] == [entry["step"] for entry in theirs]
+    for mine, ref in zip(ours, theirs, strict=True):
+        for key in ("loss", "grad_norm", "learning_rate"):
+            assert mine[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-9), (key, mine, ref)
+
+
+def test_losses_match_trainer(tmp_path: Path, reference: list[dict[str, float]]) -> None:
+    trainer = RoundPipeTrainer(
+        tiny_qwen3(),
+        arguments(tmp_path),
+        train_dataset=dataset(),
+        run_config=RoundPipeRunConfig(num_microbatch=2),
+        async_step=False,
+    )
+    trainer.train()
+    ours = step_logs(trainer)
+    assert len(ours) == STEPS
+    assert_logs_match(ours, reference)
+
+
+def test_resume_reproduces_the_steps_after_the_checkpoint(tmp_path: Path) -> None:
+    def run(out: Path, resume: str | None) -> RoundPipeTrainer:
+        trainer = RoundPipeTrainer(
+            tiny_qwen3(seed=5 if resume else 0),  # resuming must replace these weights
+            arguments(out, save_strategy="steps", save_steps=6),
+            train_dataset=dataset(),
+            async_step=False,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full", None)
+    checkpoint = tmp_path / "full" / "checkpoint-6"
+    assert (checkpoint / STATE_NAME).exists()
+    resumed = run(tmp_path / "resumed", str(checkpoint))
+    expected = [entry for entry in step_logs(full) if entry["step"] > 6]
+    history = step_logs(resumed)  # the checkpoint's log history, then the resumed steps
+    assert [entry["step"] for entry in history] == list(range(1, STEPS + 1))
+    got = history[6:]
+    assert_logs_match(got, expected)
+    for mine, ref in zip(got, expected, strict=True):
+        assert mine["loss"] == ref["loss"]  # the same computation, bit for bit
+    weights = dict(full.model.named_parameters())
+    for name, param in resumed.model.named_parameters():
+        torch.testing.assert_close(param, weights[name], rtol=0, atol=0)
+
+
+def test_async_step_trains_with_staleness_one(
+    tmp_path: Path, reference: list[dict[str, float]]
+) -> None:
+    """Asynchronous steps: step 3 trains on the weights after step 1 (lr 0 in the warm-up), so
+    its loss differs from the synchronous run; it still falls, on Trainer's schedule."""
+    trainer = RoundPipeTrainer(tiny_qwen3(), arguments(tmp_path), train_dataset=dataset())
+    trainer.train()
+    ours = step_logs(trainer)
+    assert ours[0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-4)
+    assert ours[1]["loss"] == pytest.approx(reference[1]["loss"], rel=1e-4)  # lr 0 at step 1
+    assert ours[2]["loss"] != pytest.approx(reference[2]["loss"], rel=1e-6)
+    assert [entry["learning_rate"] for entry in ours] == pytest.approx(
+        [entry["learning_rate"] for entry in reference]
+    )
+    assert ours[-1]["loss"] < 0.9 * ours[0]["loss"]
+
+
+def test_evaluate_matches_trainer(tmp_path: Path) -> None:
+    rows = dataset(12)
+    ref = Trainer(model=tiny_qwen3(), args=arguments(tmp_path / "ref"), eval_dataset=rows)
+    ours = RoundPipeTrainer(
+        tiny_qwen3(),
+        arguments(tmp_path / "ours", per_device_eval_batch_size=6),
+        eval_dataset=rows,
+        run_config=RoundPipeRunConfig(num_microbatch=3),
+    )
+    ref.args.per_device_eval_batch_size = 6
+    assert ours.evaluate()["eval_loss"] == pytest.approx(ref.evaluate()["eval_loss"], rel=1e-5)
+
+
+def test_peft_trains_adapters_only(tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        tiny_qwen3(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    )
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    trainer = RoundPipeTrainer(
+        model, arguments(tmp_path, max_steps=3), train_dataset=dataset(24), async_step=False
+    )
+    trainer.train()
+    optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    assert sum(p.numel() for p in optimized) == sum(p.numel() for p in adapters.values())
+    after = dict(model.named_parameters())
+    for name, before in frozen.items():
+        assert torch.equal(after[name], before), name
+    assert any(not torch.equal(after[name], before) for name, before in adapters.items())
+
+
+def test_save_model_writes_the_trained_weights(tmp_path: Path) -> None:
+    model = tiny_qwen3()
+    trainer = RoundPipeTrainer(model, arguments(tmp_path, max_steps=2), train_dataset=dataset(16))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    loaded = Qwen3ForCausalLM.from_pretrained(str(tmp_path / "final"))
+    for name, param in loaded.named_parameters():
+        torch.testing.assert_close(param, dict(model.named_parameters())[name])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"deepspeed": {"train_batch_size": 8}}, "deepspeed"),
+        ({"fsdp": "full_shard"}, "fsdp"),
+        ({"gradient_checkpointing": True}, "checkpointing"),
+        ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
+        ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "reduce_lr_on_plateau"),
+    ],
+)
+def test_unsupported_arguments_are_named(
+    tmp_path: Path, overrides: dict[str, Any], named: str
+) -> None:
+    try:
+        args = arguments(tmp_path, **overrides)
+    except (ImportError, ValueError) as error:  # transformers refuses it itself (no deepspeed)
+        pytest.skip(f"TrainingArguments refuses {overrides}: {error}")
+    with pytest.raises(ValueError, match=named):
+        RoundPipeTrainer(tiny_qwen3(), args, train_dataset=dataset(8))
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    args = arguments(tmp_path)
+    model = tiny_qwen3()
+    with pytest.raises(TypeError, match="async_step"):
+        RoundPipeTrainer(model, args, async_step=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="run_config"):
+        RoundPipeTrainer(model, args, run_config={"num_microbatch": 2})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="optimizer_cls_and_kwargs"):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        RoundPipeTrainer(model, args, optimizers=(opt, None))
+    with pytest.raises(TypeError, match="unwrapped"):
+        RoundPipeTrainer(copy.deepcopy(torch.nn.Linear(2, 2)).__class__, args)  # type: ignore[arg-type]
