@@ -151,7 +151,8 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
     if cfg["dtype"] == "float64":
         optimizer: Any = torch.optim.Adam(model.optim_parameters(), lr=0.02)
     else:
-        optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=0.01)
+        state_dtype = getattr(torch, cfg.get("state_dtype", "float32"))
+        optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=0.01, state_dtype=state_dtype)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     scaler = roundpipe.GradScaler(init_scale=2.0**10) if scenario == "scaler" else None
     first = 0

@@ -9,7 +9,10 @@ What a folder holds, by entry name:
   (``model/_roundpipe.optim.<name>``): each rank's pieces of the flattened parameter. (Gradients
   accumulated but not yet stepped differ per rank: a save refuses them.)
 * ``optimizer/state/<name>/<key>``: the optimizer's per-element state as pieces, and its other
-  per-parameter state (``step``) whole; ``optimizer/param_groups``: the hyperparameters.
+  per-parameter state (``step``) whole; ``optimizer/param_groups``: the hyperparameters. 8-bit
+  moments (``roundpipe.optim.Adam(state_dtype=torch.int8)``) are saved decoded, as float32 values:
+  their block scales belong to the saving rank's pieces, while values can be cut anywhere. The
+  loading optimizer encodes them again (the same bits when the pieces are the same).
 * ``scaler`` and ``extra``: objects, read back with ``weights_only=True``.
 """
 
@@ -26,6 +29,7 @@ from torch import nn
 from roundpipe.distributed import DataParallelShard, ShardPiece
 from roundpipe.grad_scaler import GradScaler
 from roundpipe.optim import Adam
+from roundpipe.optim_state import elementwise_state
 from roundpipe.optimizer_copy import check_state_dict
 from roundpipe.sharded_files import (
     CheckpointError,
@@ -70,7 +74,7 @@ def save_sharded(
         state = optimizer.state_dict()
         for index, param in enumerate(params):
             piece = by_copy[id(param)]
-            for key, value in state["state"].get(index, {}).items():
+            for key, value in elementwise_state(state["state"].get(index, {})).items():
                 name = f"optimizer/state/{piece.name}/{key}"
                 if (
                     isinstance(value, torch.Tensor)

@@ -442,7 +442,7 @@ class Adam(torch.optim.Optimizer):
                     and not self._native_fits(param, grad)
                 ):
                     # Compact moments have no torch path: the kernel reads a dense fp32 copy.
-                    grad = grad.to(torch.float32, memory_format=torch.contiguous_format)
+                    grad = grad.to(torch.float32).contiguous()
                 _, params, group_grads, lowp = split[self._native_fits(param, grad)]
                 params.append(param)
                 group_grads.append(grad)
