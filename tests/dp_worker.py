@@ -208,6 +208,8 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
                 return {"scheduler": scheduler.state_dict(), "iteration": after}
 
             roundpipe.save_checkpoint(cfg["ckpt"], model, optimizer, extra=extra)
+        if iteration == cfg.get("misuse_at"):
+            misuse_checkpoint(cfg, rank, model, optimizer)
     model.synchronize()
     result["params"] = {k: v.detach().clone() for k, v in model.model.named_parameters()}
     result["buffers"] = {k: v.detach().clone() for k, v in model.model.named_buffers()}
@@ -224,6 +226,18 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
             roundpipe.models.AutoRoundPipe(nn.Sequential(model))
         except ValueError as error:
             result["auto_error"] = str(error)
+
+
+def misuse_checkpoint(cfg: dict[str, Any], rank: int, model: Any, optimizer: Any) -> None:
+    """Save a checkpoint the way the scenario gets it wrong: on rank 0 alone (DDP's habit), to
+    a folder per rank, or with an ``extra`` per rank."""
+    scenario, ckpt = cfg["scenario"], cfg["ckpt"]
+    if scenario == "save_rank0" and rank == 0:
+        roundpipe.save_checkpoint(ckpt, model, optimizer)
+    elif scenario == "save_per_rank_folder":
+        roundpipe.save_checkpoint(f"{ckpt}_{rank}", model, optimizer)
+    elif scenario == "save_per_rank_extra":
+        roundpipe.save_checkpoint(ckpt, model, optimizer, extra={"rank": rank})
 
 
 def train_ddp(cfg: dict[str, Any], rank: int, world: int, result: dict[str, Any]) -> None:

@@ -217,7 +217,12 @@ def test_failed_rank_makes_the_others_raise(tmp_path: Path, scenario: str):
     results, _, codes = run(tmp_path, 2, reference=False, scenario=scenario, timeout=5)
     error = results[0]["error"] if results[0] is not None else ""
     assert "RoundPipe model 'dp': optimizer step (" in error, error
-    phases = ("data-parallel gradient reduce", "weight all-gather", "data-parallel gradient norm")
+    phases = (
+        "data-parallel gradient reduce",
+        "weight all-gather",
+        "data-parallel gradient norm",
+        "data-parallel agreement",  # the ranks agree on each step before its collectives
+    )
     assert any(phase in error for phase in phases), error
     if scenario == "raise":
         assert results[1] is not None and "rank 1 fails on purpose" in results[1]["error"]
@@ -246,7 +251,12 @@ def test_stage_reduce_refuses_ranks_out_of_step(tmp_path: Path):
     errors = [result["error"] if result is not None else "" for result in results]
     assert "must run the same backward calls" in errors[0], errors
     assert "differs on rank 1 from rank 0's" in errors[0], errors
-    assert "RoundPipe model 'dp'" in errors[0] and "data-parallel gradient reduce" in errors[0]
+    # Rank 0 meets rank 1's extra call at its step's agreement (or, had it got there first,
+    # at the next call's reduce).
+    assert "RoundPipe model 'dp'" in errors[0], errors
+    assert "optimizer step (data-parallel agreement)" in errors[0] or (
+        "data-parallel gradient reduce" in errors[0]
+    ), errors
     assert errors[1], "rank 1 must fail too"
 
 
@@ -481,3 +491,103 @@ def test_mismatched_buffers_raise_on_every_rank(tmp_path: Path, scenario: str):
         assert result is not None
         error = result["error"]
         assert error.startswith("ValueError") and "on rank 1" in error and "buffers" in error
+
+
+# -- misuse: a clear error on every rank, quickly, instead of a hang or an abort -------------
+
+
+def test_group_read_before_init_process_group_is_refused(monkeypatch: pytest.MonkeyPatch):
+    # dist.group.WORLD is None before init_process_group: under a launcher (WORLD_SIZE > 1)
+    # passing it would have every rank train alone. Leaving the argument out still means that.
+    if dist.is_initialized():
+        pytest.skip("needs torch.distributed uninitialised")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"init_process_group.*before creating the RoundPipe"):
+        roundpipe.RoundPipe(model, data_parallel_group=dist.group.WORLD)
+    assert roundpipe.RoundPipe(model).data_parallel_size == 1
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    other = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert roundpipe.RoundPipe(other, data_parallel_group=None).data_parallel_size == 1
+
+
+def test_stage_reduce_refuses_an_extra_call_before_a_synchronous_step(tmp_path: Path):
+    # Rank 1 runs one forward_backward more, rank 0 steps synchronously: both raise the
+    # ValueError of the asynchronous case within seconds (they used to wait out the timeout).
+    results, _, _ = run(
+        tmp_path,
+        2,
+        reference=False,
+        scenario="extra_call",
+        reduce="stage",
+        is_async=False,
+        timeout=60,
+    )
+    for result in results:
+        assert result is not None
+        error = result["error"]
+        assert error.startswith("ValueError") and "out of step" in error, error
+        assert "must run the same backward calls" in error, error
+
+
+@pytest.mark.parametrize("reduce", ["host", "stage"])
+def test_save_on_rank_0_alone_raises_on_every_rank(tmp_path: Path, reduce: str):
+    # DDP's habit, `if rank == 0: save`: gloo aborted rank 0 (its save's collectives met rank
+    # 1's gradient reduce). Now both ranks raise, naming the rule, and nobody aborts.
+    results, _, codes = run(
+        tmp_path,
+        2,
+        reference=False,
+        scenario="save_rank0",
+        reduce=reduce,
+        misuse_at=1,
+        ckpt=str(tmp_path / "ckpt"),
+        timeout=60,
+    )
+    assert codes == [0, 0]
+    for result in results:
+        assert result is not None
+        error = result["error"]
+        assert error.startswith("ValueError") and "every rank calls them" in error, error
+
+
+def test_per_rank_folders_raise_on_every_rank_and_keep_the_checkpoint(tmp_path: Path):
+    # Every rank saves to a folder of its own at iteration 1; each rank must see the others'
+    # files, so all raise, and no folder keeps this save's files or gets a manifest.
+    ckpt = tmp_path / "ckpt"
+    results, _, _ = run(
+        _folder(tmp_path, "ranks"),
+        2,
+        reference=False,
+        scenario="save_per_rank_folder",
+        misuse_at=1,
+        ckpt=str(ckpt),
+        timeout=60,
+    )
+    for result in results:
+        assert result is not None
+        error = result["error"]
+        assert error.startswith("ValueError") and "cannot see" in error, error
+        assert "every rank must save to the same folder" in error, error
+    for rank in range(2):
+        folder = Path(f"{ckpt}_{rank}")
+        assert not (folder / "MANIFEST.json").exists()
+        assert not list(folder.glob("data-*")), list(folder.iterdir())
+
+
+def test_per_rank_extra_is_refused_on_every_rank(tmp_path: Path):
+    ckpt = tmp_path / "ckpt"
+    results, _, _ = run(
+        _folder(tmp_path, "ranks"),
+        2,
+        reference=False,
+        scenario="save_per_rank_extra",
+        misuse_at=1,
+        ckpt=str(ckpt),
+        timeout=60,
+    )
+    for result in results:
+        assert result is not None
+        error = result["error"]
+        assert error.startswith("ValueError") and "extra differs on rank 1" in error, error
+    assert not (ckpt / "MANIFEST.json").exists()

@@ -18,6 +18,8 @@ What a folder holds, by entry name:
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from roundpipe.distributed import DataParallelShard, ShardPiece
 from roundpipe.grad_scaler import GradScaler
@@ -57,6 +60,8 @@ def save_sharded(
     optimizer; ``extra()`` is taken after the model's state. See ``roundpipe.save_checkpoint``."""
     shard = _shard_of(model)
     assert shard is not None
+    if shard.agree is not None:
+        shard.agree("save_checkpoint")
     by_copy = {id(piece.copy): piece for piece in shard.pieces}
     params = _optimizer_params(optimizer, by_copy) if optimizer is not None else []
     entries: dict[str, Any] = {}
@@ -91,7 +96,37 @@ def save_sharded(
     if scaler is not None:
         entries["scaler"] = scaler.state_dict()
     entries["extra"] = extra()
+    _refuse_different_extras(entries["extra"], shard)
     save_folder(folder, entries, pieces, shard.group)
+
+
+def _refuse_different_extras(extra: Any, shard: DataParallelShard) -> None:
+    """``extra`` is saved once: ``ValueError`` on every rank, before anything is written, when
+    a rank passes another value than rank 0's (which would be lost silently)."""
+    prints: list[Any] = [None] * shard.world_size
+    dist.all_gather_object(prints, _fingerprint(extra), group=shard.group)
+    for rank, value in enumerate(prints):
+        if value != prints[0]:
+            raise ValueError(
+                f"save_checkpoint: extra differs on rank {rank} from rank 0's, but a "
+                "data-parallel checkpoint holds it once: give every rank the same extra (state "
+                "of each rank's own, such as its RNG state, belongs in files of your own). "
+                "Nothing was written"
+            )
+
+
+def _fingerprint(value: Any) -> str:
+    """A digest of ``value``'s structure and contents (tensors by dtype, shape and values)."""
+    leaves, spec = tree_flatten(value)
+    digest = hashlib.sha256(str(spec).encode())
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            tensor = leaf.detach().cpu()
+            digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+            digest.update(pickle.dumps(tensor.reshape(-1).tolist()))
+        else:
+            digest.update(repr(leaf).encode())
+    return digest.hexdigest()
 
 
 def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, strict: bool) -> Any:
@@ -105,6 +140,8 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, st
             "a sharded checkpoint folder (saved by data-parallel ranks) loads into a RoundPipe, "
             f"data-parallel or alone, got {type(model).__name__}"
         )
+    if shard.agree is not None:
+        shard.agree("load_checkpoint")
     saved = read_saved_entries(folder)
     wanted = {"optimizer": optimizer, "scaler": scaler}
     missing = [

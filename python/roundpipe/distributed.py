@@ -39,9 +39,10 @@ within it instead of waiting forever.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,6 +50,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
+
+from roundpipe.context import annotate
 
 if TYPE_CHECKING:
     from roundpipe.memory import ModelMemory, ParamSlot
@@ -63,6 +66,15 @@ _ALIGN = 64
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 REDUCE_MODES: tuple[str, ...] = ("auto", "host", "stage")
+
+# What the ranks agree on before the calling thread's collectives (DataParallel.agree).
+AGREED_ACTIONS: tuple[str, ...] = (
+    "backward call",
+    "step",
+    "buffer broadcast",
+    "save_checkpoint",
+    "load_checkpoint",
+)
 
 _active = threading.local()
 
@@ -111,6 +123,9 @@ class DataParallelShard:
     # RoundPipe's own process group over the ranks (gloo, host tensors); None without data
     # parallelism. Collectives about this model's state (sharded checkpoints) run on it.
     group: Any = None
+    # ``agree(action)``: checks that every rank is about to do ``action`` at the same point of
+    # training (DataParallel.agree); None without data parallelism.
+    agree: Callable[[str], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -162,9 +177,36 @@ def resolve_reduce_mode(mode: str, pool: Sequence[torch.device]) -> Literal["hos
     return "stage" if mode == "stage" else "host"
 
 
+class _NoGroup:
+    """The type of :data:`NO_GROUP`."""
+
+    def __repr__(self) -> str:
+        return "NO_GROUP"
+
+
+#: ``data_parallel_group``'s default: no data parallelism, asked for by leaving it out.
+NO_GROUP = _NoGroup()
+
+
 def check_group(group: Any) -> int:
-    """Validate ``data_parallel_group`` and return its size (1 for None)."""
+    """Validate ``data_parallel_group`` and return its size (1 for :data:`NO_GROUP` and None).
+
+    ``None`` passed while this process was launched as one of several ranks (``WORLD_SIZE`` >
+    1, as torchrun sets it) and ``torch.distributed`` is not initialised is a ``ValueError``:
+    that is ``dist.group.WORLD`` read before ``init_process_group``, which would have every
+    rank train alone."""
+    if isinstance(group, _NoGroup):
+        return 1
     if group is None:
+        world = os.environ.get("WORLD_SIZE", "1")
+        if not dist.is_initialized() and world.isdigit() and int(world) > 1:
+            raise ValueError(
+                "data_parallel_group is None, but this process is one of "
+                f"WORLD_SIZE={world} ranks and torch.distributed is not initialised: "
+                "dist.group.WORLD is None until init_process_group() runs, so every rank would "
+                "train alone. Call torch.distributed.init_process_group(...) before creating the "
+                "RoundPipe (or leave data_parallel_group out to train each rank alone)"
+            )
         return 1
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
@@ -230,9 +272,8 @@ class DataParallel:
                 )
         self._broadcast_initial_state(memory)
         self.reduce_mode = reduce_mode
-        # Stage reduces: the calling thread's group, and one NCCL group per GPU of the pool (in
-        # the order of their indices: a GPU's ordinal pairs it with the others' same ordinal).
-        self.call_group: Any = None
+        # Stage reduces on GPUs: one NCCL group per GPU of the pool (in the order of their
+        # indices: a GPU's ordinal pairs it with the others' same ordinal).
         self.gpus: list[int] = []
         self.gpu_groups: list[Any] = []
         # Steps submitted, and backward calls since the last one (what the ranks agree on).
@@ -240,10 +281,11 @@ class DataParallel:
         self.calls = 0
         # Buffers are broadcast from rank 0 after each training call (broadcast_buffers).
         self.has_buffers = bool(memory.buffers())
-        if reduce_mode == "stage" or self.has_buffers:
-            self.call_group = dist.new_group(
-                ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
-            )
+        # The calling thread's collectives: the agreements (see agree), stage reduces on CPU
+        # devices and the buffer broadcasts.
+        self.call_group = dist.new_group(
+            ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+        )
         if reduce_mode == "stage":
             self.gpus = sorted({d.index or 0 for d in pool if d.type == "cuda"})
             self.gpu_groups = [
@@ -311,6 +353,7 @@ class DataParallel:
         group: after every training call (a ``forward_backward``, or a ``forward()`` with
         gradients), so that the replicas compute with rank 0's statistics as under
         ``DistributedDataParallel(broadcast_buffers=True)``, and hold them alike at rest."""
+        self.agree("buffer broadcast")
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for buffer in self.memory.buffers():
             by_dtype.setdefault(buffer.dtype, []).append(buffer)
@@ -383,27 +426,32 @@ class DataParallel:
             layout = zlib.crc32(repr([(r.start, r.stop) for r in plan]).encode())
             gpu = device.index or 0
             ordinal = self.gpus.index(gpu) if gpu in self.gpus else -2  # reduce_stage raises
-        mine = torch.tensor([self.steps, self.calls, layout, ordinal], dtype=torch.int64)
-        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
-        all_gather(everyone, mine, self.call_group)
+        self.agree("backward call", layout, ordinal)
         self.calls += 1
-        rows = everyone.view(self.world_size, -1).tolist()
-        for rank, row in enumerate(rows):
-            if row != rows[0]:
-                what = (
-                    "number of steps taken",
-                    "number of backward calls since the last step",
-                    "plan's backward stages",
-                    "GPU of the first backward stage",
-                )
-                field = next(i for i in range(len(row)) if row[i] != rows[0][i])
-                raise ValueError(
-                    "the data-parallel ranks reduce gradients stage by stage, so they must run "
-                    "the same backward calls with the same plan (data_parallel_reduce='stage'), "
-                    f"but the {what[field]} differs on "
-                    f"rank {rank} from rank 0's: pass the same fixed ModelExecutePlan on every "
-                    "rank, keep the calls in step, or use data_parallel_reduce='host'"
-                )
+
+    def agree(self, action: str, layout: int = 0, ordinal: int = -1) -> None:
+        """Check, on the calling thread, that every rank is about to do the same collective
+        ``action`` (one of :data:`AGREED_ACTIONS`) at the same point of training: the same
+        number of steps and of backward calls since the last one. A rank out of step (one more
+        backward call, a save on rank 0 alone) would otherwise pair its collectives with the
+        other ranks' different ones: wait out the group timeout, or make gloo abort the
+        process. ``ValueError`` on every rank, naming the first rank that differs and the rule
+        it broke, instead."""
+        kind = AGREED_ACTIONS.index(action)
+        mine = torch.tensor([self.steps, self.calls, kind, layout, ordinal], dtype=torch.int64)
+        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
+        try:
+            all_gather(everyone, mine, self.call_group)
+            rows = everyone.view(self.world_size, -1).tolist()
+            for rank, row in enumerate(rows):
+                if row != rows[0]:
+                    raise ValueError(_disagreement(self.reduce_mode, rank, row, rows[0]))
+        except Exception as error:
+            if action in ("backward call", "buffer broadcast"):
+                raise  # the call names the layers and the phase
+            phase = "optimizer step" if action == "step" else action
+            where = f"RoundPipe model {self.name!r}: {phase} (data-parallel agreement)"
+            raise annotate(error, where) from error
 
     def reduce_stage(
         self, buffer: torch.Tensor, first_byte: int, layers: range, device: torch.device
@@ -483,6 +531,49 @@ class DataParallel:
             _active.model = previous
 
 
+def _doing(row: list[int]) -> str:
+    """What a rank's agreement row says it is doing, in words."""
+    steps, calls, kind = row[0], row[1], AGREED_ACTIONS[row[2]]
+    if kind == "backward call":
+        return f"runs backward call {calls + 1} since step {steps}"
+    counted = f" and {calls} backward calls since" if calls else ""
+    return f"{'steps' if kind == 'step' else 'calls ' + kind} after {steps} steps{counted}"
+
+
+def _disagreement(reduce_mode: str, rank: int, row: list[int], first: list[int]) -> str:
+    """The error of an agreement whose rows differ at ``rank`` (see DataParallel.agree)."""
+    kinds = AGREED_ACTIONS[row[2]], AGREED_ACTIONS[first[2]]
+    if "save_checkpoint" in kinds or "load_checkpoint" in kinds:
+        rule = (
+            "save_checkpoint and load_checkpoint of a data-parallel model are collective: every "
+            "rank calls them with its own replica at the same point of training (not rank 0 "
+            "alone, as with DistributedDataParallel)"
+        )
+    elif row[:2] == first[:2] and row[2] == first[2]:
+        rule = (
+            "the data-parallel ranks reduce gradients stage by stage, so they must run the "
+            "same backward calls with the same plan: pass the same fixed ModelExecutePlan on "
+            "every rank"
+        )
+        field = (
+            "plan's backward stages" if row[3] != first[3] else "GPU of the first backward stage"
+        )
+        return f"{rule}, but the {field} differs on rank {rank} from rank 0's"
+    else:
+        rule = (
+            "every rank must run the same backward calls (forward_backward, or forward() and "
+            "backward()) between steps, and the same steps"
+        )
+        if reduce_mode == "stage":
+            rule += ", since data_parallel_reduce='stage' reduces each call's gradients (or use "
+            rule += "data_parallel_reduce='host')"
+    return (
+        f"the data-parallel ranks are out of step: rank {rank} {_doing(row)} while rank 0 "
+        f"{_doing(first)}; {rule} (the point of training differs on rank {rank} from rank "
+        "0's)"
+    )
+
+
 def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The byte ranges ``(begin, end)`` covering ``ranges``, disjoint and in order."""
     merged: list[tuple[int, int]] = []
@@ -508,7 +599,9 @@ def any_rank(flag: bool) -> bool:
 
 
 __all__ = [
+    "AGREED_ACTIONS",
     "CHUNK_BYTES",
+    "NO_GROUP",
     "REDUCE_MODES",
     "DataParallel",
     "DataParallelShard",

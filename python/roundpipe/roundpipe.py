@@ -32,6 +32,7 @@ from roundpipe.call_lock import CallLock
 from roundpipe.context import optimizer_context_active
 from roundpipe.device import device_count, devices
 from roundpipe.distributed import (
+    NO_GROUP,
     DataParallel,
     DataParallelShard,
     ShardPiece,
@@ -231,8 +232,10 @@ class RoundPipe(ForwardingModule):
             whose ranks each run a replica of this model on their own part of the global batch:
             gradients are averaged across them at every ``step()`` and the optimizer copies are
             sharded (see ``docs/guide.md``, "Scaling out"). Every rank must create the same model
-            with the same settings, in the same order as its other data-parallel models. None
-            or a group of one rank: no data parallelism.
+            with the same settings, in the same order as its other data-parallel models. Left
+            out, or a group of one rank: no data parallelism. ``None`` too, except in a process
+            launched as one of several ranks (``WORLD_SIZE`` > 1) before ``init_process_group``,
+            where it is ``dist.group.WORLD`` read too early: ``ValueError``.
         data_parallel_reduce: where the ranks' gradients are summed: ``"host"`` (the whole
             gradient arena, on the optimizer thread, before the step), ``"stage"`` (at the end
             of every backward stage, on the stage's device, so that each rank downloads only
@@ -262,7 +265,7 @@ class RoundPipe(ForwardingModule):
         name: str | None = None,
         model_run_config: RoundPipeRunConfig | None = None,
         pin_model: str = "alloc",
-        data_parallel_group: Any = None,
+        data_parallel_group: Any = NO_GROUP,
         data_parallel_reduce: str = "auto",
         *,
         shared_parameters: Iterable[nn.Parameter] = (),
@@ -398,7 +401,7 @@ class RoundPipe(ForwardingModule):
         dp = steps.data_parallel
         if dp is None:
             return DataParallelShard(0, 1, pieces)
-        return DataParallelShard(dp.rank, dp.world_size, pieces, dp.group)
+        return DataParallelShard(dp.rank, dp.world_size, pieces, dp.group, dp.agree)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the optimizer copies to a total norm of ``max_norm``, as

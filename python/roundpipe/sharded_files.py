@@ -112,6 +112,7 @@ def save_folder(
     files: dict[str, Any] = {}
     for part in ranks.gather(described):
         files.update(part)
+    _refuse_unseen_files(folder, data, files, ranks)
     if ranks.rank == 0:
         _fsync_folder(data)
         _write_manifest(
@@ -130,6 +131,29 @@ def save_folder(
             if stale.name != name:
                 shutil.rmtree(stale, ignore_errors=True)
     ranks.barrier()
+
+
+def _refuse_unseen_files(folder: Path, data: Path, files: dict[str, Any], ranks: _Ranks) -> None:
+    """Every rank must see every rank's file where the manifest will say it is: ranks that
+    saved to different folders (per-rank paths, or a filesystem they do not share) would
+    otherwise leave folders that none can load. ``ValueError`` on every rank naming the first
+    file a rank cannot see; this save's files are removed and the manifest, so the previous
+    checkpoint, stays."""
+    unseen = [
+        name
+        for name, described in sorted(files.items())
+        if not (data / name).is_file() or (data / name).stat().st_size != described["bytes"]
+    ]
+    verdicts = ranks.gather((str(folder.resolve()), unseen))
+    for rank, (path, missing) in enumerate(verdicts):
+        if missing:
+            shutil.rmtree(data, ignore_errors=True)
+            raise ValueError(
+                f"save_checkpoint: rank {rank} cannot see {missing[0]!r} in its checkpoint folder "
+                f"{path!r}: every rank must save to the same folder, on a filesystem every rank "
+                f"sees (the ranks' folders: {sorted({where for where, _ in verdicts})}). The "
+                "previous checkpoint is unchanged"
+            )
 
 
 def load_folder(

@@ -453,6 +453,8 @@ class StepPipeline:
         gradient: the others have none since the last step or ``zero_grad()`` (no backward
         reached them), as plain PyTorch's parameters have none then, and optimizers skip them.
         With data parallelism every copy gets the gradient averaged over the ranks."""
+        if self.data_parallel is not None:
+            self.data_parallel.agree("step")  # before anything changes: a ValueError leaves all
         self.finish()
         # From the hand-over to the job queued, nothing waits, and a Ctrl-C half-way would lose
         # the gradients (or the step): held until the job is queued.
