@@ -118,7 +118,8 @@ def save_checkpoint(
         save_sharded(target, model, optimizer, scaler, lambda: _resolved(extra))
         return
 
-    state: dict[str, Any] = {"model": model.state_dict()}  # waits for a RoundPipe's step first
+    # Waits for a RoundPipe's step first.
+    state: dict[str, Any] = {"model": _one_dtype_per_storage(model.state_dict())}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     if scaler is not None:
@@ -410,6 +411,30 @@ def _check_parts(model: Any, optimizer: Any, scaler: Any) -> None:
             "scaler must be a roundpipe.GradScaler or torch.amp.GradScaler (with state_dict and "
             f"load_state_dict) or None, got {type(scaler).__name__}"
         )
+
+
+def _one_dtype_per_storage(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as ``torch.save`` can write it: a RoundPipe's parameters are views of one host
+    arena, and ``torch.save`` refuses views of one storage as different dtypes (bf16 weights
+    beside fp32 norms). The views of the dtype holding the most bytes of each such storage are
+    kept (the storage is written once, as that dtype); the others are copied, which costs the
+    minority's bytes only."""
+    views: dict[int, dict[torch.dtype, int]] = {}
+    for value in state.values():
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            key = value.untyped_storage().data_ptr()
+            by_dtype = views.setdefault(key, {})
+            by_dtype[value.dtype] = by_dtype.get(value.dtype, 0) + value.nbytes
+    kept = {key: max(by_dtype, key=by_dtype.__getitem__) for key, by_dtype in views.items()}
+    return {
+        name: value.clone()
+        if isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and len(views[value.untyped_storage().data_ptr()]) > 1
+        and value.dtype != kept[value.untyped_storage().data_ptr()]
+        else value
+        for name, value in state.items()
+    }
 
 
 def _resolved(extra: Any) -> Any:
