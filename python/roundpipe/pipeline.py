@@ -369,9 +369,14 @@ class ResidentStage:
         gradient, the sum over the microbatches (the backward of a ``forward()`` is one pass
         over them all, in which plain PyTorch runs a parameter's hooks once, on its whole
         gradient); what a hook returns replaces it. Nothing for other stages: their copies
-        share the hooks, or the end of the backward pass runs them (see :data:`ParamHooks`)."""
+        share the hooks, or the end of the backward pass runs them (see :data:`ParamHooks`).
+        The hooks run with the stage's device current, as its backward did."""
         if self.hooks != "on_sums":
             return
+        with _device_guard(device_at(self.device_index)):
+            self._run_hooks_on_sums()
+
+    def _run_hooks_on_sums(self) -> None:
         layout = self.layout
         for j in self.reach.reached():
             i = layout.trained[j]
