@@ -54,11 +54,12 @@ def test_every_write_leaves_a_whole_trace(tmp_path: Path) -> None:
         "displayTimeUnit": "ms",
         "otherData": {"producer": "test", "cut_short": UNFINISHED},
     }
-    file.append([{"ph": "M", "name": "a"}])
+    file.append([{"ph": "M", "name": "a", "args": {"path": Path("p")}}])
     file.append([])
     file.append([{"ph": "M", "name": "b"}, {"ph": "M", "name": "c"}])
     data = json.loads(path.read_text())
     assert [e["name"] for e in data["traceEvents"]] == ["a", "b", "c"]
+    assert data["traceEvents"][0]["args"] == {"path": "p"}  # what JSON cannot hold, as str()
     assert data["otherData"]["cut_short"] == UNFINISHED
     # The final tail is shorter than the unfinished one: the file still parses.
     file.finish(cut_short=None)

@@ -103,7 +103,9 @@ class TraceFile:
     def _write_locked(self, events: Sequence[Mapping[str, Any]], cut_short: str | None) -> None:
         if self._fd is None:
             raise ValueError(f"the trace file {self.path} is closed")
-        body = json.dumps(events, separators=(",", ":")).encode()[1:-1]  # without [ ]
+        # An args value JSON cannot hold is written as its str(): the writer thread has nobody
+        # to raise to.
+        body = json.dumps(events, separators=(",", ":"), default=str).encode()[1:-1]
         if body and self._events:
             body = b"," + body
         tail = self._tail(cut_short)
