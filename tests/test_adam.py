@@ -11,7 +11,7 @@ import textwrap
 import warnings
 
 import pytest
-import roundpipe.optim as rp_optim
+import roundpipe.optim.adam as rp_optim
 import torch
 from roundpipe import _C
 from roundpipe.optim import Adam

@@ -58,8 +58,8 @@ def casts(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
 def test_adam_reads_bf16_gradients_from_the_arena_without_casting(
     num_devices: int, casts: list[torch.dtype], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spy = _Spy(roundpipe.optim._C)
-    monkeypatch.setattr(roundpipe.optim, "_C", spy)
+    spy = _Spy(roundpipe.optim.adam._C)
+    monkeypatch.setattr(roundpipe.optim.adam, "_C", spy)
     reference = mlp(torch.bfloat16)
     model = RoundPipe(copy.deepcopy(reference), optim_dtype=torch.float32)
     ours = roundpipe.optim.Adam(model.optim_parameters(), lr=0.01)

@@ -301,7 +301,9 @@ def test_0_1_1_names_are_importable() -> None:
 
     from roundpipe.device import get_num_devices
     from roundpipe.models import SUPPORTED_MODELS
+    from roundpipe.optim.adam import Adam as AdamAtItsModule
 
+    assert AdamAtItsModule is Adam  # roundpipe.optim is a package, as in 0.1.1
     assert get_num_devices() == roundpipe.device_count()
     for class_name, module_path in SUPPORTED_MODELS.items():
         module = importlib.import_module(module_path, "roundpipe.models")
