@@ -18,8 +18,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 WIDTH, MICROBATCHES = 6, 2
-# Passes run on the calling thread only where torch has graph exec groups (see BackwardScope).
-RUNS_HERE = hasattr(torch._C, "_set_graph_exec_group")
+# Passes run on the calling thread only where torch has graph exec groups, on a torch release
+# they were checked on, and unless ROUNDPIPE_LOCAL_BACKWARD=0 (see BackwardScope).
+RUNS_HERE = _C.local_backward_enabled()
 
 
 def _loss(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
@@ -372,3 +373,29 @@ def test_an_error_in_a_pass_on_the_calling_thread_is_torchs_and_the_model_stays_
         assert isinstance(layer, _BreaksItsGraph)
         layer.breaks = False
     _train_and_compare(plain, wrapped, grain)
+
+
+def test_the_switch_sends_every_pass_to_the_engine() -> None:
+    # ROUNDPIPE_LOCAL_BACKWARD=0 (read at import) switches the calling-thread passes off; the
+    # training is then torch's engine's, and still plain PyTorch's numbers (checked above, and
+    # by the whole suite, which CI also runs that way).
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch, roundpipe
+from roundpipe._native import _C
+from torch import nn
+model = roundpipe.RoundPipe(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
+model.forward_backward(input_args=(torch.randn(4, 4),), label=torch.randn(4, 4),
+                       loss_fn=lambda o, y: ((o - y) ** 2).sum())
+print(_C.local_backward_enabled(), *_C.backward_counts())
+"""
+    env = {**os.environ, "ROUNDPIPE_LOCAL_BACKWARD": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    enabled, here, engine = done.stdout.split()
+    assert enabled == "False" and here == "0" and int(engine) > 0, done.stdout

@@ -14,10 +14,12 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -33,6 +35,15 @@ namespace ag = torch::autograd;
 
 std::atomic<std::int64_t> local_runs{0};
 std::atomic<std::int64_t> engine_runs{0};
+
+// The torch releases the passes on the calling thread were checked against (CI builds and tests
+// them); any other sends every pass to torch's engine, whose internals this file restates.
+constexpr bool kCheckedTorch =
+    TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 11 && TORCH_VERSION_MINOR <= 14;
+
+// Whether passes may run on the calling thread at all: a checked torch with graph exec groups,
+// and ROUNDPIPE_LOCAL_BACKWARD not "0" (read once, when the module loads).
+bool local_enabled = false;
 
 // The device every accelerator tensor of the graph lives on, and its current stream there:
 // InputBuffer then never synchronises two streams, and the engine's per-node stream guard and its
@@ -231,7 +242,7 @@ bool compiled_autograd_enabled() {
 
 BackwardScope::BackwardScope() {
   const GroupCalls& calls = *group_calls;
-  if (calls.set.is_none() || compiled_autograd_enabled()) return;
+  if (!local_enabled || compiled_autograd_enabled()) return;
   may_run_here_ = true;
   if (!calls.get().is_none()) return;  // the caller's group holds for the pass
   calls.set(calls.make());
@@ -290,6 +301,14 @@ void run_backward(const std::vector<at::Tensor>& roots, const std::vector<at::Te
 
 void bind_local_backward(py::module_& m) {
   group_calls = find_group_calls();
+  const char* switched = std::getenv("ROUNDPIPE_LOCAL_BACKWARD");
+  const bool switched_off = switched != nullptr && std::strcmp(switched, "0") == 0;
+  local_enabled = kCheckedTorch && !switched_off && !group_calls->set.is_none();
+  m.def(
+      "local_backward_enabled", [] { return local_enabled; },
+      "Whether backward passes of recomputed segments may run on the calling thread: a torch "
+      "release they were checked on (2.11 to 2.14) with graph exec groups, and "
+      "ROUNDPIPE_LOCAL_BACKWARD not 0 when roundpipe was imported; else torch's engine runs all.");
   m.def(
       "backward_counts",
       [] {
