@@ -644,16 +644,16 @@ class Recorder(nn.Module):
 def test_runtime_runs_stages_in_the_simulators_order(
     devices: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from roundpipe import _C, pipeline
+    from roundpipe import _C, stage
 
     roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
     log: list[tuple[int, int]] = []
     layers, microbatches = 5, 3
     model = RoundPipe(nn.Sequential(*[Recorder(i, log) for i in range(layers)]))
     assigned: list[int] = []
-    next_device = pipeline._next_device
+    next_device = stage.next_device
     monkeypatch.setattr(
-        pipeline, "_next_device", lambda: assigned.append(next_device()) or assigned[-1]
+        stage, "next_device", lambda: assigned.append(next_device()) or assigned[-1]
     )
     plan = make_plan([range(i, i + 1) for i in range(layers)], [])
     with torch.no_grad():

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
-import itertools
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -29,536 +28,41 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from roundpipe import context
 from roundpipe._native import _C
-from roundpipe.context import annotate, run_param_hooks
-from roundpipe.device import device_at, device_count, devices
+from roundpipe.context import annotate
+from roundpipe.device import device_at, devices
 from roundpipe.memory import ModelMemory
 from roundpipe.scheduler import ModelExecutePlan, RunType
-from roundpipe.tracing import StageTrace, stage_trace
+from roundpipe.stage import (
+    ParamHooks,
+    ResidentStage,
+    Stage,
+    StageKind,
+    Uploads,
+    device_guard,
+    marked,
+    nvtx_enabled,
+)
+from roundpipe.transfers import (
+    detach_leaf,
+    flatten,
+    on_cuda,
+    to_device,
+    to_host,
+    to_output_device,
+    unflatten,
+    unshared,
+    writable,
+)
 
 if TYPE_CHECKING:
     from roundpipe.distributed import DataParallel
     from roundpipe.timer import Action, ModelTimer
 
 Phase = Literal["forward", "recompute", "backward", "loss"]
-StageKind = Literal["forward", "fused", "backward"]
-# How the hooks registered on trained parameters (``param.register_hook``) run in a stage.
-# "shared": the device copies share them, so the engine runs them per backward pass of each
-# microbatch (forward_backward, plain PyTorch's per-microbatch loop). "on_sums": once, on the
-# stage's sum over the microbatches (the backward of a forward(), one pass over them all:
-# :meth:`ResidentStage.run_hooks_on_sums`). "later": not in the stage; the gradients are summed
-# over the backward pass (it goes through several forward() calls, or a tied weight has hooks),
-# whose end runs them on the sums (roundpipe.gradients.GradientState.accumulating_in_pass).
-ParamHooks = Literal["shared", "on_sums", "later"]
-
-_round_robin = itertools.count()
-
-
-def _next_device() -> int:
-    """The device of the next stage: round-robin over the pool, across calls and models."""
-    return next(_round_robin) % device_count()
-
-
-# --------------------------------------------------------------------------------------------
-# Transfers
-# --------------------------------------------------------------------------------------------
-
-
-def _on_cuda() -> bool:
-    return _C.device_kind() == "cuda"
-
-
-def to_device(tree: Any, device_index: int, after: Any = None) -> Any:
-    """``tree`` with its tensors on device ``device_index`` (identity on virtual CPU devices).
-
-    On CUDA the copies run on the activation lane and the device's current stream is made to wait
-    for them. A copy from another device follows what was issued there so far; a copy from the
-    host follows ``after`` (the event of the copy that filled that host memory, if any).
-    """
-    if not _on_cuda():
-        return tree
-    device = device_at(device_index)
-    copies: list[Any] = []
-
-    def move(leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor) or leaf.device == device:
-            return leaf
-        moved = _C.empty_placed(leaf, device)
-        wants_grad = leaf.requires_grad  # an activation of a forward in grad mode: so is its copy
-        source_ready = _C.record_event(leaf.device.index) if leaf.is_cuda else after
-        leaf = leaf.detach()
-        if not leaf.is_cuda and not leaf.is_pinned():
-            # A pageable source would make the copy synchronous with the host (the driver stages
-            # it on the calling thread); torch's host allocator keeps this one until it ran.
-            leaf = leaf.pin_memory()
-        copies.append(_C.copy_async(device_index, moved, leaf, "activation", source_ready))
-        return _C.graph_cut(moved.detach().requires_grad_()) if wants_grad else moved
-
-    moved_tree = tree_map(move, tree)
-    # Every copy, not only the last: a copy whose `after` is still running on the host is issued
-    # later by the engine's worker, out of order with the others.
-    for copied in copies:
-        copied.block_current_stream(device_index)
-    return moved_tree
-
-
-def to_host(tree: Any, device_index: int) -> tuple[Any, Any]:
-    """``tree`` with its tensors copied to (pinned) host memory, and the one event of the copies.
-
-    The copies run on device ``device_index``'s activation lane after what was issued there so
-    far; a leaf on another device first moves to ``device_index`` (ordered by PyTorch on both
-    devices' current streams), so the event covers every leaf. Identity with no event on virtual
-    CPU devices (detached, since host copies never carry a graph)."""
-    if not _on_cuda():
-        leaves, spec = _flatten(tree)
-        return _unflatten([_detach_leaf(leaf) for leaf in leaves], spec), None
-    device = device_at(device_index)
-
-    def gather(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.is_cuda and leaf.device != device:
-            return leaf.detach().to(device, non_blocking=True)
-        return leaf
-
-    tree = tree_map(gather, tree)
-    after = _C.record_event(device_index)
-    last: list[Any] = [None]
-
-    def move(leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor) or not leaf.is_cuda:
-            return leaf
-        host = torch.empty(leaf.shape, dtype=leaf.dtype, pin_memory=True)
-        # One lane, issued in order (`after` is a device event, so none is deferred): the last
-        # copy's event covers all of them.
-        last[0] = _C.copy_async(device_index, host, leaf.detach(), "activation", after)
-        return host
-
-    return tree_map(move, tree), last[0]
-
-
-def _to_output_device(values: list[Any], device: torch.device) -> tuple[list[Any], list[Any]]:
-    """Per-microbatch ``values`` moved to the call's ``output_device``, and the event of each
-    one's copies (None when nothing is left in flight)."""
-    moved, events = [], []
-    for value in values:
-        if device.type == "cpu":
-            value, event = to_host(value, _device_of(value))
-        else:
-            value, event = (
-                tree_map(
-                    lambda t: (
-                        t.detach().to(device, non_blocking=True)
-                        if isinstance(t, torch.Tensor)
-                        else t
-                    ),
-                    value,
-                ),
-                None,
-            )
-        moved.append(value)
-        events.append(event)
-    return moved, events
-
-
-def _device_of(value: Any) -> int:
-    for leaf in tree_flatten(value)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
-            return leaf.device.index
-    return 0
-
-
-# --------------------------------------------------------------------------------------------
-# NVTX ranges (docs/profiling.md)
-# --------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _nvtx_usable() -> bool:
-    """Whether this torch can emit NVTX ranges (a CUDA build)."""
-    try:
-        torch.cuda.nvtx.range_push("roundpipe")  # type: ignore[no-untyped-call]
-        torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
-    except (RuntimeError, AttributeError):
-        return False
-    return True
-
-
-def _nvtx_enabled() -> bool:
-    """Whether a call marks NVTX ranges: on CUDA devices, where a profiler may record them (with
-    none attached a range costs next to nothing); never on virtual CPU devices."""
-    return _on_cuda() and _nvtx_usable()
-
-
-@contextmanager
-def _nvtx_range(name: str) -> Iterator[None]:
-    torch.cuda.nvtx.range_push(name)  # type: ignore[no-untyped-call]
-    try:
-        yield
-    finally:
-        torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
-
-
-def _marked(
-    model: str | None, kind: str, layers: range, microbatch: int | None = None
-) -> AbstractContextManager[Any]:
-    """The NVTX range ``roundpipe/<model>/<kind>/L<first>[-<last>][/mb<microbatch>]``; nothing
-    when ``model`` is None (ranges off)."""
-    if model is None:
-        return nullcontext()
-    label = f"L{layers.start}" if len(layers) == 1 else f"L{layers.start}-{layers.stop - 1}"
-    name = f"roundpipe/{model}/{kind}/{label}"
-    return _nvtx_range(name if microbatch is None else f"{name}/mb{microbatch}")
-
-
-# --------------------------------------------------------------------------------------------
-# Stage residency
-# --------------------------------------------------------------------------------------------
-
-
-def _device_guard(device: torch.device) -> AbstractContextManager[Any]:
-    """``device`` made the current CUDA device (for code that launches on the current device:
-    Triton kernels, ``device="cuda"`` factories, ``torch.cuda.current_stream()``)."""
-    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
-
-
-def _buffer_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A working copy of a module buffer on ``device``. On CUDA it goes through page-locked
-    memory, so the upload is asynchronous on the current stream (torch's host allocator keeps
-    that memory until the copy ran)."""
-    if device.type != "cuda":
-        return host.clone()
-    staging = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-    staging.copy_(host)
-    return staging.to(device, non_blocking=True)
-
-
-class ResidentStage:
-    """A stage's parameters (and gradient buffer, for backward) resident on one device.
-
-    On a virtual CPU device the stage computes in host memory anyway, so frozen parameters (see
-    :attr:`ParamSlot.frozen`: nothing of RoundPipe writes them) are bound as they are, as plain
-    PyTorch computes with them, instead of being copied into the stage's buffer: a frozen base
-    model (LoRA) then costs no stage memory at all. Parameters that train are copied: the weight
-    writer may be writing the next step's values into the arena while the stage computes.
-
-    A backward stage's gradient buffer starts from zero, or, with ``grads_from_arena``, from the
-    gradients that earlier calls accumulated in the host arena, which its download then replaces:
-    each microbatch's gradients are then added to them in turn, as plain PyTorch adds each
-    backward's into ``.grad`` (adding the call's sum instead would round differently).
-
-    ``model``: the model's name, for errors; ``nvtx_model``: the model's name when its upload
-    and download are marked as NVTX ranges. ``hooks``: how the hooks registered on trained
-    parameters run (:data:`ParamHooks`). ``grad_arena``: the host arena the gradients go to (None:
-    the model's)."""
-
-    buffer: torch.Tensor  # the parameters, as laid out in the arena
-    uploaded: Any  # the event of the upload
-    views: list[torch.Tensor]  # one per parameter, in the arena's order
-    grad_buffer: torch.Tensor | None  # backward stages: the gradients, as laid out in the arena
-    reach: Any  # backward stages: which trained parameters a backward reached (_C.GradReach)
-
-    def __init__(
-        self,
-        memory: ModelMemory,
-        layers: range,
-        device_index: int,
-        with_grads: bool,
-        model: str,
-        nvtx_model: str | None = None,
-        grads_from_arena: bool = False,
-        hooks: ParamHooks = "shared",
-        grad_arena: torch.Tensor | None = None,
-    ) -> None:
-        self.memory, self.layers, self.device_index = memory, layers, device_index
-        self.model, self.nvtx_model = model, nvtx_model
-        self.grads_from_arena = grads_from_arena and with_grads
-        self.hooks, self.grad_arena = hooks, grad_arena
-        self.trace: StageTrace | None = None  # set while a timeline trace is recorded
-        self.layout = layout = memory.stage_layout(layers)
-        device = device_at(device_index)
-        in_host = device.type == "cpu"
-        # On a virtual CPU device the frozen parameters are bound in host memory: their pages of
-        # the buffer are never written, so they cost no memory.
-        frozen = layout.frozen() if in_host else ()
-        fence = memory.fence(layers)
-        with _marked(nvtx_model, "upload", layers):
-            # One native call: the buffers, the copies of the stage's byte runs of the arena (in
-            # order on the parameter lane: the last one's event covers the stage), the
-            # parameters' views and the gradient views attached to those that train. The views
-            # require grad as the parameters do, also in forward stages (run without grad): a
-            # layer that checks `p.requires_grad` sees what it would see on the parameter itself.
-            # With gradients also which trained parameters a backward reaches (see
-            # reached_params).
-            self.buffer, uploaded, self.views, self.grad_buffer, self.reach = _C.upload_stage(
-                device_index,
-                device,
-                memory.params,
-                layout.param_begin,
-                layout.param_end,
-                layout.param_runs(frozen) if memory.params is not None else [],
-                fence,
-                layout.offsets,
-                layout.params,
-                with_grads,
-                layout.grad_begin,
-                layout.grad_end,
-                layout.grad_offsets,
-                layout.trained,
-                self._grad_arena() if self.grads_from_arena else None,
-            )
-            self.uploaded = uploaded if uploaded is not None else self._upload_sources(fence)
-        if with_grads:
-            self._forward_tensor_hooks(share=hooks == "shared")
-        # The frozen parameters bound in host memory, each a `.data` alias with a version counter
-        # of its own, so an in-place change by the layer shows (see `bound`): (slot index, the
-        # tensor bound).
-        self.in_host: list[tuple[int, torch.Tensor]] = []
-        for i in frozen:
-            self.views[i] = layout.params[i].data
-            self.in_host.append((i, self.views[i]))
-
-    def _forward_tensor_hooks(self, share: bool) -> None:
-        """Hooks registered on a trained parameter (``param.register_hook``) run on the
-        gradients its device copy receives, as they would on the parameter's own: with
-        ``share``, the copy shares the parameter's hook dictionary (hooks added later apply
-        too), else they run on sums (see :data:`ParamHooks`). A hook run after accumulation
-        (``register_post_accumulate_grad_hook``) is passed the tensor whose ``.grad`` was
-        accumulated, which here is not the parameter: refused. So are shared hooks of a
-        parameter that several layers use (tied weights): each use's copy would run them on its
-        part of the gradient, where plain PyTorch runs them once, on the sum."""
-        params, views = self.layout.params, self.views
-        for i in self.layout.trained:
-            param = params[i]
-            if param._post_accumulate_grad_hooks:
-                owner, attribute = self.layout.slots[i].owners[0]
-                raise RuntimeError(
-                    f"RoundPipe model '{self.model}': parameter {attribute} of layer "
-                    f"{self.layout.layer_of[i]} ({type(owner).__name__}) has a hook registered "
-                    "with register_post_accumulate_grad_hook, which RoundPipe cannot run (its "
-                    "gradients accumulate in a device copy, then in host memory); remove it "
-                    "and act on the gradients in step_fn"
-                )
-            hooks = param._backward_hooks
-            if hooks and self.layout.slots[i].borrowed:
-                _, module, name = self._param_name(i)
-                raise RuntimeError(
-                    f"RoundPipe model '{self.model}': parameter '{name}' of layer "
-                    f"{self.layout.layer_of[i]} ({type(module).__name__}) is shared with "
-                    "another RoundPipe part and has a hook registered with register_hook, "
-                    "which would run on each part's share of its gradient instead of once on "
-                    "the sum; remove the hook and act on the gradient in step_fn"
-                )
-            if hooks and share and id(param) in self.memory.tied:
-                _, module, name = self._param_name(i)
-                raise RuntimeError(
-                    f"RoundPipe model '{self.model}': parameter '{name}' of layer "
-                    f"{self.layout.layer_of[i]} ({type(module).__name__}) is used by several "
-                    "layers and has a hook registered with register_hook: forward_backward "
-                    "computes each use's gradient in its own stage, so the hook would run on "
-                    "each part instead of once on their sum. Call the model and backward() "
-                    "instead (one pass, which runs it on the sum), or act on the gradient in "
-                    "step_fn"
-                )
-            if hooks and share:
-                views[i]._backward_hooks = hooks
-
-    def run_hooks_on_sums(self) -> None:
-        """Run the hooks of each trained parameter this stage's backward reached on its
-        gradient, the sum over the microbatches (the backward of a ``forward()`` is one pass
-        over them all, in which plain PyTorch runs a parameter's hooks once, on its whole
-        gradient); what a hook returns replaces it. Nothing for other stages: their copies
-        share the hooks, or the end of the backward pass runs them (see :data:`ParamHooks`).
-        The hooks run with the stage's device current, as its backward did."""
-        if self.hooks != "on_sums":
-            return
-        with _device_guard(device_at(self.device_index)):
-            self._run_hooks_on_sums()
-
-    def _run_hooks_on_sums(self) -> None:
-        layout = self.layout
-        for j in self.reach.reached():
-            i = layout.trained[j]
-            param, grad = layout.params[i], self.views[i].grad
-            if not param._backward_hooks or grad is None:
-                continue
-            try:
-                result = run_param_hooks(param, grad)
-            except Exception as error:
-                index, module, name = self._param_name(i)
-                where = (
-                    f"RoundPipe model '{self.model}': a hook of parameter '{name}' of layer "
-                    f"{index} ({type(module).__name__})"
-                )
-                raise annotate(error, where) from error
-            if result is not grad:
-                with torch.no_grad():
-                    grad.copy_(result)
-
-    def reached_params(self) -> list[int]:
-        """``id`` of each trained parameter whose copy here received a gradient."""
-        layout = self.layout
-        return [id(layout.params[layout.trained[j]]) for j in self.reach.reached()]
-
-    def _upload_sources(self, fence: Any) -> Any:
-        """Without a parameter arena: each parameter copied into the buffer from its own storage
-        (frozen ones too on CUDA; on a virtual CPU device those are bound in place); returns the
-        event of the last copy."""
-        begin, memory, device_index = self.layout.param_begin, self.memory, self.device_index
-        if self.buffer.is_cuda:
-            # Pageable sources: the engine's worker stages them through its page-locked bounce
-            # buffers, so this thread goes on issuing compute meanwhile.
-            sources = memory.param_sources(self.layers, skip_frozen=False)
-            targets = [self.buffer[o - begin : o - begin + s.numel()] for o, s in sources]
-            return _C.upload_pageable(
-                device_index, targets, [source for _, source in sources], fence
-            )
-        # One copy per parameter, in order on the parameter lane as from the arena.
-        uploaded = _C.record_event(device_index)
-        for offset, source in memory.param_sources(self.layers, skip_frozen=True):
-            target = self.buffer[offset - begin : offset - begin + source.numel()]
-            uploaded = _C.copy_async(device_index, target, source, "parameter", fence)
-        return uploaded
-
-    @contextmanager
-    def bound(self, keep_buffer_updates: bool, recomputed: bool) -> Iterator[None]:
-        """Bind the layers' modules to the device copies while the stage computes, with the
-        stage's device as the current CUDA device.
-
-        ``recomputed``: the stage is a recompute, or a forward whose layers backward will
-        recompute. A layer that then changes a frozen parameter bound in host memory in place
-        would change it twice where plain PyTorch changes it once (a copy would lose the change
-        instead): that is a ``RuntimeError`` at the end of the stage, naming layer and
-        parameter. Without recompute (inference, the fused stage) the change stays, as in plain
-        PyTorch.
-
-        Buffers (BatchNorm statistics) are bound to device copies too, made from their host
-        values after the buffer writes of earlier stages settled; with ``keep_buffer_updates``
-        (forward passes) their new values are queued for writing back to the host buffers (see
-        :meth:`ModelMemory.defer_buffer_write`; on CUDA the download is asynchronous), otherwise
-        (recompute) they are dropped.
-        """
-        trace = self.trace
-        device = device_at(self.device_index)
-        memory = self.memory
-        memory.settle_buffers(self.layers)
-        bound_buffers: list[tuple[int, torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
-        with _device_guard(device):
-            start = trace.mark() if trace is not None else None
-            self.uploaded.block_current_stream(self.device_index)
-            if trace is not None:
-                trace.span("wait", start)
-            layout, views = self.layout, self.views
-            owners = layout.owner_modules, layout.owner_names
-            # The device copies (plain tensors) stand in for the parameters. What was bound
-            # before: the parameters, or an outer stage's copies when this stage is a nested
-            # call of the same model (an inference call inside loss_fn), whose stage must compute
-            # with its own copies again afterwards.
-            before = _C.rebind_parameters(*owners, [views[i] for i in layout.owner_slots])
-            try:
-                buffers = layout.buffer_layers, layout.buffer_modules, layout.buffer_names
-                for index, owner, name in zip(*buffers, strict=True):
-                    host = owner._buffers[name]
-                    assert host is not None
-                    working = _buffer_to_device(host, device)
-                    owner._buffers[name] = working
-                    bound_buffers.append((index, owner, name, host, working))
-                yield
-                self._check_parameters_unchanged(keep_buffer_updates, recomputed)
-                if keep_buffer_updates:
-                    # Every bound buffer, changed or not: an update through `.data` leaves no
-                    # trace in `_version`, and the download is asynchronous and small.
-                    for index, _, _, host, working in bound_buffers:
-                        memory.defer_buffer_write(index, host, *self._buffer_to_host(working))
-            finally:
-                _C.rebind_parameters(*owners, before)
-                for _, owner, name, host, _ in bound_buffers:
-                    owner._buffers[name] = host
-
-    def _check_parameters_unchanged(self, forward: bool, recomputed: bool) -> None:
-        """A layer that changed a parameter in place (``embedding_renorm_`` of an
-        ``nn.Embedding(max_norm=...)``, a weight scaled under ``no_grad``) would make the change
-        twice where it is recomputed (a frozen parameter bound in host memory) or lose it (a
-        device copy, which is not written back), where plain PyTorch makes it once and keeps
-        it: ``RuntimeError`` naming the layer and the parameter. Without recompute a frozen
-        parameter bound in host memory keeps the change, as in plain PyTorch."""
-        changed = _C.changed_in_place(self.views)
-        if not changed:  # nearly always: nothing more to look at
-            return
-        in_host = {i for i, _ in self.in_host}
-        for i in changed:
-            if i in in_host and not recomputed:
-                continue
-            index, module, name = self._param_name(i)
-            slot = self.layout.slots[i]
-            phase = "forward" if forward else "recompute"
-            kind = "trained" if slot.param.requires_grad else "frozen"
-            why = (
-                "backward recomputes the layer, so the change would be made twice where plain "
-                "PyTorch makes it once (the parameter already holds the changed value)"
-                if i in in_host
-                else "the layer computes with a device copy of it, whose changes are not kept "
-                "(plain PyTorch would keep the change)"
-            )
-            raise RuntimeError(
-                f"RoundPipe model '{self.model}': layer {index} ({type(module).__name__}) changed "
-                f"its {kind} parameter '{name}' in place during {phase}; {why}. Keep state that "
-                "a layer's forward updates in a buffer (register_buffer: buffers advance once "
-                "per forward pass, recompute leaves them unchanged), or change the parameter "
-                "outside the layer's forward."
-            )
-
-    def _grad_arena(self) -> torch.Tensor:
-        """The host arena the gradients go to (and, with ``grads_from_arena``, start from)."""
-        return self.memory.grads if self.grad_arena is None else self.grad_arena
-
-    def _param_name(self, i: int) -> tuple[int, torch.nn.Module, str]:
-        """The layer index, the layer and the name in it of the stage's parameter ``i``."""
-        index, slot = self.layout.layer_of[i], self.layout.slots[i]
-        module = self.memory.layers[index].module
-        owner, attribute = slot.owners[0]
-        prefix = next(p for p, m in module.named_modules(remove_duplicate=False) if m is owner)
-        return index, module, f"{prefix}.{attribute}" if prefix else attribute
-
-    def _buffer_to_host(self, working: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """The host source of a buffer's write-back and the event after which it holds the
-        values (None: already there)."""
-        if not working.is_cuda:
-            return working, None
-        with torch.no_grad():
-            staging = torch.empty(working.shape, dtype=working.dtype, pin_memory=True)
-            staging.copy_(working, non_blocking=True)
-        return staging, _C.record_event(self.device_index)
-
-    def download_grads(self, only: Sequence[tuple[int, int]] | None = None) -> list[Any]:
-        """Accumulate this stage's device gradients into the host arena (``only``: just the
-        bytes in these disjoint, ordered ranges of the gradient arena), or copy them there when
-        the buffer started from the arena's; returns the events.
-
-        On CUDA the downloads go through the model's page-locked staging at the stage's own
-        offsets (see :meth:`ModelMemory.download_staging`)."""
-        assert self.grad_buffer is not None
-        staging = self.memory.download_staging() if self.grad_buffer.is_cuda else None
-        runs: Sequence[tuple[int, int, torch.dtype]] = self.layout.grad_runs
-        if only is not None:
-            clipped = [(max(b, lo), min(e, hi), t) for lo, hi in only for b, e, t in runs]
-            runs = sorted((b, e, t) for b, e, t in clipped if b < e)
-        with _marked(self.nvtx_model, "download", self.layers):
-            events = _C.download_grads(
-                self.device_index,
-                self._grad_arena(),
-                self.grad_buffer,
-                self.layout.grad_begin,
-                runs,
-                staging,
-                self.grads_from_arena,
-            )
-        if self.trace is not None and events:
-            self.trace.transfer("grad_download", "gradient download", events[-1])
-        return events
-
-
 # --------------------------------------------------------------------------------------------
 # One call
 # --------------------------------------------------------------------------------------------
@@ -652,14 +156,6 @@ def _full_collections() -> int:
     return _collections[0]
 
 
-@dataclass(frozen=True)
-class Stage:
-    """One stage of a call: what it runs (``kind``) over which layers."""
-
-    kind: StageKind
-    layers: range
-
-
 @dataclass
 class LossSpec:
     """The fused stage's loss: per-microbatch labels, the loss function, and whether the
@@ -670,20 +166,6 @@ class LossSpec:
     keep_outputs: bool
 
 
-def _flatten(tree: Any) -> tuple[list[Any], Any]:
-    """``tree_flatten``, with a lone plain tensor (what passes between layers nearly always) taken
-    as its own leaf without pytree's type dispatch, which costs about a microsecond a call on the
-    per layer x microbatch path of layer-grain recompute. Rebuild with :func:`_unflatten`."""
-    if type(tree) is torch.Tensor:
-        return [tree], None
-    return tree_flatten(tree)
-
-
-def _unflatten(leaves: list[Any], spec: Any) -> Any:
-    """The tree of ``leaves`` for a ``spec`` of :func:`_flatten`."""
-    return leaves[0] if spec is None else tree_unflatten(leaves, spec)
-
-
 def _grads_of(tree: Any) -> list[torch.Tensor | None]:
     """Gradients of ``tree``'s leaves in ``tree_flatten`` order, None where a leaf got none.
 
@@ -691,7 +173,7 @@ def _grads_of(tree: Any) -> list[torch.Tensor | None]:
     ``ModelOutput``) drop ``None`` fields when rebuilt, which would misalign the leaves."""
     return [
         leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
-        for leaf in _flatten(tree)[0]
+        for leaf in flatten(tree)[0]
     ]
 
 
@@ -699,7 +181,7 @@ def _backward(outputs: Any, grads: Sequence[torch.Tensor | None]) -> None:
     """Backpropagate ``grads`` (one per leaf of ``outputs``, None where absent)."""
     pairs = [
         (o, g)
-        for o, g in zip(_flatten(outputs)[0], grads, strict=True)
+        for o, g in zip(flatten(outputs)[0], grads, strict=True)
         if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
     ]
     if pairs:
@@ -754,8 +236,8 @@ class Call:
     outputs: list[Any] = field(default_factory=list)
     output_events: list[Any] = field(default_factory=list)
     # Whether this call marks NVTX ranges and runs on CUDA devices (decided once per call).
-    nvtx: bool = field(init=False, default_factory=_nvtx_enabled)
-    on_cuda: bool = field(init=False, default_factory=_on_cuda)
+    nvtx: bool = field(init=False, default_factory=nvtx_enabled)
+    on_cuda: bool = field(init=False, default_factory=on_cuda)
     # Whether the data-parallel ranks agreed on this call's backward stages (stage reduces).
     reduce_agreed: bool = field(init=False, default=False)
     # Whether the host arena holds gradients of earlier calls when this call's backward stages
@@ -806,7 +288,7 @@ class Call:
         if self.saving:
             for m, value in enumerate(outputs):
                 self._check_output(m, value)
-        return _to_output_device(outputs, output_device)
+        return to_output_device(outputs, output_device)
 
     def backward(self, grads: list[Any]) -> list[Any]:
         """Recompute + backward stages from the output gradients (one list of leaf gradients per
@@ -825,7 +307,7 @@ class Call:
             + [Stage("backward", layers) for layers in self.plan.bwd_plan[1:]]
         )
         grads = self.run(stages, inputs, loss)
-        self.outputs, self.output_events = _to_output_device(self.outputs, output_device)
+        self.outputs, self.output_events = to_output_device(self.outputs, output_device)
         return grads
 
     def run(
@@ -852,7 +334,7 @@ class Call:
         hooks: ParamHooks = "shared"
         if not passes:  # the backward of a forward(): one pass
             hooks = "on_sums" if self.pass_arena is None else "later"
-        uploads = _Uploads(
+        uploads = Uploads(
             memory, stages, self.runner.name, self.nvtx, from_arena, hooks, self.pass_arena
         )
         with _rng_scope(), uploads:
@@ -929,10 +411,10 @@ class Call:
     def _mark(
         self, kind: str, layers: range, microbatch: int | None = None
     ) -> AbstractContextManager[Any]:
-        """The NVTX range of ``kind`` over ``layers`` (see :func:`_marked`) if the call marks."""
+        """The NVTX range of ``kind`` over ``layers`` (see :func:`marked`) if the call marks."""
         if not self.nvtx:
             return _NO_RANGE
-        return _marked(self.runner.name, kind, layers, microbatch)
+        return marked(self.runner.name, kind, layers, microbatch)
 
     def _model_input(self, microbatch: int, value: Any, device_index: int) -> Any:
         """Microbatch ``microbatch`` of the call's inputs on the device, once the upstream
@@ -998,7 +480,7 @@ class Call:
         if stage.layers.start == 0:
             moved = self._model_input(microbatch, value, stage.device_index)
             if self.saving and 0 in self.backward_starts:
-                self.saved_inputs[(0, microbatch)] = (_unshared(value, moved), None)
+                self.saved_inputs[(0, microbatch)] = (unshared(value, moved), None)
             return moved
         with self._mark("activation", stage.layers[:1], microbatch):
             return to_device(value, stage.device_index)
@@ -1008,10 +490,10 @@ class Call:
         the layer does to its input), with the event of its copy (None: already there)."""
         with self._mark("activation", range(layer, layer + 1), microbatch):
             host, event = to_host(value, stage.device_index)
-        saved = _unshared(host, value)
+        saved = unshared(host, value)
         # Leaves requiring grad as the input's did: so do the recompute's (see
         # _differentiable_input).
-        for kept, leaf in zip(_flatten(saved)[0], _flatten(value)[0], strict=True):
+        for kept, leaf in zip(flatten(saved)[0], flatten(value)[0], strict=True):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad and not kept.requires_grad:
                 kept.requires_grad_(True)
         if event is not None:
@@ -1043,7 +525,7 @@ class Call:
                 start_mark = trace.mark() if trace is not None else None
                 first, device = stage.layers.start, stage.device_index
                 inputs = self._differentiable_input(first, m, value, device)
-                result = run(stage.layers, m, _writable(inputs))
+                result = run(stage.layers, m, writable(inputs))
                 label = to_device(loss_spec.labels[m], stage.device_index)
                 try:
                     loss = loss_spec.loss_fn(result, label)
@@ -1066,7 +548,7 @@ class Call:
                 run.clock.stop(start, stage.layers, "bwd")
                 self.losses.append(tree_map(lambda t: t.detach(), loss))
                 if loss_spec.keep_outputs:
-                    self.outputs.append(tree_map(_detach_leaf, result))
+                    self.outputs.append(tree_map(detach_leaf, result))
                 grads.append(_grads_of(inputs))
                 if trace is not None:
                     trace.span("fused", start_mark, m)
@@ -1140,7 +622,7 @@ class Call:
                 backward = self.plan.bwd_plan
                 dp.agree_on_call(backward, device)
                 self.reduce_agreed = True
-            with _device_guard(device):
+            with device_guard(device):
                 first_byte, _ = self.runner.memory.grad_range(stage.layers)
                 own = dp.reduce_stage(stage.grad_buffer, first_byte, stage.layers, device)
         except Exception as error:
@@ -1163,7 +645,7 @@ class Call:
             layers.start, microbatch, saved, stage.device_index, landed
         )
         with torch.enable_grad():
-            result = run(layers, microbatch, _writable(inputs, saved))
+            result = run(layers, microbatch, writable(inputs, saved))
         if trace is not None:
             trace.span("recompute", mark, microbatch, layers)
             mark = trace.mark()
@@ -1263,7 +745,7 @@ class Call:
         held in an object torch's pytree does not know would hand backward() nothing to send
         back into the pipeline, and the layers' gradients would be lost without an error."""
         self._refuse_hidden_gradients(
-            _flatten(value)[0],
+            flatten(value)[0],
             requiring_grad=True,
             where=f"the output of layer {len(self.runner.layers) - 1} (microbatch {microbatch})",
             held="tensors that require grad",
@@ -1293,7 +775,7 @@ class Call:
         did (activations downstream of trained parameters; of the user's tensors, those that
         required grad), as in plain PyTorch. ``landed``: the event of the copy that put
         ``value`` in host memory, if any."""
-        leaves, spec = _flatten(value)
+        leaves, spec = flatten(value)
         wanted = [isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves]
         self._refuse_hidden_gradients(
             leaves,
@@ -1304,10 +786,10 @@ class Call:
             instead="pass",
         )
         if layer == 0:
-            moved, _ = _flatten(self._model_input(microbatch, value, device_index))
+            moved, _ = flatten(self._model_input(microbatch, value, device_index))
         else:
             with self._mark("activation", range(layer, layer + 1), microbatch):
-                moved, _ = _flatten(to_device(value, device_index, landed))
+                moved, _ = flatten(to_device(value, device_index, landed))
         fresh = []
         for leaf, wants_grad in zip(moved, wanted, strict=True):
             if isinstance(leaf, torch.Tensor):
@@ -1315,7 +797,7 @@ class Call:
                 if wants_grad and (leaf.is_floating_point() or leaf.is_complex()):
                     leaf.requires_grad_(True)
             fresh.append(leaf)
-        return _unflatten(fresh, spec)
+        return unflatten(fresh, spec)
 
 
 def _hides_gradients(leaf: Any, requiring_grad: bool, seen: set[int] | None = None) -> bool:
@@ -1482,10 +964,6 @@ def _check_loss(loss: Any, name: str, microbatch: int) -> None:
             )
 
 
-def _detach_leaf(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
-
-
 def _cut_graphs(tree: Any) -> Any:
     """``tree`` with its tensors cut from their graphs (``_C.graph_cut``)."""
     return tree_map(lambda t: _C.graph_cut(t) if isinstance(t, torch.Tensor) else t, tree)
@@ -1527,7 +1005,7 @@ def _rng_scope() -> Iterator[None]:
     """Restore the generators the layers reseed, so the user's random stream after a call does not
     depend on which layer ran last (that is, on the plan)."""
     cpu = torch.get_rng_state()
-    gpus = torch.cuda.get_rng_state_all() if _on_cuda() else None
+    gpus = torch.cuda.get_rng_state_all() if on_cuda() else None
     try:
         yield
     finally:
@@ -1536,219 +1014,4 @@ def _rng_scope() -> Iterator[None]:
             torch.cuda.set_rng_state_all(gpus)
 
 
-# --------------------------------------------------------------------------------------------
-# Aliasing
-# --------------------------------------------------------------------------------------------
-
-
-def _shares_memory(a: Any, b: Any) -> bool:
-    return (
-        isinstance(a, torch.Tensor)
-        and isinstance(b, torch.Tensor)
-        and a.device == b.device
-        and a.numel() > 0
-        and a.data_ptr() == b.data_ptr()
-    )
-
-
-def _span(tensor: torch.Tensor) -> int:
-    """Elements of storage from ``tensor``'s first to its last, inclusive."""
-    if tensor.numel() == 0:
-        return 0
-    return 1 + sum(
-        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-    )
-
-
-def _copies(leaves: list[Any], chosen: list[bool], differentiable: bool) -> list[Any]:
-    """``leaves`` with copies of the chosen tensors, each laid out and placed as its original
-    (``_C.empty_placed``). Chosen tensors that share memory are copied together, into one
-    buffer, as views of it: they share the copy's memory as they shared theirs, so a layer that
-    changes one in place changes the others, as in plain PyTorch (a layer returning ``(h, h)``,
-    ``(h, h[:, :4])`` or ``(h, h.view(torch.int32))``). ``differentiable``: the copies carry
-    gradients back to the originals, else they are plain copies that autograd does not know
-    of."""
-    groups: dict[tuple[torch.device, int], list[int]] = {}
-    for i, (leaf, wanted) in enumerate(zip(leaves, chosen, strict=True)):
-        if not (wanted and isinstance(leaf, torch.Tensor)):
-            continue
-        memory = leaf.untyped_storage().data_ptr() if leaf.numel() > 0 else -i - 1
-        groups.setdefault((leaf.device, memory), []).append(i)
-    copies = list(leaves)
-    for members in groups.values():
-        if len(members) == 1:
-            leaf = leaves[members[0]]
-            copies[members[0]] = (
-                _C.empty_placed(leaf, leaf.device).copy_(leaf)
-                if differentiable
-                else _C.plain_copy(leaf)
-            )
-        else:
-            for i, copy in zip(
-                members, _copied_together([leaves[i] for i in members], differentiable), strict=True
-            ):
-                copies[i] = copy
-    return copies
-
-
-def _copied_together(tensors: list[torch.Tensor], differentiable: bool) -> list[torch.Tensor]:
-    """Copies of ``tensors`` (one storage) as views of one buffer, laid out as they are in it.
-
-    The bytes from the first tensor's to the end of the last one's are copied at once. With
-    ``differentiable``, the tensors that require grad (of one dtype) are views of one typed
-    base whose history leads back to them; the others are plain views of the same memory."""
-    starts = [int(t.storage_offset()) * t.element_size() for t in tensors]
-    first = min(starts)
-    stop = max(s + _span(t) * t.element_size() for s, t in zip(starts, tensors, strict=True))
-    source = tensors[0]
-    region = torch.empty(0, dtype=torch.uint8, device=source.device)
-    region.set_(source.untyped_storage(), first, (stop - first,), (1,))
-    buffer = _C.empty_placed(region, region.device)
-    with torch.no_grad():
-        buffer.copy_(region)
-    storage, skew = buffer.untyped_storage(), buffer.storage_offset() - first
-
-    def on_buffer(t: torch.Tensor, start: int) -> torch.Tensor:
-        view = torch.empty(0, dtype=t.dtype, device=t.device)
-        return view.set_(storage, (skew + start) // t.element_size(), t.shape, t.stride())
-
-    copies = [on_buffer(t, start) for t, start in zip(tensors, starts, strict=True)]
-    graded = [i for i, t in enumerate(tensors) if differentiable and t.requires_grad]
-    if not graded:
-        return copies
-    dtypes = {tensors[i].dtype for i in graded}
-    if len(dtypes) > 1:
-        raise ValueError(
-            "tensors of different dtypes that require grad share memory in a layer's input "
-            f"({', '.join(str(d) for d in sorted(dtypes, key=str))}); RoundPipe cannot keep "
-            "them shared through the recompute: pass one of them and view it in the layer"
-        )
-    dtype = dtypes.pop()
-    item = torch.empty(0, dtype=dtype).element_size()
-    base = torch.empty(0, dtype=dtype, device=source.device)
-    base.set_(storage, 0, (storage.nbytes() // item,), (1,))
-
-    def on_base(i: int) -> torch.Tensor:
-        t = tensors[i]
-        return base.as_strided(t.shape, t.stride(), (skew + starts[i]) // item)
-
-    for i in graded:
-        target, value = on_base(i), tensors[i]
-        # The bytes are there already: the copy gives the base its history. An expanded
-        # tensor (stride 0) is written through one element of each repeated dimension.
-        for dim in range(value.dim()):
-            if value.stride(dim) == 0 and value.size(dim) > 1:
-                target, value = target.narrow(dim, 0, 1), value.narrow(dim, 0, 1)
-        target.copy_(value)
-    for i in graded:
-        copies[i] = on_base(i)
-    return copies
-
-
-def _unshared(saved: Any, passed: Any) -> Any:
-    """``saved`` with a private copy of every tensor that is also ``passed`` to a layer (virtual
-    CPU devices, or inputs already on the device): whatever the layer does to its input, the
-    recompute must see what the forward saw. Copies are laid out, placed and aliased as their
-    originals (:func:`_copies`), so that the recompute computes and rounds as the forward did."""
-    saved_leaves, spec = _flatten(saved)
-    passed_leaves, _ = _flatten(passed)
-    chosen = [_shares_memory(a, b) for a, b in zip(saved_leaves, passed_leaves, strict=True)]
-    copies = _copies(saved_leaves, chosen, differentiable=False)
-    for i, wanted in enumerate(chosen):
-        if wanted and saved_leaves[i].requires_grad:
-            copies[i].requires_grad_(True)
-    return _unflatten(copies, spec)
-
-
-def _writable(inputs: Any, saved: Any = None) -> Any:
-    """What the first layer of a fused or recomputed stage receives: ``inputs`` with copies of
-    the leaves that require grad (so an in-place first layer, ``ReLU(inplace=True)``, does not
-    modify an autograd leaf; gradients still reach the leaves) and of those sharing memory with
-    ``saved`` (a second backward with ``retain_graph`` recomputes from it again). Copies are
-    laid out, placed and aliased as the leaves (:func:`_copies`)."""
-    leaves, spec = _flatten(inputs)
-    saved_leaves = _flatten(saved)[0] if saved is not None else [None] * len(leaves)
-    chosen = [
-        isinstance(leaf, torch.Tensor) and (leaf.requires_grad or _shares_memory(leaf, kept))
-        for leaf, kept in zip(leaves, saved_leaves, strict=True)
-    ]
-    if not any(chosen):
-        return inputs
-    return _unflatten(_copies(leaves, chosen, differentiable=True), spec)
-
-
-# --------------------------------------------------------------------------------------------
-# Stage uploads
-# --------------------------------------------------------------------------------------------
-
-
-class _Uploads:
-    """The stages of one run made resident in order, each next one's upload issued before the
-    current one computes; on exit every upload issued has landed (those of stages already run
-    too: on several devices, or behind a deferred copy, the last one's landing does not imply
-    theirs, and the host arena must not change or go away while one still reads it)."""
-
-    def __init__(
-        self,
-        memory: ModelMemory,
-        stages: Sequence[Stage],
-        model: str,
-        nvtx: bool,
-        grads_from_arena: bool,
-        hooks: ParamHooks,
-        grad_arena: torch.Tensor | None,
-    ) -> None:
-        self.memory, self.stages, self.model = memory, stages, model
-        self.nvtx_model = model if nvtx else None
-        self.grads_from_arena, self.hooks, self.grad_arena = grads_from_arena, hooks, grad_arena
-        self.issued: list[ResidentStage] = []
-        self.uploads: list[Any] = []
-        self.index = 0
-
-    def __enter__(self) -> _Uploads:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for uploaded in self.uploads:
-            uploaded.synchronize()
-
-    def _upload(self, index: int) -> None:
-        stage = self.stages[index]
-        resident = ResidentStage(
-            self.memory,
-            stage.layers,
-            _next_device(),
-            stage.kind != "forward",
-            self.model,
-            self.nvtx_model,
-            self.grads_from_arena,
-            self.hooks,
-            self.grad_arena,
-        )
-        resident.trace = stage_trace(self.model, resident.device_index, index, stage.layers)
-        if resident.trace is not None:
-            resident.trace.transfer("upload", "parameter upload", resident.uploaded)
-        self.issued.append(resident)
-        self.uploads.append(resident.uploaded)
-
-    def next(self) -> ResidentStage:
-        """The next stage, resident; issues the upload of the one after it."""
-        if self.index == 0 and self.stages:
-            self._upload(0)
-        if self.index > 0:
-            self.issued.pop(0)  # the previous stage is done with its upload
-        self.index += 1
-        if self.index < len(self.stages):
-            self._upload(self.index)
-        return self.issued[0]
-
-
-__all__ = [
-    "Call",
-    "LayerRunner",
-    "LossSpec",
-    "ResidentStage",
-    "Stage",
-    "to_device",
-    "to_host",
-]
+__all__ = ["Call", "LayerRunner", "LossSpec"]
