@@ -271,6 +271,37 @@ def test_num_items_in_batch_gives_whole_batch_token_weighting(
         assert merged.logits.shape[0] == batch["input_ids"].shape[0]
 
 
+@pytest.mark.parametrize("in_config", [False, True], ids=["per_call", "config"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_router_auxiliary_loss_matches_the_unwrapped_model(
+    num_devices: int, family: str, in_config: bool
+) -> None:
+    # output_router_logits (per call, or in the config): each microbatch's aux_loss is Hugging
+    # Face's load-balancing loss of that microbatch, its loss includes router_aux_loss_coef times
+    # it, the merged aux_loss is their mean (0.1.1's merge), and the routers get its gradient.
+    reference, wrapped = make_pair(family)
+    for model in (reference, wrapped.original_model):
+        model.config.output_router_logits = in_config
+        model.router_aux_loss_coef = 0.5  # large enough that a missing part shows
+    batch = make_batch(padding=True)
+    asked = {} if in_config else {"output_router_logits": True}
+    parts = microbatches(batch, 2)
+    outputs = [reference(**part, **asked) for part in parts]
+    sum(out.loss / 2 for out in outputs).backward()
+    config = RoundPipeRunConfig(num_microbatch=2)
+    merged = wrapped(**batch, **asked, roundpipe_run_config=config)
+    expected_aux = sum(out.aux_loss for out in outputs) / 2
+    assert merged.aux_loss is not None and expected_aux > 0
+    torch.testing.assert_close(merged.aux_loss, expected_aux.detach(), rtol=1e-5, atol=1e-6)
+    loss = wrapped.forward_backward(
+        input_kwargs={**batch, **asked}, loss_fn=lambda out, _: out.loss / 2, run_config=config
+    )
+    torch.testing.assert_close(loss, sum(out.loss.detach() for out in outputs) / 2)
+    assert_same_grads(reference, wrapped)
+    with pytest.raises(ValueError, match="have no router"):
+        make_pair("qwen3")[1](**batch, output_router_logits=True)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_per_call_switches_of_0_1_1(num_devices: int, family: str) -> None:
     # return_logits=False computes the loss chunk by chunk without logits (0.1.1's per-call
@@ -291,17 +322,11 @@ def test_per_call_switches_of_0_1_1(num_devices: int, family: str) -> None:
     )
     torch.testing.assert_close(loss, reference_loss(reference, batch, 2), rtol=1e-5, atol=1e-6)
     assert_same_grads(reference, wrapped)
-    with pytest.raises(NotImplementedError, match="router auxiliary loss"):
-        wrapped(**batch, output_router_logits=True)
     with pytest.raises(TypeError, match="return_logits must be a bool"):
         wrapped(**batch, return_logits="no")
 
 
 def test_unsupported_model_settings_are_refused() -> None:
-    moe = FAMILIES["qwen3_moe"]()
-    moe.config.output_router_logits = True
-    with pytest.raises(NotImplementedError, match="output_router_logits"):
-        wrap_model_to_roundpipe(moe)
     with pytest.raises(ValueError, match="loss_chunk_size"):
         wrap_model_to_roundpipe(FAMILIES["llama"](), loss_chunk_size=0)
 

@@ -22,6 +22,7 @@ without logits, as with ``loss_chunk_size``.
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,12 +56,16 @@ class DecoderFamily:
             ``"full_attention"`` or ``"sliding_attention"``.
         masks_use_position_ids: whether the family builds its masks from the position ids.
         output_type: class name in ``transformers.modeling_outputs``.
+        moe_modeling: for a mixture-of-experts family, the ``transformers`` module whose
+            ``load_balancing_loss_func`` computes the router auxiliary loss (with the model's
+            ``num_experts``, ``num_experts_per_tok`` and ``router_aux_loss_coef``).
     """
 
     name: str
     layer_mask_kinds: MaskKinds
     masks_use_position_ids: bool = True
     output_type: str = "CausalLMOutputWithPast"
+    moe_modeling: str | None = None
 
     def __str__(self) -> str:
         return f"{self.name} sequential"
@@ -104,12 +109,6 @@ class DecoderFamily:
         shares the model's modules (and so its parameters)."""
         hf: Any = model  # a Hugging Face causal LM, whose attributes torch's typing cannot see
         config = hf.config
-        if getattr(config, "output_router_logits", False):
-            raise NotImplementedError(
-                f"the {self.name} preset does not compute the router auxiliary loss; set "
-                "model.config.output_router_logits = False, or wrap with "
-                "use_sequential_preset=False"
-            )
         backbone = hf.model
         count = config.num_hidden_layers
         kinds = self.layer_mask_kinds(config)[:count]
@@ -121,6 +120,7 @@ class DecoderFamily:
         ]
         postfix = CausalLMPostfix(self, config, backbone.norm, hf.lm_head, loss_chunk_size)
         postfix.loss_function = hf.loss_function
+        postfix.owner = (hf,)  # read, not registered: the model's modules are its layers
         return nn.Sequential(prefix, *layers, postfix)
 
 
@@ -211,11 +211,12 @@ class DecoderPrefix(nn.Module):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if not isinstance(return_logits, bool):
             raise TypeError(f"return_logits must be a bool, got {type(return_logits).__name__}")
-        if output_router_logits:
-            raise NotImplementedError(
-                f"the {self.family.name} preset does not compute the router auxiliary loss; "
-                "call with output_router_logits=False (or leave it unset), or wrap with "
-                "use_sequential_preset=False"
+        if output_router_logits is None:
+            output_router_logits = bool(getattr(self.config, "output_router_logits", False))
+        if output_router_logits and self.family.moe_modeling is None:
+            raise ValueError(
+                f"output_router_logits=True: {self.family.name} models have no router; leave "
+                "it unset"
             )
         if past_key_values is not None or use_cache:
             raise ValueError(
@@ -240,6 +241,9 @@ class DecoderPrefix(nn.Module):
             "labels": labels,
             "num_items_in_batch": num_items_in_batch,
             "return_logits": return_logits,
+            # Each MoE layer appends its router logits (see DecoderLayerStage); None: not asked.
+            "router_logits": [] if output_router_logits else None,
+            "attention_mask": attention_mask,
         }
         return embeds, context
 
@@ -272,15 +276,30 @@ class DecoderLayerStage(nn.Module):
     def __init__(self, layer: nn.Module, mask_kind: str) -> None:
         super().__init__()
         self.layer, self.mask_kind = layer, mask_kind
+        # A mixture-of-experts layer's routers (transformers' ``*TopKRouter``), whose first output
+        # is the router logits.
+        self.routers = [m for m in layer.modules() if type(m).__name__.endswith("TopKRouter")]
 
     def forward(self, state: tuple[torch.Tensor, dict[str, Any]]) -> Any:
         hidden, context = state
-        hidden = self.layer(
-            hidden,
-            attention_mask=context["masks"][self.mask_kind],
-            position_embeddings=context["position_embeddings"],
-            position_ids=context["position_ids"],
-        )
+        captured: list[torch.Tensor] = []
+        wanted = context["router_logits"] is not None
+        handles = [
+            router.register_forward_hook(lambda _m, _i, output: captured.append(output[0]))
+            for router in (self.routers if wanted else [])
+        ]
+        try:
+            hidden = self.layer(
+                hidden,
+                attention_mask=context["masks"][self.mask_kind],
+                position_embeddings=context["position_embeddings"],
+                position_ids=context["position_ids"],
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+        if captured:
+            context = {**context, "router_logits": [*context["router_logits"], *captured]}
         return hidden, context
 
 
@@ -288,6 +307,7 @@ class CausalLMPostfix(nn.Module):
     """The last layer: final norm, head and loss, returned as the model's output type."""
 
     loss_function: Callable[..., torch.Tensor]
+    owner: tuple[Any, ...]  # the Hugging Face model (its router settings)
 
     def __init__(
         self,
@@ -305,26 +325,42 @@ class CausalLMPostfix(nn.Module):
         hidden, context = state
         hidden = self.norm(hidden)
         labels, num_items = context["labels"], context["num_items_in_batch"]
-        output_type = self.family.output_type
-        loss: torch.Tensor | None
+        loss: torch.Tensor | None = None
+        logits: torch.Tensor | None = None
         chunk = self.loss_chunk_size
         if not context["return_logits"]:
             chunk = chunk or DEFAULT_LOSS_CHUNK
-            if labels is None:
-                return MicrobatchOutput(loss=None, logits=None, output_type=output_type)
         if labels is not None and chunk is not None:
             loss = chunked_causal_lm_loss(hidden, self.lm_head, labels, num_items, chunk)
-            return MicrobatchOutput(loss=loss, logits=None, output_type=output_type)
-        logits = self.lm_head(hidden)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(
-                logits=logits,
-                labels=labels,
-                vocab_size=self.config.vocab_size,
-                num_items_in_batch=num_items,
-            )
-        return MicrobatchOutput(loss=loss, logits=logits, output_type=output_type)
+        elif context["return_logits"]:
+            logits = self.lm_head(hidden)
+            if labels is not None:
+                loss = self.loss_function(
+                    logits=logits,
+                    labels=labels,
+                    vocab_size=self.config.vocab_size,
+                    num_items_in_batch=num_items,
+                )
+        fields: dict[str, Any] = {"loss": loss, "logits": logits}
+        if context["router_logits"] is not None:
+            aux = self._router_aux_loss(context["router_logits"], context["attention_mask"])
+            if loss is not None:
+                coef = self.owner[0].router_aux_loss_coef
+                fields["loss"] = loss + coef * aux.to(loss.device)
+            fields["aux_loss"] = aux
+        return MicrobatchOutput(fields, output_type=self.family.output_type)
+
+    def _router_aux_loss(
+        self, router_logits: list[torch.Tensor], attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Hugging Face's load-balancing loss of the microbatch over every layer's routers."""
+        assert self.family.moe_modeling is not None
+        modeling = importlib.import_module(self.family.moe_modeling)
+        hf = self.owner[0]
+        aux: torch.Tensor = modeling.load_balancing_loss_func(
+            tuple(router_logits), hf.num_experts, hf.num_experts_per_tok, attention_mask
+        )
+        return aux
 
 
 def _shifted_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -411,6 +447,8 @@ def _merged(outputs: list[MicrobatchOutput], summed: bool) -> Any:
     if losses[0] is not None:
         total = torch.stack([loss.to(losses[0].device) for loss in losses]).sum()
         merged["loss"] = total if summed else total / len(losses)
+    if outputs[0].get("aux_loss") is not None:  # a scalar of each microbatch: averaged
+        merged["aux_loss"] = merge_output([output["aux_loss"] for output in outputs], None)
     logits = [output["logits"] for output in outputs]
     if logits[0] is not None:
         merged["logits"] = merge_output(logits, None)

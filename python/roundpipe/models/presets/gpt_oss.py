@@ -8,4 +8,5 @@ FAMILY = DecoderFamily(
     layer_mask_kinds=kinds_from_layer_types,
     masks_use_position_ids=False,
     output_type="MoeCausalLMOutputWithPast",
+    moe_modeling="transformers.models.gpt_oss.modeling_gpt_oss",
 )
