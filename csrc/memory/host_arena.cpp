@@ -113,9 +113,24 @@ at::Tensor allocate_pageable(std::int64_t bytes, bool zero) {
 }
 
 #ifdef ROUNDPIPE_WITH_CUDA
-void free_registered(void* data) {
-  cuda::unregister(data);
-  std::free(data);
+// Page-locked in place: a mapping of whole pages of its own. The driver locks whole pages and
+// refuses a second registration of a page already locked (cudaErrorHostMemoryAlreadyRegistered),
+// so two small arenas must never share one, as malloc memory would. Never listed in Mappings:
+// locked pages must stay.
+at::Tensor allocate_registered(std::int64_t bytes) {
+  const std::size_t page = page_size();
+  const std::size_t length = (static_cast<std::size_t>(bytes) + page - 1) / page * page;
+  void* data = map_pages(length);
+  try {
+    cuda::register_pinned(data, length);
+  } catch (...) {
+    munmap(data, length);
+    throw;
+  }
+  return wrap(data, bytes, [length](void* start) {
+    cuda::unregister(start);
+    munmap(start, length);
+  });
 }
 #endif
 
@@ -131,16 +146,7 @@ at::Tensor allocate(std::int64_t bytes, PinMode mode, bool zero) {
       if (zero) std::memset(pinned.data_ptr(), 0, size);
       return pinned;
     }
-    // Page-locked in place: malloc memory, never listed in Mappings (locked pages must stay).
-    void* data = allocate_aligned(bytes);
-    if (zero) std::memset(data, 0, size);
-    try {
-      cuda::register_pinned(data, size);
-    } catch (...) {
-      std::free(data);
-      throw;
-    }
-    return wrap(data, bytes, &free_registered);
+    return allocate_registered(bytes);  // fresh pages: zero already
 #endif
   }
   return allocate_pageable(bytes, zero);

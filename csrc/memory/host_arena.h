@@ -4,8 +4,9 @@
 // Host arenas: one flat allocation per model holding every layer's parameters (or gradients) back
 // to back, so a stage (a contiguous range of layers) uploads in one copy and downloads in one.
 //
-// The memory is exactly the size asked for (rounded up to the 64-byte alignment only), never
-// padded to a power of two as a caching pinned allocator would.
+// The memory is exactly the size asked for (rounded up to the 64-byte alignment only; an arena
+// page-locked in place, to whole pages), never padded to a power of two as a caching pinned
+// allocator would.
 //
 // Pageable arenas of 1 MiB and more are anonymous mappings of their own, not malloc memory: they
 // go back to the operating system the moment their last view dies (glibc keeps freed heap chunks,
@@ -24,7 +25,7 @@ namespace roundpipe::memory {
 
 enum class PinMode {
   kAlloc,     // page-locked allocation (cudaHostAlloc) when CUDA devices are in use
-  kRegister,  // pageable allocation page-locked in place (cudaHostRegister) on CUDA
+  kRegister,  // whole pages of their own, page-locked in place (cudaHostRegister) on CUDA
   kOff,       // pageable memory
 };
 
