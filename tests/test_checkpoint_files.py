@@ -406,7 +406,8 @@ def test_saves_leave_torchs_crc_setting_to_other_threads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A save turns torch's record CRCs off for its own torch.save only: another thread's setting
-    is untouched while it writes, and the saving thread's is restored afterwards."""
+    is untouched while it writes, and the saving thread's is restored afterwards. Where torch's
+    config overrides are process-wide (torch 2.11), the save leaves the CRCs on instead."""
     seen: list[tuple[bool, bool]] = []
     real_save = torch.save
 
@@ -423,7 +424,9 @@ def test_saves_leave_torchs_crc_setting_to_other_threads(
 
     monkeypatch.setattr(torch, "save", save)
     save_checkpoint(tmp_path / "ckpt", nn.Linear(2, 2))
-    assert seen == [(False, True)]
+    per_thread = roundpipe.checkpoint._config_overrides_per_thread()
+    assert per_thread or torch.__version__ < "2.13", "torch 2.13's overrides are per thread"
+    assert seen == [(not per_thread, True)]
     assert torch.serialization.get_crc32_options() is True
     load_checkpoint(tmp_path / "ckpt", nn.Linear(2, 2))
 

@@ -27,6 +27,7 @@ when that manifest exists.
 from __future__ import annotations
 
 import errno
+import functools
 import glob
 import io
 import json
@@ -37,7 +38,7 @@ import threading
 import uuid
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -277,15 +278,16 @@ def load_checkpoint(
 
 def _record_crcs_off() -> AbstractContextManager[None]:
     """``torch.save``'s CRC-32 of each zip record switched off while the block runs, for this
-    thread only.
+    thread only; where torch cannot do that for one thread, left on.
 
     Our chunk checksums cover every byte, so torch's own (a second pass, never checked by
     ``torch.load``) is wasted work. ``torch.serialization.set_crc32_options`` writes torch's
-    serialization config, whose ``patch`` makes a temporary override: torch keeps such overrides
-    per thread (context variables), so a ``torch.save`` of another thread meanwhile still writes
-    its CRCs, and overlapping saves cannot leave the setting changed. (A torch whose config
-    overrides were process-wide would let another thread's ``torch.save`` in that window write
-    no record CRCs, which ``torch.load`` does not need.)"""
+    serialization config, whose ``patch`` makes a temporary override. torch 2.13 keeps such
+    overrides per thread (context variables), so a ``torch.save`` of another thread meanwhile
+    still writes its CRCs, and overlapping saves cannot leave the setting changed; torch 2.11's
+    are process-wide, and there the CRCs stay on rather than change another thread's setting."""
+    if not _config_overrides_per_thread():
+        return nullcontext()
     from torch.utils.serialization import config
 
     # `patch` is installed on the config module at import (install_config_module).
@@ -293,6 +295,26 @@ def _record_crcs_off() -> AbstractContextManager[None]:
         {"save.compute_crc32": False}
     )
     return patched
+
+
+@functools.cache
+def _config_overrides_per_thread() -> bool:
+    """Whether an override of torch's serialization config (``config.patch``) holds for the
+    calling thread only. Checked once by trying it: another thread reads the setting while this
+    one overrides it (for that instant, on a torch whose overrides are process-wide, another
+    thread's ``torch.save`` may skip its record CRCs, which ``torch.load`` does not need)."""
+    from torch.utils.serialization import config
+
+    original = bool(config.save.compute_crc32)
+    seen: list[bool] = []
+    with config.patch({"save.compute_crc32": not original}):  # type: ignore[attr-defined]
+        reader = threading.Thread(
+            target=lambda: seen.append(bool(config.save.compute_crc32)),
+            name="roundpipe-config-probe",
+        )
+        reader.start()
+        reader.join()
+    return seen == [original]
 
 
 def _follow(
