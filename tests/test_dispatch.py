@@ -748,7 +748,7 @@ def test_layer_loop_recompute_backward_matches_autograd(
     bit, the timings name the layers, and the saved inputs stay as they were when a later
     recompute may start from them again."""
     from roundpipe.context import LayerCall
-    from roundpipe.pipeline import _cut_graphs
+    from roundpipe.layer_loop import cut_graphs
 
     def unused(*_: object) -> None:  # keeper and fallback: every value here is a lone tensor
         raise AssertionError("not a lone tensor")
@@ -772,7 +772,7 @@ def test_layer_loop_recompute_backward_matches_autograd(
     store = _C.KeptInputs(5, 1)
     if natively:  # by the forward's layer loop, as a forward stage keeps them
         forward = _C.LayerLoop(
-            layers, 0, False, [], LayerCall({}, False, True), None, "off", 0, cut=_cut_graphs
+            layers, 0, False, [], LayerCall({}, False, True), None, "off", 0, cut=cut_graphs
         )
         with torch.enable_grad():
             forward.run_keeping(

@@ -19,21 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
-import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from roundpipe import context
 from roundpipe._native import _C
 from roundpipe.context import annotate
-from roundpipe.device import device_at, devices
+from roundpipe.device import device_at
+from roundpipe.layer_loop import NO_RANGE, LayerCalls, Phase, draw_call_seed, rng_scope
 from roundpipe.memory import ModelMemory
 from roundpipe.scheduler import ModelExecutePlan, RunType
 from roundpipe.stage import (
@@ -60,100 +57,11 @@ from roundpipe.transfers import (
 
 if TYPE_CHECKING:
     from roundpipe.distributed import DataParallel
-    from roundpipe.timer import Action, ModelTimer
+    from roundpipe.timer import ModelTimer
 
-Phase = Literal["forward", "recompute", "backward", "loss"]
 # --------------------------------------------------------------------------------------------
 # One call
 # --------------------------------------------------------------------------------------------
-
-
-class _LoopClock:
-    """Times the pieces of the stages one ``_LayerCalls`` runs for the model's timer (none: times
-    nothing): the layers its ``_C.LayerLoop`` runs, and the backward passes (:meth:`start` /
-    :meth:`stop`).
-
-    Virtual CPU devices compute synchronously, so the host clock times them; on CUDA a piece is
-    timed by events on the device's current stream, which the timer reads once they completed, so
-    nothing waits for the GPU. Either way the times are handed to the timer once per run
-    (:meth:`flush`), not once per layer x microbatch, and not at all when a full garbage
-    collection ran meanwhile: its pause (a hundred milliseconds or more with torch loaded) would
-    land in whichever layer was running, on the host clock and between a GPU's events alike, and
-    mislead the planner for many calls."""
-
-    def __init__(self, timer: ModelTimer | None, device_index: int, on_cuda: bool) -> None:
-        self.timer = timer
-        self.stream: torch.cuda.Stream | None = None
-        if timer is not None and on_cuda:
-            self.stream = torch.cuda.current_stream(device_at(device_index))
-        self.times: list[tuple[range, Action, float]] = []
-        self.events: list[tuple[range, Action, Any, Any]] = []
-        self.collections = _full_collections()
-
-    def start(self) -> Any:
-        """The start of a piece (None without a timer)."""
-        if self.timer is None:
-            return None
-        if self.stream is None:
-            return time.perf_counter()
-        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        start.record(self.stream)
-        return start
-
-    def stop(self, start: Any, layers: range, action: Action) -> None:
-        """The time since ``start``, split evenly over ``layers``, recorded as ``action``."""
-        if self.timer is None:
-            return
-        if self.stream is None:
-            self.times.append((layers, action, time.perf_counter() - start))
-            return
-        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        end.record(self.stream)
-        self.events.append((layers, action, start, end))
-
-    def flush(self, loop: Any, action: Action) -> None:
-        """Hand the times taken to the timer: the pieces', and those ``loop`` (a
-        ``_C.LayerLoop``) took of its layer runs, which did ``action``, and backward passes."""
-        timer = self.timer
-        if timer is None:
-            return
-        if self.stream is None:
-            layers, seconds = loop.take_host_times()
-            backward_layers, backward_seconds = loop.take_backward_host_times()
-            if _full_collections() == self.collections:
-                timer.record_layers(layers, action, seconds)
-                timer.record_layers(backward_layers, "bwd", backward_seconds)
-                if self.times:
-                    timer.record_spans(self.times)
-        else:
-            marks = loop.take_device_times()
-            backward_marks = loop.take_backward_device_times()
-            if _full_collections() == self.collections:
-                for layer, start, end in marks:
-                    timer.record_later(range(layer, layer + 1), action, start, end)
-                for piece in self.events:
-                    timer.record_later(*piece)
-                for a, b, start, end in backward_marks:
-                    timer.record_later(range(a, b), "bwd", start, end)
-        self.times, self.events = [], []
-        self.collections = _full_collections()
-
-
-_collections = [0]  # full garbage collections so far (see _count_full_collections)
-
-
-def _count_full_collections(phase: str, info: dict[str, int]) -> None:
-    if phase == "start" and info["generation"] == 2:
-        _collections[0] += 1
-
-
-gc.callbacks.append(_count_full_collections)
-
-
-def _full_collections() -> int:
-    """How many full (generation 2) garbage collections this process has begun (a gc callback
-    counts them: ``gc.get_stats`` builds its dictionaries on every call)."""
-    return _collections[0]
 
 
 @dataclass
@@ -226,7 +134,7 @@ class Call:
     kept_inputs: Any = field(init=False, default=None)
     # Every random draw of layer l for microbatch m comes from a generator seeded with
     # (rng_seed, l, m): the same whatever the plan, stage boundaries, device or device count.
-    rng_seed: int = field(default_factory=lambda: _draw_call_seed())
+    rng_seed: int = field(default_factory=lambda: draw_call_seed())
     recompute_store: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
     pending: list[Any] = field(default_factory=list)
     # Transfer events of inputs packed by an upstream RoundPipe, per microbatch.
@@ -262,7 +170,7 @@ class Call:
     # The CPU generator states the forward stages' layers were seeded with, for their recompute.
     rng_states: Any = field(init=False, default=None)
     # The layer calls of the run in progress, one per kind and device (see _layer_calls).
-    layer_calls: dict[tuple[bool, bool, bool, int], _LayerCalls] = field(
+    layer_calls: dict[tuple[bool, bool, bool, int], LayerCalls] = field(
         init=False, default_factory=dict
     )
 
@@ -337,7 +245,7 @@ class Call:
         uploads = Uploads(
             memory, stages, self.runner.name, self.nvtx, from_arena, hooks, self.pass_arena
         )
-        with _rng_scope(), uploads:
+        with rng_scope(), uploads:
             try:
                 for stage in stages:
                     # No reference to a stage outlives its turn: its device buffers are freed
@@ -380,19 +288,19 @@ class Call:
 
     def _layer_calls(
         self, stage: ResidentStage, recompute: bool, recomputed: bool = False, cut: bool = False
-    ) -> _LayerCalls:
-        """The layer calls of ``stage`` (see :class:`_LayerCalls` for the flags): one object per
+    ) -> LayerCalls:
+        """The layer calls of ``stage`` (see :class:`LayerCalls` for the flags): one object per
         kind and device for the whole run, as building one per stage is measurable host work at
         short sequences; its times are handed to the timer at the end of the run. It holds no
         reference to the stage, whose buffers are freed after its turn."""
         key = (recompute, recomputed, cut, stage.device_index)
         calls = self.layer_calls.get(key)
         if calls is None:
-            calls = _LayerCalls(self, stage.device_index, recompute, recomputed, cut)
+            calls = LayerCalls(self, stage.device_index, recompute, recomputed, cut)
             self.layer_calls[key] = calls
         return calls
 
-    def _where(self, layers: int | range, phase: Phase, microbatch: int) -> str:
+    def where(self, layers: int | range, phase: Phase, microbatch: int) -> str:
         """Who failed: one layer, or, for the backward of a stage (one autograd pass, whose
         failing node cannot be told apart), the stage's range of layers; never a guess."""
         if isinstance(layers, int):
@@ -408,19 +316,19 @@ class Call:
             f"{microbatch}"
         )
 
-    def _mark(
+    def mark(
         self, kind: str, layers: range, microbatch: int | None = None
     ) -> AbstractContextManager[Any]:
         """The NVTX range of ``kind`` over ``layers`` (see :func:`marked`) if the call marks."""
         if not self.nvtx:
-            return _NO_RANGE
+            return NO_RANGE
         return marked(self.runner.name, kind, layers, microbatch)
 
     def _model_input(self, microbatch: int, value: Any, device_index: int) -> Any:
         """Microbatch ``microbatch`` of the call's inputs on the device, once the upstream
         model's transfers of it (if any) have landed: ordered per microbatch on the device (no host
         wait on CUDA), so the first microbatches start while later ones are still in flight."""
-        with self._mark("activation", range(0, 1), microbatch):
+        with self.mark("activation", range(0, 1), microbatch):
             return self._joined_input(microbatch, value, device_index)
 
     def _joined_input(self, microbatch: int, value: Any, device_index: int) -> Any:
@@ -482,13 +390,13 @@ class Call:
             if self.saving and 0 in self.backward_starts:
                 self.saved_inputs[(0, microbatch)] = (unshared(value, moved), None)
             return moved
-        with self._mark("activation", stage.layers[:1], microbatch):
+        with self.mark("activation", stage.layers[:1], microbatch):
             return to_device(value, stage.device_index)
 
     def _keep_input(self, stage: ResidentStage, layer: int, microbatch: int, value: Any) -> None:
         """Keep the input of ``layer`` for the backward pass: in host memory, private (whatever
         the layer does to its input), with the event of its copy (None: already there)."""
-        with self._mark("activation", range(layer, layer + 1), microbatch):
+        with self.mark("activation", range(layer, layer + 1), microbatch):
             host, event = to_host(value, stage.device_index)
         saved = unshared(host, value)
         # Leaves requiring grad as the input's did: so do the recompute's (see
@@ -538,13 +446,13 @@ class Call:
                 _check_loss(loss, self.runner.name, m)
                 start = run.clock.start()
                 try:
-                    with self._mark("backward", stage.layers, m):
+                    with self.mark("backward", stage.layers, m):
                         if isinstance(loss, torch.Tensor):
                             torch.autograd.backward(loss)
                         else:
                             torch.autograd.backward(list(loss))
                 except Exception as error:
-                    raise annotate(error, self._where(stage.layers, "backward", m)) from error
+                    raise annotate(error, self.where(stage.layers, "backward", m)) from error
                 run.clock.stop(start, stage.layers, "bwd")
                 self.losses.append(tree_map(lambda t: t.detach(), loss))
                 if loss_spec.keep_outputs:
@@ -586,7 +494,7 @@ class Call:
         return new_grads
 
     def _recompute_backward_microbatch(
-        self, stage: ResidentStage, native: range, microbatch: int, grad: Any, run: _LayerCalls
+        self, stage: ResidentStage, native: range, microbatch: int, grad: Any, run: LayerCalls
     ) -> Any:
         """Recompute + backward of the stage for one microbatch: ``native`` layers natively if
         their inputs allow it, the others in Python; returns the input gradients."""
@@ -636,7 +544,7 @@ class Call:
         return stage.download_grads(own)
 
     def _recompute_backward(
-        self, stage: ResidentStage, layers: range, microbatch: int, grad: Any, run: _LayerCalls
+        self, stage: ResidentStage, layers: range, microbatch: int, grad: Any, run: LayerCalls
     ) -> Any:
         trace = stage.trace
         mark = trace.mark() if trace is not None else None
@@ -651,10 +559,10 @@ class Call:
             mark = trace.mark()
         start = run.clock.start()
         try:
-            with self._mark("backward", layers, microbatch):
+            with self.mark("backward", layers, microbatch):
                 _backward(result, grad)
         except Exception as error:
-            raise annotate(error, self._where(layers, "backward", microbatch)) from error
+            raise annotate(error, self.where(layers, "backward", microbatch)) from error
         run.clock.stop(start, layers, "bwd")
         if trace is not None:
             trace.span("backward", mark, microbatch, layers)
@@ -666,7 +574,7 @@ class Call:
         layers: range,
         microbatch: int,
         grad: list[Any],
-        run: _LayerCalls,
+        run: LayerCalls,
     ) -> list[Any] | None:
         """:meth:`_recompute_backward` of ``layers`` (each layer on its own with layer grain) in
         one native call (``_C.LayerLoop.recompute_backward``), when every input recomputed from
@@ -695,7 +603,7 @@ class Call:
         return [result]
 
     def _recompute_backward_kept(
-        self, stage: ResidentStage, order: Sequence[int], grads: list[Any], run: _LayerCalls
+        self, stage: ResidentStage, order: Sequence[int], grads: list[Any], run: LayerCalls
     ) -> list[Any] | None:
         """:meth:`_recompute_backward_natively` of the whole stage for every microbatch, in
         ``order``, in one native call (``_C.LayerLoop.recompute_backward_kept``), when the forward
@@ -732,13 +640,13 @@ class Call:
         through a retained graph does; the backward of forward_backward is the only one."""
         return self.run_type != "fused"
 
-    def _recompute_failed(self, error: Exception, run: _LayerCalls) -> BaseException:
+    def _recompute_failed(self, error: Exception, run: LayerCalls) -> BaseException:
         """``error`` of a native recompute + backward, annotated with the layer (recompute) or
         the segment's layers (backward) and the microbatch it failed in."""
         phase, first, stop, microbatch = run.loop.failure
         if phase == "recompute":
-            return annotate(error, self._where(run.context.layer, "recompute", microbatch))
-        return annotate(error, self._where(range(first, stop), "backward", microbatch))
+            return annotate(error, self.where(run.context.layer, "recompute", microbatch))
+        return annotate(error, self.where(range(first, stop), "backward", microbatch))
 
     def _check_output(self, microbatch: int, value: Any) -> None:
         """A training forward's output must show autograd every tensor that carries a graph: one
@@ -788,7 +696,7 @@ class Call:
         if layer == 0:
             moved, _ = flatten(self._model_input(microbatch, value, device_index))
         else:
-            with self._mark("activation", range(layer, layer + 1), microbatch):
+            with self.mark("activation", range(layer, layer + 1), microbatch):
                 moved, _ = flatten(to_device(value, device_index, landed))
         fresh = []
         for leaf, wants_grad in zip(moved, wanted, strict=True):
@@ -840,101 +748,6 @@ def _attributes(leaf: Any) -> list[Any]:
     return values
 
 
-_NO_RANGE = nullcontext()  # what a call that marks no NVTX ranges enters (reusable)
-
-
-class _LayerCalls:
-    """Runs runs of layers of stages on one device for a call (``run(layers, microbatch,
-    value)``), in forward or in recompute, and times them (``clock``), for every stage of one
-    kind on one device in a run (:meth:`Call._layer_calls`).
-
-    At short sequences the host's work per layer x microbatch is what caps a GPU's throughput
-    (benchmarks/overhead_cpu.py, the dispatch table), so the loop over the layers is native
-    (``_C.LayerLoop``), and what does not change from layer to layer is given to it once: the
-    modules, the kind of random stream, the generators to reseed, the recompute context (one
-    object moved from layer to layer), the NVTX marking, the timing. The message naming layer,
-    phase and microbatch is built only when a layer fails."""
-
-    def __init__(
-        self,
-        call: Call,
-        device_index: int,
-        recompute: bool,
-        recomputed: bool = False,
-        cut: bool = False,
-    ) -> None:
-        """``recomputed``: a forward stage whose layers backward recomputes (it keeps the CPU
-        generator's seeded states for the recompute, see ``_C.RngStates``). ``cut``: each
-        layer's output is cut from its graph (``_C.graph_cut``)."""
-        self.call = call
-        self.phase: Phase = "recompute" if recompute else "forward"
-        self.action: Action = "re" if recompute else "fwd"
-        # Recompute replays the forward's draws, unless asked for fresh randomness.
-        fresh = recompute and not call.preserve_rng_state
-        generators = [torch.default_generator]
-        if call.on_cuda:
-            if recompute and not fresh:
-                _warn_if_replay_differs(tuple(devices()))
-            device = device_at(device_index)
-            generators.append(torch.cuda.default_generators[device.index])
-        self.context = context.LayerCall(call.recompute_store, recompute, call.saving)
-        self.clock = _LoopClock(call.runner.timer, device_index, call.on_cuda)
-        timing = "off" if self.clock.timer is None else "device" if call.on_cuda else "host"
-        mark = functools.partial(_mark_layer, call, self.phase) if call.nvtx else None
-        replay = recompute and not fresh
-        self.loop = _C.LayerLoop(
-            call.runner.layers,
-            call.rng_seed,
-            fresh,
-            generators,
-            self.context,
-            mark,
-            timing,
-            device_index,
-            call.rng_states if replay or recomputed else None,
-            replay,
-            _cut_graphs if cut else None,
-        )
-
-    def __call__(self, layers: range, microbatch: int, value: Any) -> Any:
-        """Run ``layers`` on ``microbatch`` (layer 0 takes ``(args, kwargs)``)."""
-        try:
-            with self.context:
-                return self.loop.run(layers.start, layers.stop, microbatch, value)
-        except Exception as error:
-            where = self.call._where(self.context.layer, self.phase, microbatch)
-            raise annotate(error, where) from error
-
-    def keeping(
-        self,
-        layers: range,
-        first_microbatch: int,
-        values: list[Any],
-        kept: list[int],
-        kept_natively: Any,
-        keeper: Callable[[int, int, Any], None],
-    ) -> list[Any]:
-        """Run ``layers`` on consecutive microbatches from ``first_microbatch`` (one value each),
-        keeping the inputs of the layers in ``kept`` for the backward pass (see
-        ``_C.LayerLoop.run_keeping``: lone tensors in ``kept_natively`` if given, the others by
-        ``keeper``); returns the outputs."""
-        try:
-            with self.context:
-                return self.loop.run_keeping(
-                    layers.start, layers.stop, first_microbatch, values, kept, kept_natively, keeper
-                )
-        except Exception as error:
-            context = self.context
-            where = self.call._where(context.layer, self.phase, context.microbatch)
-            raise annotate(error, where) from error
-
-
-def _mark_layer(call: Call, phase: Phase, layer: int, microbatch: int) -> Any:
-    """The NVTX range of ``layer`` on ``microbatch`` in ``phase`` (what ``_C.LayerLoop`` enters
-    around each layer when the call marks ranges)."""
-    return call._mark(phase, range(layer, layer + 1), microbatch)
-
-
 def _check_loss(loss: Any, name: str, microbatch: int) -> None:
     """What ``loss_fn`` returned can be backpropagated as PyTorch's ``backward()`` would: a
     tensor, or a non-empty sequence of them, each a scalar that requires grad. PyTorch's own
@@ -962,56 +775,6 @@ def _check_loss(loss: Any, name: str, microbatch: int) -> None:
                 f"RoundPipe model '{name}': {which} for microbatch {microbatch} does not require "
                 f"grad and has no grad_fn: compute it from the model's output"
             )
-
-
-def _cut_graphs(tree: Any) -> Any:
-    """``tree`` with its tensors cut from their graphs (``_C.graph_cut``)."""
-    return tree_map(lambda t: _C.graph_cut(t) if isinstance(t, torch.Tensor) else t, tree)
-
-
-# --------------------------------------------------------------------------------------------
-# RNG
-# --------------------------------------------------------------------------------------------
-
-
-def _draw_call_seed() -> int:
-    """One draw from the default CPU generator: the call's randomness follows the user's seed."""
-    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
-
-
-@functools.cache
-def _warn_if_replay_differs(pool: tuple[torch.device, ...]) -> None:
-    """Warn (once per pool) when recompute may not replay the forward's random draws.
-
-    A layer's draws come from a generator seeded per (call, layer, microbatch), so a recompute on
-    another GPU replays them exactly when the GPUs are alike; but random kernels (dropout) size
-    their grids by the SM count, and GPUs with different counts split the same random stream
-    differently."""
-    counts = sorted({torch.cuda.get_device_properties(d).multi_processor_count for d in pool})
-    if len(counts) > 1:
-        warnings.warn(
-            "RoundPipe: preserve_rng_state=True on GPUs with different SM counts "
-            f"({', '.join(map(str, counts))}): a layer recomputed on another GPU than its "
-            "forward may draw different random values (dropout masks), so its gradients would "
-            "not match the forward. Use GPUs of one model (CUDA_VISIBLE_DEVICES), or "
-            "preserve_rng_state=False if fresh randomness in recompute is acceptable.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-
-
-@contextmanager
-def _rng_scope() -> Iterator[None]:
-    """Restore the generators the layers reseed, so the user's random stream after a call does not
-    depend on which layer ran last (that is, on the plan)."""
-    cpu = torch.get_rng_state()
-    gpus = torch.cuda.get_rng_state_all() if on_cuda() else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if gpus is not None:
-            torch.cuda.set_rng_state_all(gpus)
 
 
 __all__ = ["Call", "LayerRunner", "LossSpec"]
