@@ -11,6 +11,10 @@ import time
 
 SCRIPT = textwrap.dedent(
     """
+    import signal
+    # Ctrl-C raises KeyboardInterrupt even where the suite runs in the background (nohup, &),
+    # whose children inherit SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import torch
     from torch import nn
     from roundpipe import RoundPipe, RoundPipeRunConfig

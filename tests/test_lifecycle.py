@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,7 +25,10 @@ CPU_ENV = {**os.environ, "ROUNDPIPE_DEVICE_KIND": "cpu", "ROUNDPIPE_CPU_DEVICES"
 
 PRELUDE = textwrap.dedent(
     """
-    import os, sys, threading, time
+    import os, signal, sys, threading, time
+    # Ctrl-C raises KeyboardInterrupt even where the suite runs in the background (nohup, &),
+    # whose children inherit SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import torch
     from torch import nn
     from roundpipe import RoundPipe, RoundPipeRunConfig
@@ -551,6 +555,18 @@ def test_auto_roundpipe_glue_entries_are_validated(bad: str) -> None:
     _assert_unchanged(model, before)
 
 
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt in this process while the test runs, also where the suite
+    runs in the background (nohup, &) and inherited SIGINT ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
 @pytest.mark.parametrize("where", ["write-back", "hand-over"])
 def test_ctrl_c_inside_a_steps_bookkeeping_is_held_until_it_is_done(
     monkeypatch: pytest.MonkeyPatch, num_devices: int, where: str

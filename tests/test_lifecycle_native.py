@@ -128,8 +128,12 @@ def test_forked_child_does_not_wait_on_the_parents_unfinished_work() -> None:
 
 WAIT_SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
     from roundpipe import _C
+
+    # Ctrl-C raises KeyboardInterrupt even where the suite runs in the background (nohup, &),
+    # whose children inherit SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     event = _C.submit_optimizer_job(lambda: time.sleep(20.0))
     print("ready", flush=True)
@@ -173,7 +177,8 @@ def test_ctrl_c_interrupts_a_wait_on_an_event(wait: str) -> None:
 
 STUCK_COPY_SCRIPT = textwrap.dedent(
     """
-    import sys, threading
+    import signal, sys, threading
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in WAIT_SCRIPT
     import torch
     import roundpipe
     from roundpipe._native import _C
