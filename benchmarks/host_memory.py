@@ -50,6 +50,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results import parse_count, record
 from roundpipe import RoundPipe
+from roundpipe.optim_state import STATE_BLOCK
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Case:
     lora: bool = False
     plain: bool = False  # the plain PyTorch loop instead of RoundPipe
     accumulate: int = 1  # forward_backward calls per step (gradients of earlier calls kept)
+    state_dtype: str = "float32"  # roundpipe.optim.Adam's state_dtype (its moments' form)
 
     def floor(self) -> float:
         """Bytes per parameter the design must hold."""
@@ -69,7 +71,8 @@ class Case:
         if self.lora:
             return float(weight)  # frozen base: only its weights (adapters are negligible)
         master = torch.empty(0, dtype=getattr(torch, self.optim_dtype or self.dtype)).element_size()
-        return weight + master + 8 + weight * (2 if self.is_async else 1)
+        moments = {"float32": 8.0, "bfloat16": 4.0, "int8": 2 + 8 / STATE_BLOCK}[self.state_dtype]
+        return weight + master + moments + weight * (2 if self.is_async else 1)
 
 
 CASES = [
@@ -87,6 +90,12 @@ CASES = [
         plain=True,
     ),
     Case("bf16 + fp32 Adam, sync, 2 calls per step", "bfloat16", "float32", False, accumulate=2),
+    # Issue 40's compact Adam state (benchmarks/adam_state_memory.py; case 1 is its fp32 state).
+    Case(
+        "bf16 + fp32 Adam, bf16 state, async", "bfloat16", "float32", True, state_dtype="bfloat16"
+    ),
+    Case("bf16 + fp32 Adam, int8 state, async", "bfloat16", "float32", True, state_dtype="int8"),
+    Case("bf16 + fp32 Adam, int8 state, sync", "bfloat16", "float32", False, state_dtype="int8"),
 ]
 
 
@@ -182,7 +191,9 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
         pin_model="off" if case.lora else "alloc",
     )
     construction_peak = _peak_rss() - zero
-    optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-4)
+    optimizer = roundpipe.optim.Adam(
+        model.optim_parameters(), lr=1e-4, state_dtype=getattr(torch, case.state_dtype)
+    )
     scaler = GradScaler() if case.scaler else None
 
     def step_fn() -> None:
@@ -208,7 +219,11 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
     steady = _rss() - zero
     peak = _peak_rss()
     model.synchronize()
-    return _figures(peak - zero, peak - imported, steady, construction_peak, net, optimizer, model)
+    figures = _figures(
+        peak - zero, peak - imported, steady, construction_peak, net, optimizer, model
+    )
+    figures["zero_rss"] = zero
+    return figures
 
 
 def _figures(
