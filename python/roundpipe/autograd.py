@@ -24,7 +24,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from roundpipe.call_lock import CallLock
-from roundpipe.gradients import GradientState
+from roundpipe.gradients import GradientOutcome, GradientPolicy, GradientState
 from roundpipe.pipeline import Call
 
 
@@ -130,11 +130,11 @@ class PipelineNode:
         per-microbatch input gradients. The parameters' gradients are accumulated in the host
         arena with ``param_grads``, else dropped. When the backward pass goes through other
         forward() calls of the model too, or hooks of tied weights need their whole gradient,
-        they are summed over the pass first (``GradientState.accumulating_in_pass``); not with
+        they are summed over the pass first (``GradientState.accumulate_in_pass``); not with
         stage reduces, which sum each call's over the ranks (hooks then run once per call, on
         each use's part). Otherwise ``microbatch_passes`` (the pass is a downstream model's
         ``forward_backward``) adds them one microbatch after the other, in order, as its
-        per-microbatch passes would (``Call.microbatch_passes``)."""
+        per-microbatch passes would (``GradientPolicy.microbatch_passes``)."""
         iterator = iter(grad_outputs)
         grads = [
             [next(iterator) if leaf is _TENSOR else None for leaf in leaves]
@@ -149,22 +149,23 @@ class PipelineNode:
                     "backward goes through (a step(), a load or an in-place edit); its "
                     "recompute would use other weights. Call backward before changing them."
                 )
-            # Decided per backward pass: a torch.autograd.grad through a retained graph may come
-            # before a backward() that wants the parameters' gradients.
-            self.call.keep_param_grads = param_grads
+            call = self.call
             with self._forward_modes():
+                # Decided per backward pass: a torch.autograd.grad through a retained graph may
+                # come before a backward() that wants the parameters' gradients.
                 if not param_grads:
-                    return self.call.backward(grads)
+                    return call.backward(grads, GradientPolicy(keep=False))[0]
                 # Under the lock: forward() calls of other threads add to forward_nodes.
                 gradients = self.gradients
                 in_pass = _shares_pass(graph_node, gradients.forward_nodes)
                 in_pass = in_pass or gradients.hooks_on_tied()
-                if in_pass and self.call.runner.stage_reduce is None:
-                    with gradients.accumulating_in_pass(self.call, self.lock):
-                        return self.call.backward(grads)
-                self.call.microbatch_passes = microbatch_passes
-                with gradients.accumulating(self.call):
-                    return self.call.backward(grads)
+
+                def run(policy: GradientPolicy) -> tuple[list[Any], GradientOutcome]:
+                    return call.backward(grads, policy)
+
+                if in_pass and call.runner.stage_reduce is None:
+                    return gradients.accumulate_in_pass(run, self.lock)
+                return gradients.accumulate(run, microbatch_passes)
 
     @contextlib.contextmanager
     def _forward_modes(self) -> Iterator[None]:

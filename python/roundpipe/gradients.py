@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any, cast
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -22,12 +23,42 @@ from roundpipe._native import _C
 from roundpipe.context import annotate, interrupts_deferred, run_param_hooks
 from roundpipe.memory import ModelMemory, clear_arena
 
-if TYPE_CHECKING:
-    from roundpipe.pipeline import Call
+_Result = TypeVar("_Result")
 
-# Backward passes summed at once (accumulating_in_pass): a pass that fails elsewhere never ends,
+# Backward passes summed at once (accumulate_in_pass): a pass that fails elsewhere never ends,
 # and the oldest is dropped to make room for a new one.
 _OPEN_PASSES = 4
+
+
+@dataclass(frozen=True)
+class GradientPolicy:
+    """What a call's backward stages do with the parameters' gradients; this gradient state
+    builds it for each backward and passes it in (``Call.backward``, ``Call.forward_backward``)."""
+
+    #: False: a backward that wants the inputs' gradients only (``torch.autograd.grad``), so
+    #: the parameters' are not downloaded.
+    keep: bool = True
+    #: The host arena holds gradients of earlier calls (a forward_backward's device buffers
+    #: then start from them, so each microbatch's add to them in turn, as plain PyTorch does).
+    arena_holds_grads: bool = False
+    #: The backward of a forward() whose output a downstream model's forward_backward consumed
+    #: (chained with merge_output=False): one pass per microbatch there, so its gradients are
+    #: added one microbatch after the other, in order, as forward_backward's own.
+    microbatch_passes: bool = False
+    #: The backward of a forward() in a backward pass whose gradients are summed before they
+    #: are added (several forward() calls, a tied weight's hooks): they go into this arena of
+    #: the pass, whose sums are added to the model's when the pass ends.
+    pass_arena: torch.Tensor | None = None
+
+
+@dataclass
+class GradientOutcome:
+    """What a call's stages left behind for the gradient state: the events of its transfers
+    still in flight (gradient downloads, kept activations), and ``id`` of each trained
+    parameter its backward stages gave a gradient."""
+
+    pending: list[Any]
+    reached: set[int]
 
 
 class PassGrads:
@@ -41,16 +72,6 @@ class PassGrads:
     def __init__(self, arena: torch.Tensor) -> None:
         self.arena: torch.Tensor | None = arena  # None once dropped
         self.reached: set[int] = set()  # ``id`` of each parameter the pass gave a gradient
-
-
-def _settle(call: Call) -> None:
-    """Wait for the transfers of a failed ``call``, whatever their outcome (the call's own error
-    is what its caller needs)."""
-    for event in call.pending:
-        try:
-            event.synchronize()
-        except Exception:
-            pass
 
 
 class GradientState:
@@ -115,35 +136,42 @@ class GradientState:
         self.wait_pending()
         self._absorb_user_grads()
 
-    @contextmanager
-    def accumulating(self, call: Call) -> Iterator[None]:
-        """Around the stages of ``call`` that accumulate gradients. On success the call's
-        transfers become pending; on failure they are waited for and the gradients it already
+    def accumulate(
+        self,
+        run: Callable[[GradientPolicy], tuple[_Result, GradientOutcome]],
+        microbatch_passes: bool = False,
+    ) -> _Result:
+        """``run(policy)``: a call's stages that accumulate gradients into the model's arena
+        (``microbatch_passes``: see :class:`GradientPolicy`). On success its transfers become
+        pending; on failure (the call waited for its transfers) the gradients it already
         accumulated are rolled back, so the next call trains as if the failed one never ran."""
         self.begin_call()
-        call.grads_in_arena = self.dirty
+        policy = GradientPolicy(arena_holds_grads=self.dirty, microbatch_passes=microbatch_passes)
         backup = self.memory.grads.clone() if self.dirty else None
         try:
-            yield
+            result, outcome = run(policy)
         except BaseException:
-            _settle(call)
             if backup is None:
                 clear_arena(self.memory.grads)
             else:
                 self.memory.grads.copy_(backup)
             raise
-        self.pending.extend(call.pending)
-        self.reached |= call.reached
+        self.pending.extend(outcome.pending)
+        self.reached |= outcome.reached
         self.dirty = True
+        return result
 
-    @contextmanager
-    def accumulating_in_pass(self, call: Call, lock: AbstractContextManager[Any]) -> Iterator[None]:
-        """Around the stages of ``call``, the backward of a ``forward()`` in a backward pass
-        whose gradients are summed before they are added (it goes through several forward()
-        calls, or a tied weight's hooks need its whole gradient): they go into the pass's arena
-        (``call.pass_arena``; see :class:`PassGrads`). The pass's first call makes it and has
-        the engine call :meth:`_end_pass` under ``lock`` (the model's call lock) when the pass
-        is done. On failure the pass's sums are dropped, and the model's arena is untouched."""
+    def accumulate_in_pass(
+        self,
+        run: Callable[[GradientPolicy], tuple[_Result, GradientOutcome]],
+        lock: AbstractContextManager[Any],
+    ) -> _Result:
+        """``run(policy)``: the backward of a ``forward()`` in a backward pass whose gradients
+        are summed before they are added (it goes through several forward() calls, or a tied
+        weight's hooks need its whole gradient): they go into the pass's arena (the policy's
+        ``pass_arena``; see :class:`PassGrads`). The pass's first call makes it and has the
+        engine call :meth:`_end_pass` under ``lock`` (the model's call lock) when the pass is
+        done. On failure the pass's sums are dropped, and the model's arena is untouched."""
         self.begin_call()
         task = torch._C._current_graph_task_id()
         grads = self._passes.get(task)
@@ -153,22 +181,19 @@ class GradientState:
             grads = self._passes[task] = PassGrads(self.memory.new_grad_arena())
             end_pass = functools.partial(self._end_pass_locked, lock, task, grads)
             torch.autograd.Variable._execution_engine.queue_callback(end_pass)
-        call.pass_arena = grads.arena
         try:
-            yield
+            result, outcome = run(GradientPolicy(pass_arena=grads.arena))
         except BaseException:
-            _settle(call)
             self._drop_pass(task)
             raise
-        finally:
-            call.pass_arena = None
-        self.pending.extend(call.pending)
-        grads.reached |= call.reached
+        self.pending.extend(outcome.pending)
+        grads.reached |= outcome.reached
+        return result
 
     def hooks_on_tied(self) -> bool:
         """Whether a parameter that several layers use (tied weights) has hooks: they run once,
         on its whole gradient, which only the end of the backward pass has (its uses' parts are
-        summed there, see :meth:`accumulating_in_pass`)."""
+        summed there, see :meth:`accumulate_in_pass`)."""
         return any(param._backward_hooks for param in self._tied)
 
     def _drop_pass(self, task: int) -> None:
@@ -372,4 +397,4 @@ class GradientState:
         self.dirty = True
 
 
-__all__ = ["GradientState", "PassGrads"]
+__all__ = ["GradientOutcome", "GradientPolicy", "GradientState", "PassGrads"]

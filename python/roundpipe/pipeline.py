@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from roundpipe._native import _C
 from roundpipe.context import annotate
 from roundpipe.device import device_at
+from roundpipe.gradients import GradientOutcome, GradientPolicy
 from roundpipe.layer_loop import NO_RANGE, LayerCalls, Phase, draw_call_seed, rng_scope
 from roundpipe.memory import ModelMemory
 from roundpipe.scheduler import ModelExecutePlan, RunType
@@ -148,22 +149,9 @@ class Call:
     on_cuda: bool = field(init=False, default_factory=on_cuda)
     # Whether the data-parallel ranks agreed on this call's backward stages (stage reduces).
     reduce_agreed: bool = field(init=False, default=False)
-    # Whether the host arena holds gradients of earlier calls when this call's backward stages
-    # run (set by roundpipe.gradients.GradientState.accumulating).
-    grads_in_arena: bool = field(init=False, default=False)
-    # False: a backward that wants the inputs' gradients only (torch.autograd.grad), so the
-    # parameters' are not downloaded.
-    keep_param_grads: bool = field(init=False, default=True)
-    # The backward of a forward() whose output a downstream model's forward_backward consumed
-    # (chained with merge_output=False): one pass per microbatch there, so its gradients are
-    # added one microbatch after the other, in order, onto the arena's, as forward_backward's
-    # own (set by roundpipe.autograd.PipelineNode.run_backward).
-    microbatch_passes: bool = field(init=False, default=False)
-    # The backward of a forward() in a backward pass whose gradients are summed before they are
-    # added (several forward() calls, a tied weight's hooks): they go into this arena of the
-    # pass, whose sums are added to the model's when the pass ends (set by
-    # roundpipe.gradients.GradientState.accumulating_in_pass).
-    pass_arena: torch.Tensor | None = field(init=False, default=None)
+    # What the backward stages of the run in progress do with the parameters' gradients (given
+    # to backward() / forward_backward()).
+    policy: GradientPolicy = field(init=False, default_factory=lambda: GradientPolicy())
     # ``id`` of each trained parameter a backward stage of this call gave a gradient (with
     # stage reduces: every trained parameter of those stages, as some rank may have).
     reached: set[int] = field(init=False, default_factory=set)
@@ -198,17 +186,24 @@ class Call:
                 self._check_output(m, value)
         return to_output_device(outputs, output_device)
 
-    def backward(self, grads: list[Any]) -> list[Any]:
+    def backward(
+        self, grads: list[Any], policy: GradientPolicy
+    ) -> tuple[list[Any], GradientOutcome]:
         """Recompute + backward stages from the output gradients (one list of leaf gradients per
-        microbatch); returns the input gradients in the same form."""
-        return self.run([Stage("backward", layers) for layers in self.plan.bwd_plan], grads)
+        microbatch), the parameters' gradients handled as ``policy`` says; returns the input
+        gradients in the same form, and what the stages reached and left in flight."""
+        self.policy = policy
+        stages = [Stage("backward", layers) for layers in self.plan.bwd_plan]
+        return self.run(stages, grads), self._outcome()
 
     def forward_backward(
-        self, inputs: list[Any], loss: LossSpec, output_device: torch.device
-    ) -> list[Any]:
-        """Forward, fused loss + backward, then backward stages; returns the input gradients and
-        leaves the losses (and the outputs on ``output_device``, if kept) in ``losses`` /
-        ``outputs``."""
+        self, inputs: list[Any], loss: LossSpec, output_device: torch.device, policy: GradientPolicy
+    ) -> tuple[list[Any], GradientOutcome]:
+        """Forward, fused loss + backward, then backward stages (the parameters' gradients
+        handled as ``policy`` says); returns the input gradients and what the stages reached and
+        left in flight, and leaves the losses (and the outputs on ``output_device``, if kept) in
+        ``losses`` / ``outputs``."""
+        self.policy = policy
         stages = (
             [Stage("forward", layers) for layers in self.plan.fwd_plan]
             + [Stage("fused", self.plan.bwd_plan[0])]
@@ -216,7 +211,10 @@ class Call:
         )
         grads = self.run(stages, inputs, loss)
         self.outputs, self.output_events = to_output_device(self.outputs, output_device)
-        return grads
+        return grads, self._outcome()
+
+    def _outcome(self) -> GradientOutcome:
+        return GradientOutcome(pending=list(self.pending), reached=set(self.reached))
 
     def run(
         self, stages: Sequence[Stage], values: list[Any], loss: LossSpec | None = None
@@ -235,15 +233,16 @@ class Call:
         # reduces sum the call's own gradients over the ranks.) A backward pass through several
         # forward() calls sums them in the pass's arena: each call's microbatches add to what
         # the calls before it left there, as the engine sums a gradient over the whole pass.
-        passes = self.run_type == "fused" or self.microbatch_passes
-        from_arena = self.pass_arena is not None or (
-            self.grads_in_arena and passes and self.runner.stage_reduce is None
+        policy = self.policy
+        passes = self.run_type == "fused" or policy.microbatch_passes
+        from_arena = policy.pass_arena is not None or (
+            policy.arena_holds_grads and passes and self.runner.stage_reduce is None
         )
         hooks: ParamHooks = "shared"
         if not passes:  # the backward of a forward(): one pass
-            hooks = "on_sums" if self.pass_arena is None else "later"
+            hooks = "on_sums" if policy.pass_arena is None else "later"
         uploads = Uploads(
-            memory, stages, self.runner.name, self.nvtx, from_arena, hooks, self.pass_arena
+            memory, stages, self.runner.name, self.nvtx, from_arena, hooks, policy.pass_arena
         )
         with rng_scope(), uploads:
             try:
@@ -255,6 +254,9 @@ class Call:
                 # incomplete: none are kept).
                 for calls in self.layer_calls.values():
                     calls.clock.flush(calls.loop, calls.action)
+            except BaseException:
+                self._settle_transfers()
+                raise
             finally:
                 self.layer_calls.clear()
                 memory.settle_buffers()
@@ -477,7 +479,7 @@ class Call:
         # backward of forward_backward (and of a forward() it consumed) is one pass per
         # microbatch, in order.
         order = range(len(grads))
-        if self.run_type == "train" and not self.microbatch_passes:
+        if self.run_type == "train" and not self.policy.microbatch_passes:
             order = order[::-1]
         with stage.bound(keep_buffer_updates=False, recomputed=True):
             new_grads = None
@@ -489,9 +491,18 @@ class Call:
                     new_grads[m] = self._recompute_backward_microbatch(
                         stage, native, m, grads[m], run
                     )
-        if self.keep_param_grads:
+        if self.policy.keep:
             self.pending.extend(self._download_grads(stage))
         return new_grads
+
+    def _settle_transfers(self) -> None:
+        """Wait for the transfers of a failed run, whatever their outcome (the run's own error
+        is what its caller needs), so that the gradient state may roll back what they wrote."""
+        for event in self.pending:
+            try:
+                event.synchronize()
+            except Exception:
+                pass
 
     def _recompute_backward_microbatch(
         self, stage: ResidentStage, native: range, microbatch: int, grad: Any, run: LayerCalls

@@ -41,7 +41,7 @@ from roundpipe.distributed import (
     resolve_reduce_mode,
 )
 from roundpipe.forwarding import ForwardingModule
-from roundpipe.gradients import GradientState
+from roundpipe.gradients import GradientOutcome, GradientPolicy, GradientState
 from roundpipe.memory import ModelMemory
 from roundpipe.pipeline import Call, LayerRunner, LossSpec
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, resolve_run_config
@@ -522,15 +522,18 @@ class RoundPipe(ForwardingModule):
         inputs = list(zip(args_list, kwargs_list, strict=True))
         call = self._new_call(config, "fused")
         call.input_events = packed_events((input_args, input_kwargs), n)
-        with runtime.gradients.accumulating(call):
-            grads = call.forward_backward(
-                inputs, LossSpec(labels, loss_fn, return_outputs), config.output_device
-            )
+        spec = LossSpec(labels, loss_fn, return_outputs)
+
+        def run(policy: GradientPolicy) -> tuple[tuple[Any, Any], GradientOutcome]:
+            grads, outcome = call.forward_backward(inputs, spec, config.output_device, policy)
             loss = _sum_losses(call.losses)
             outputs = (
                 _merge_or_pack(call.outputs, call.output_events, config) if return_outputs else None
             )
             backward_into_inputs(inputs, grads)
+            return (loss, outputs), outcome
+
+        loss, outputs = runtime.gradients.accumulate(run)
         return (loss, outputs) if return_outputs else loss
 
     @serialized

@@ -37,7 +37,7 @@ StageKind = Literal["forward", "fused", "backward"]
 # stage's sum over the microbatches (the backward of a forward(), one pass over them all:
 # :meth:`ResidentStage.run_hooks_on_sums`). "later": not in the stage; the gradients are summed
 # over the backward pass (it goes through several forward() calls, or a tied weight has hooks),
-# whose end runs them on the sums (roundpipe.gradients.GradientState.accumulating_in_pass).
+# whose end runs them on the sums (roundpipe.gradients.GradientState.accumulate_in_pass).
 ParamHooks = Literal["shared", "on_sums", "later"]
 
 _round_robin = itertools.count()
