@@ -44,7 +44,7 @@ namespace roundpipe::bindings {
 namespace {
 
 // torch.autograd.backward(outputs, grads) without its Python entry (argument normalisation and
-// shape checks in Python, about 40% of a small backward's host time): run_backward, which runs
+// shape checks in Python, a large part of a small backward's host time): run_backward, which runs
 // the pass on the calling thread where torch's engine would change nothing and hands any other
 // graph to the engine (torch's PythonEngine, so Python hooks and custom Functions behave as under
 // torch.autograd.backward); gradients accumulated into the leaves, the graph freed. A shape

@@ -31,7 +31,7 @@ namespace roundpipe::optim::kernels {
 // How far ahead of the element being updated the Adam kernel prefetches each stream: 2 KiB of
 // fp32 state. The hardware prefetchers stop at every 4 KiB page boundary and track few streams;
 // Adam runs 4 to 6 streams per thread, and without this it is latency-bound below the memory
-// bandwidth (+10% measured at 10M and 100M parameters; 256 to 1024 measured alike, 2048 worse).
+// bandwidth (benchmarks/adam_cpu.py measures the distances).
 inline constexpr std::int64_t kPrefetchAhead = 512;
 
 // The random bits of stochastic rounding: a hash (murmur3's finaliser) of the element's index
@@ -327,9 +327,9 @@ struct Int8Block {
 // The blocks in [begin, end) (block-aligned) of one tensor with 8-bit moments. A last block
 // whose length is not a multiple of kWidth runs on zero-padded copies (zeros leave its scales
 // as they are), so the tail rounds exactly as the scalar kernel would.
-// Blocks ahead that adam_int8_blocks prefetches: kPrefetchAhead elements, as adam_vectors. The
-// prefetch of all four lines of each block's codes, not just the first, took the 8-bit step at
-// 50M parameters from 19.3 to 15.3 ms (fp32 moments: 23.2).
+// Blocks ahead that adam_int8_blocks prefetches: kPrefetchAhead elements, as adam_vectors; all
+// four lines of each block's codes are prefetched, not just the first (the step is latency-bound
+// otherwise).
 inline constexpr std::int64_t kAheadBlocks = kPrefetchAhead / kStateBlock;
 
 template <class Isa, DType G, DType O>

@@ -1,4 +1,4 @@
-// Stage planner: the native core of ModelExecutePlan.auto (SPEC 2.4, seed 000).
+// Stage planner: the native core of ModelExecutePlan.auto.
 //
 // Input, per model: per-layer forward time f, recompute time r, backward time b, forward memory
 // (parameters) and backward memory (parameters + gradients). A forward stage costs the sum of f

@@ -1,6 +1,6 @@
 // Schedule simulator: predicts the iteration time of RoundPipe's round-robin dispatch.
 //
-// Model of the runtime (SPEC 1):
+// Model of the runtime:
 //   * stage s runs on device s mod D; a device runs its stages in order, one at a time, each stage
 //     processing microbatches 0..M-1 in order;
 //   * stage s of microbatch m starts after stage s-1 of microbatch m (activation / gradient

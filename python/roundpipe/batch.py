@@ -1,4 +1,4 @@
-"""Splitting a batch into microbatches and merging the microbatch outputs back (seed 000).
+"""Splitting a batch into microbatches and merging the microbatch outputs back.
 
 Values are walked as ``torch.utils._pytree`` trees: tuples, lists, dicts, namedtuples and nodes the
 user registered with ``register_pytree_node`` are recursed into; everything else is a leaf, kept

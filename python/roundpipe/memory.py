@@ -480,9 +480,6 @@ class ModelMemory:
         assert slot.grad_offset is not None
         return typed_view(self.grads if arena is None else arena, slot.grad_offset, slot.param)
 
-    def param_range(self, layers: range) -> tuple[int, int]:
-        return self.layers[layers.start].begin, self.layers[layers.stop - 1].end
-
     def grad_range(self, layers: range) -> tuple[int, int]:
         return self.layers[layers.start].grad_begin, self.layers[layers.stop - 1].grad_end
 

@@ -1,4 +1,4 @@
-"""Run configuration of a RoundPipe call (seed 000) and its resolution against the model's."""
+"""Run configuration of a RoundPipe call and its resolution against the model's."""
 
 from __future__ import annotations
 
