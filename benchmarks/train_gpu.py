@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -182,8 +183,14 @@ def worker(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def run_worker(system: str, seq: int, args: argparse.Namespace) -> dict[str, object] | str:
-    """Runs one worker subprocess; its measurements, or a one-line reason it has none."""
+def run_worker(
+    system: str, seq: int, args: argparse.Namespace, deadline: float = float("inf")
+) -> dict[str, object] | str:
+    """Runs one worker subprocess, for at most ``--timeout`` seconds and never past
+    ``deadline`` (``time.monotonic()``); its measurements, or a one-line reason it has none."""
+    timeout = min(args.timeout, deadline - time.monotonic())
+    if timeout <= 1:
+        return "not run: the budget was spent"
     env = dict(os.environ)
     if system == "rp011":
         if not args.peer_path or not (Path(args.peer_path) / "roundpipe").is_dir():
@@ -198,10 +205,10 @@ def run_worker(system: str, seq: int, args: argparse.Namespace) -> dict[str, obj
         command.append("--cpu-smoke")
     try:
         done = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=args.timeout, check=False
+            command, env=env, capture_output=True, text=True, timeout=timeout, check=False
         )
     except subprocess.TimeoutExpired:
-        return f"timed out after {args.timeout} s"
+        return f"timed out after {timeout:.0f} s"
     if args.log_dir:
         log = Path(args.log_dir) / f"train_{system}_{seq}.log"
         with log.open("a") as handle:
@@ -223,7 +230,7 @@ def fit_search(system: str, args: argparse.Namespace, deadline: float) -> str:
     seq, fits = max(args.seqs), "none"
     while seq <= args.fit_max and time.monotonic() < deadline:
         quick = argparse.Namespace(**{**vars(args), "iters": 1, "warmup": 1})
-        result = run_worker(system, seq, quick)
+        result = run_worker(system, seq, quick, deadline)
         if isinstance(result, str):
             return fits if fits != "none" else f"none ({result})"
         fits, seq = str(seq), seq * 2
@@ -258,6 +265,9 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    # Ctrl-C (a caller's deadline) ends the runs with the table of what was measured, also when
+    # this process was started in the background with SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.worker:
         args.seq = int(args.seq)
         print("RESULT " + json.dumps(worker(args)), flush=True)
@@ -286,18 +296,22 @@ def main() -> None:
     runs: dict[tuple[str, int], list[dict[str, object]]] = {}
     notes: dict[tuple[str, int], str] = {}
     # Round-major, so a budget that runs out still leaves every length measured once.
-    for round_index in range(args.rounds):
-        for seq in args.seqs:
-            order = systems if round_index % 2 == 0 else systems[::-1]  # A/B then B/A
-            for system in order:
-                if (system, seq) in notes or time.monotonic() > deadline:
-                    continue
-                result = run_worker(system, seq, args)
-                print(f"  seq {seq} round {round_index} {system}: {result}", flush=True)
-                if isinstance(result, str):
-                    notes[(system, seq)] = result
-                else:
-                    runs.setdefault((system, seq), []).append(result)
+    try:
+        for round_index in range(args.rounds):
+            for seq in args.seqs:
+                order = systems if round_index % 2 == 0 else systems[::-1]  # A/B then B/A
+                for system in order:
+                    if (system, seq) in notes or time.monotonic() > deadline:
+                        continue
+                    result = run_worker(system, seq, args, deadline)
+                    print(f"  seq {seq} round {round_index} {system}: {result}", flush=True)
+                    if isinstance(result, str):
+                        notes[(system, seq)] = result
+                    else:
+                        runs.setdefault((system, seq), []).append(result)
+    except KeyboardInterrupt:
+        print("interrupted: the table holds the runs that finished", flush=True)
+        deadline = float("-inf")  # no fit search either
 
     def median(system: str, seq: int, key: str) -> float | None:
         values = [float(r[key]) for r in runs.get((system, seq), [])]  # type: ignore[arg-type]

@@ -4,19 +4,30 @@
 # no network), where one call may run at most 10 minutes: pick the stages of each call.
 #
 #   bash benchmarks/gpu/run.sh [--cpu-smoke] [STAGE ...]       (default: all)
+#   bash benchmarks/gpu/run.sh [--cpu-smoke] proof               (the first call on a GPU)
 #
 # Stages, in this order whatever order they are given in:
 #   build        the extension with CUDA against the running torch (TORCH_CUDA_ARCH_LIST=9.0), in a
 #                persistent build folder, so a later call on the same warm machine rebuilds
 #                incrementally; prints nvcc, the CUDA headers, torch and the GPU first
 #   test         the whole pytest suite with ROUNDPIPE_DEVICE_KIND=cuda (junit + log)
-#   bench-train  benchmarks/train_gpu.py: ours vs roundpipe 0.1.1 vs the GPU-resident bound
+#   test-cuda    the tests marked requires_cuda
 #   bench-micro  the C++ microbenchmarks of benchmarks/cpp (roundpipe_*_bench, built by the build
 #                stage with ROUNDPIPE_BUILD_BENCHMARKS=ON into its build folder)
+#   bench-train  benchmarks/train_gpu.py: ours vs roundpipe 0.1.1 vs the GPU-resident bound
+#   test-core    the cuda and cuda3 cases of the core test files (correctness, local backward,
+#                fused path, step, compat, presets; cpu-smoke: their 3dev cases); reaching the
+#                stage's deadline stops it with what ran, which fails only if a test failed
 #   profile      the training benchmark, briefly, under nsys (else ncu on a few kernels)
-#   all          every stage above
+#   all          build test bench-micro bench-train profile
 # Without `build`, a call that finds no usable build, or sources changed since it, builds first.
 # A failed build skips the later stages; any other failure is recorded and the next stage runs.
+#
+# proof: the preset for one call of at most RUN_BUDGET=530 s: build, test-cuda, bench-micro,
+# bench-train (1K and 4K tokens on the ~1B model, one round) and test-core with whatever is left.
+# Each stage has a deadline of its own (build 200 s, test-cuda 90, bench-micro 30, bench-train
+# 190), so a hang in one leaves the later ones their time. roundpipe 0.1.1's Adam (compiled on
+# first use) is compiled in the background from the start of the call.
 #
 # --cpu-smoke runs the same stages on virtual CPU devices with tiny sizes and no CUDA build (the
 # already-built roundpipe of the chosen python; its build stage builds only the C++
@@ -28,9 +39,12 @@
 #                     at most 8 files)
 #   ROUNDPIPE_PYTHON  python to use (default: python3 on a GPU; .venv/bin/python, else python3,
 #                     with --cpu-smoke)
-#   RUN_BUDGET        seconds for the whole call (default 570); each stage gets what is left
-#   PYTEST_ARGS       replaces the test selection (default: tests, or a quick subset when smoke)
-#   TRAIN_ARGS        extra arguments for train_gpu.py (later ones win, e.g. "--seq 16384")
+#   RUN_BUDGET        seconds for the whole call (default 570, proof 530); each stage gets what
+#                     is left, or its own deadline under proof if that comes first
+#   PYTEST_ARGS       replaces the test selection of `test` (default: tests, or a quick subset
+#                     when smoke); words are split as a shell would: -k "a and b" stays one word
+#   TRAIN_ARGS        extra arguments for train_gpu.py (later ones win, e.g. "--seq 16384"),
+#                     split likewise
 #   PEER_DIR          where the 0.1.1 wheels of .whl/ are installed (default build/peer)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -38,6 +52,7 @@ repo=$PWD
 start=$SECONDS
 
 smoke="${RUN_SMOKE:-0}"
+proof="${RUN_PROOF:-0}"
 stages=()
 internal=""
 if [ "${1:-}" = __stage ]; then # run.sh re-runs itself per stage, so `timeout` can bound it
@@ -47,11 +62,15 @@ fi
 for arg in "$@"; do
   case "$arg" in
     --cpu-smoke) smoke=1 ;;
-    build | test | bench-train | bench-micro | profile) stages+=("$arg") ;;
+    build | test | test-cuda | bench-train | bench-micro | test-core | profile) stages+=("$arg") ;;
     all) stages+=(build test bench-train bench-micro profile) ;;
+    proof)
+      proof=1
+      stages+=(build test-cuda bench-micro bench-train test-core)
+      ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) echo "run.sh: unknown argument '$arg' (stages: build test bench-train bench-micro" \
-      "profile all; option --cpu-smoke)" >&2; exit 2 ;;
+    *) echo "run.sh: unknown argument '$arg' (stages: build test test-cuda bench-micro" \
+      "bench-train test-core profile all proof; option --cpu-smoke)" >&2; exit 2 ;;
   esac
 done
 [ ${#stages[@]} -gt 0 ] || stages=(build test bench-train bench-micro profile)
@@ -63,8 +82,9 @@ OUT=$(cd "$OUT" && pwd)
 logs="$OUT/logs"
 mkdir -p "$logs"
 summary="$OUT/summary.txt"
-deadline="${RUN_DEADLINE:-$(($(date +%s) + ${RUN_BUDGET:-570}))}"
+deadline="${RUN_DEADLINE:-$(($(date +%s) + ${RUN_BUDGET:-$([ "$proof" = 1 ] && echo 530 || echo 570)}))}"
 peer_dir="${PEER_DIR:-$repo/build/peer}"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$repo/build/torch_extensions}"
 if [ -n "${ROUNDPIPE_PYTHON:-}" ]; then
   python="$ROUNDPIPE_PYTHON"
 elif [ "$smoke" = 1 ] && [ -x .venv/bin/python ]; then
@@ -79,9 +99,23 @@ build_dir="build/gpu-$([ "$smoke" = 0 ] || echo smoke-)$py_tag"
 stamp() { echo "=== $(date -u +%H:%M:%S) [+$((SECONDS - start))s] $*"; }
 note() { echo "$*" | tee -a "$summary"; }
 
-# Seconds the next stage may take: what is left of the budget, less a margin for packing up.
+# The proof preset's deadline of each stage, in seconds (none: what is left of the budget).
+proof_cap() {
+  case "$1" in
+    build) echo 200 ;;
+    test-cuda) echo 90 ;;
+    bench-micro) echo 30 ;;
+    bench-train) echo 190 ;;
+    *) echo "" ;;
+  esac
+}
+
+# Seconds stage NAME may take: what is left of the budget, less a margin for packing up; under
+# proof no more than the stage's own deadline.
 stage_limit() {
-  local left=$((deadline - $(date +%s) - 15))
+  local left=$((deadline - $(date +%s) - 15)) cap=""
+  [ "$proof" = 0 ] || cap=$(proof_cap "${1:-}")
+  [ -z "$cap" ] || [ "$cap" -ge "$left" ] || left=$cap
   [ "$left" -gt 10 ] || left=10
   echo "$left"
 }
@@ -89,17 +123,47 @@ stage_limit() {
 # run_stage NAME: banner, time limit, log, exit status into the summary. 3 means "skipped".
 run_stage() {
   local name=$1 limit t0=$SECONDS rc=0
-  limit=$(stage_limit)
+  limit=$(stage_limit "$name")
   stamp "stage $name (limit ${limit}s)" | tee -a "$logs/$name.log"
-  RUN_SMOKE=$smoke RUN_DEADLINE=$deadline OUT=$OUT ROUNDPIPE_PYTHON=$python \
-    timeout -s INT -k 20 "$limit" bash "$0" __stage "$name" 2>&1 | tee -a "$logs/$name.log" ||
-    rc=${PIPESTATUS[0]}
+  RUN_SMOKE=$smoke RUN_PROOF=$proof RUN_DEADLINE=$deadline RUN_STAGE_LIMIT=$limit OUT=$OUT \
+    ROUNDPIPE_PYTHON=$python timeout -s INT -k 20 "$limit" bash "$0" __stage "$name" 2>&1 |
+    tee -a "$logs/$name.log" || rc=${PIPESTATUS[0]}
   local verdict=ok
   [ "$rc" = 0 ] || verdict="FAILED (exit $rc$([ "$rc" = 124 ] && echo ', timed out'))"
   [ "$rc" != 3 ] || verdict="skipped (see its log)"
   note "stage $name: $verdict in $((SECONDS - t0))s"
+  stage_results "$name"
   return "$rc"
 }
+
+# The figures of stage NAME, from its log, into the summary beside its verdict.
+stage_results() {
+  local log="$logs/$1.log"
+  [ -f "$log" ] || return 0
+  case "$1" in
+    test | test-cuda | test-core)
+      grep -h -E '^(=+ .*(passed|failed|error|skipped|deselected).* =+$|[0-9]+ (passed|failed|error|skipped|deselected)|FAILED|ERROR|deadline:)' \
+        "$log" | tail -n 30 | sed 's/^/  /' >>"$summary" || true
+      ;;
+    bench-micro) grep -v -E '^(BENCH_JSON|=== )' "$log" | sed 's/^/  /' >>"$summary" || true ;;
+    bench-train) sed -n '/^|/p; /^- largest/p; /^interrupted/p; /^peer warm-up: r/p' "$log" |
+      sed 's/^/  /' >>"$summary" || true ;;
+    build) grep -E '^(roundpipe build:|CUDA toolkit:|torch [0-9])' "$log" | sed 's/^/  /' >>"$summary" || true ;;
+  esac
+}
+
+# split_words VALUE: VALUE's words one per line, NUL-terminated, split as a shell would split
+# them (quotes group, backslashes escape; nothing is expanded or run).
+split_words() {
+  "$python" -c 'import shlex, sys; sys.stdout.write("".join(w + "\0" for w in shlex.split(sys.argv[1])))' "$1"
+}
+
+# pytest with Ctrl-C restored (a call started in the background inherits it ignored), so the
+# stage's deadline (SIGINT) ends it with its summary and junit report.
+pytest_command=("$python" -c 'import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))' -p no:cacheprovider -ra -q)
 
 # ---------------------------------------------------------------- environment
 # shellcheck source=../../tools/cuda_env.sh
@@ -185,20 +249,57 @@ stage_build() {
     source_hash >"$build_dir/source-hash"
 }
 
+device_kind() { [ "$smoke" = 1 ] && echo cpu || echo cuda; }
+
 stage_test() {
-  local args
+  local args=()
   if [ -n "${PYTEST_ARGS:-}" ]; then
-    read -r -a args <<<"$PYTEST_ARGS"
+    mapfile -d '' -t args < <(split_words "$PYTEST_ARGS")
   elif [ "$smoke" = 1 ]; then
     args=(tests/test_cuda.py tests/test_package.py)
   else
     args=(tests)
   fi
-  local kind=cuda
-  [ "$smoke" = 0 ] || kind=cpu
-  echo "ROUNDPIPE_DEVICE_KIND=$kind pytest ${args[*]}"
-  ROUNDPIPE_DEVICE_KIND=$kind "$python" -m pytest -p no:cacheprovider -ra -q \
-    --junitxml="$logs/junit.xml" "${args[@]}"
+  echo "ROUNDPIPE_DEVICE_KIND=$(device_kind) pytest$(printf ' %q' "${args[@]}")"
+  ROUNDPIPE_DEVICE_KIND=$(device_kind) "${pytest_command[@]}" --junitxml="$logs/junit.xml" \
+    "${args[@]}"
+}
+
+stage_test_cuda() {
+  echo "ROUNDPIPE_DEVICE_KIND=$(device_kind) pytest -m requires_cuda tests"
+  ROUNDPIPE_DEVICE_KIND=$(device_kind) "${pytest_command[@]}" \
+    --junitxml="$logs/junit-cuda.xml" -m requires_cuda tests
+}
+
+# The core files' cases on the devices at hand, until the stage's deadline: pytest gets a
+# deadline of its own a little earlier, so that it stops with its summary; stopped there, the
+# stage counts as passed unless a test that ran failed.
+stage_test_core() {
+  local files=(tests/test_correctness.py tests/test_local_backward.py tests/test_fused_path.py
+    tests/test_step.py tests/test_compat.py tests/test_presets.py)
+  local cases=cuda
+  [ "$smoke" = 0 ] || cases=3dev
+  local limit=$((${RUN_STAGE_LIMIT:-600} - 25)) rc=0
+  [ "$limit" -gt 5 ] || limit=5
+  echo "ROUNDPIPE_DEVICE_KIND=$(device_kind) pytest -k $cases ${files[*]} (deadline ${limit}s)"
+  ROUNDPIPE_DEVICE_KIND=$(device_kind) timeout -s INT -k 15 "$limit" "${pytest_command[@]}" \
+    --junitxml="$logs/junit-core.xml" -k "$cases" "${files[@]}" || rc=$?
+  [ "$rc" = 124 ] || return "$rc"
+  "$python" - "$logs/junit-core.xml" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+
+try:
+    suites = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError) as error:
+    sys.exit(f"deadline: stopped; no junit report ({error})")
+suite = suites if suites.tag == "testsuite" else suites.find("testsuite")
+counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+bad = counts["failures"] + counts["errors"]
+print(f"deadline: stopped after {counts['tests']} tests ({bad} failed, {counts['skipped']} "
+      "skipped); the rest did not run")
+sys.exit(1 if bad else 0)
+PY
 }
 
 install_peer() {
@@ -213,6 +314,31 @@ install_peer() {
   echo "roundpipe 0.1.1 installed in $peer_dir"
 }
 
+# 0.1.1 compiles its CPU Adam with torch's cpp_extension (ninja, -march=native) on first use, in
+# the run it times; this compiles it into TORCH_EXTENSIONS_DIR beforehand. ninja from the peer's
+# wheels when none is on PATH.
+peer_path() { command -v ninja >/dev/null && echo "$PATH" || echo "$peer_dir/bin:$PATH"; }
+warm_peer() {
+  install_peer
+  [ -d "$peer_dir/roundpipe" ] || return 0
+  echo "compiling roundpipe 0.1.1's Adam into $TORCH_EXTENSIONS_DIR"
+  # The builder module alone: importing 0.1.1's package asks every GPU for its memory.
+  PATH=$(peer_path) PYTHONPATH="$peer_dir" "$python" - "$peer_dir" <<'PY'
+import importlib.util
+import sys
+import time
+
+start = time.monotonic()
+path = f"{sys.argv[1]}/roundpipe/optim/optim_builder.py"
+spec = importlib.util.spec_from_file_location("peer_optim_builder", path)
+assert spec is not None and spec.loader is not None
+builder = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(builder)
+builder.load_optim_function("adam")
+print(f"roundpipe 0.1.1 Adam ready in {time.monotonic() - start:.0f} s")
+PY
+}
+
 train_args() {
   if [ "$smoke" = 1 ]; then
     echo --cpu-smoke --params 400K --width 64 --heads 4 --vocab 256 --tokens 256 --iters 1
@@ -223,12 +349,16 @@ train_args() {
 
 stage_bench_train() {
   install_peer
-  local args
-  read -r -a args <<<"$(train_args) ${TRAIN_ARGS:-}"
+  local args=() extra=()
+  read -r -a args <<<"$(train_args)"
   [ "$smoke" = 0 ] || args+=(--seq 32 --rounds 1 --timeout 120)
-  export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$repo/build/torch_extensions}"
-  "$python" benchmarks/train_gpu.py "${args[@]}" --peer-path "$peer_dir" \
-    --log-dir "$logs/train" --budget "$(($(stage_limit) > 60 ? $(stage_limit) - 30 : 30))" |
+  [ "$proof" = 0 ] || args+=(--seq "$([ "$smoke" = 1 ] && echo 32,64 || echo 1024,4096)"
+    --rounds 1 --iters 2)
+  [ -z "${TRAIN_ARGS:-}" ] || mapfile -d '' -t extra < <(split_words "$TRAIN_ARGS")
+  local limit=${RUN_STAGE_LIMIT:-$(stage_limit bench-train)}
+  # Its budget ends before the stage's deadline, so that it prints what it measured.
+  PATH=$(peer_path) "$python" benchmarks/train_gpu.py "${args[@]}" "${extra[@]}" \
+    --peer-path "$peer_dir" --log-dir "$logs/train" --budget "$((limit > 40 ? limit - 15 : 25))" |
     tee "$logs/train_table.txt"
 }
 
@@ -250,8 +380,10 @@ stage_bench_micro() {
 }
 
 stage_profile() {
-  local args
-  read -r -a args <<<"$(train_args) ${TRAIN_ARGS:-}"
+  local args=() extra=()
+  read -r -a args <<<"$(train_args)"
+  [ -z "${TRAIN_ARGS:-}" ] || mapfile -d '' -t extra < <(split_words "$TRAIN_ARGS")
+  args+=("${extra[@]}")
   if [ "$smoke" = 1 ]; then
     args+=(--seq 32 --rounds 1 --systems ours)
   else
@@ -303,9 +435,15 @@ pack_logs() {
 }
 trap pack_logs EXIT
 trap 'exit 130' INT TERM
+: >"$summary"
 note "run.sh $(date -u +%Y-%m-%dT%H:%M:%SZ) mode=$([ "$smoke" = 1 ] && echo cpu-smoke || echo gpu)" \
   "stages=${stages[*]} python=$python commit=$(git rev-parse --short HEAD 2>/dev/null || echo ?)"
 
+warm_pid=""
+if wanted bench-train; then
+  warm_peer >"$logs/peer-warm.log" 2>&1 &
+  warm_pid=$!
+fi
 build_ok=1
 if wanted build; then
   run_stage build || build_ok=0
@@ -316,18 +454,20 @@ elif [ "$smoke" = 0 ] && [ "$(source_hash)" != "$(cat "$build_dir/source-hash" 2
   note "sources changed since the last build: running the build stage first"
   run_stage build || build_ok=0
 fi
-for stage in test bench-train bench-micro profile; do
+for stage in test test-cuda bench-micro bench-train test-core profile; do
   wanted "$stage" || continue
   if [ "$build_ok" = 0 ]; then
     note "stage $stage: skipped (build failed)"
     continue
   fi
+  if [ "$stage" = bench-train ] && [ -n "$warm_pid" ]; then
+    # A minute at most: a compile still running then is waited for by 0.1.1's first run
+    # (torch's extension lock), within that run's own time limit.
+    timeout 60 tail --pid="$warm_pid" -f /dev/null || true
+    sed 's/^/peer warm-up: /' "$logs/peer-warm.log" | tail -n 5 | tee -a "$logs/bench-train.log"
+  fi
   run_stage "$stage" || true
 done
-grep -h -E '^(=+ .*(passed|failed|error).* =+$|[0-9]+ (passed|failed|error)|FAILED|ERROR)' \
-  "$logs/test.log" 2>/dev/null |
-  tail -n 40 >>"$summary" || true
-[ ! -f "$logs/train_table.txt" ] || sed -n '/^|/p; /^- largest/p' "$logs/train_table.txt" >>"$summary"
 stamp "done; summary:"
 cat "$summary"
 failed=$(grep -c -E '^stage .*: FAILED|skipped \(build failed\)' "$summary" || true)
