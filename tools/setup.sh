@@ -2,10 +2,15 @@
 # Sets up everything in ./.venv (idempotent; a re-run rebuilds incrementally):
 # torch, the build tools, and roundpipe itself with its test and lint extras.
 #   ROUNDPIPE_TORCH       torch requirement to install; overrides the choice below
-#   ROUNDPIPE_CUDA_TORCH  torch to install where a GPU is present and no torch is (torch==2.14.1)
+#   ROUNDPIPE_CUDA_TORCH  torch to install where a GPU is present and no torch is (torch==2.11.0,
+#                         the GPU machines' own and the CUDA build CI tests)
 #   ROUNDPIPE_VENV        the virtual environment's folder (default .venv); may be an existing
 #                         environment, a system one included
 #   ROUNDPIPE_OFFLINE=1   install from no package index (what is installed must suffice)
+#   ROUNDPIPE_BUILD_BENCHMARKS=1  also build the C++ microbenchmarks (benchmarks/cpp) into the
+#                         build folder
+#   TORCH_CUDA_ARCH_LIST  GPU architectures for a CUDA build (default 9.0: roundpipe compiles no
+#                         kernels, but torch's CMake fails to detect them without it)
 #
 # Which torch, without ROUNDPIPE_TORCH:
 #   * a CUDA torch already in the environment is kept. A new environment sees the system's
@@ -46,8 +51,8 @@ if [ -n "$torch_spec" ]; then
 elif [ -n "$installed_cuda" ]; then
   echo "keeping torch $("$python" -c 'import torch; print(torch.__version__)') (CUDA $installed_cuda)"
 elif ! "$python" -c 'import torch' 2>/dev/null && nvidia-smi >/dev/null 2>&1; then
-  echo "a GPU is present: installing ${ROUNDPIPE_CUDA_TORCH:-torch==2.14.1} (a CUDA build)"
-  "${pip[@]}" "${ROUNDPIPE_CUDA_TORCH:-torch==2.14.1}"
+  echo "a GPU is present: installing ${ROUNDPIPE_CUDA_TORCH:-torch==2.11.0} (a CUDA build)"
+  "${pip[@]}" "${ROUNDPIPE_CUDA_TORCH:-torch==2.11.0}"
 else
   "${pip[@]}" torch==2.13.0
 fi
@@ -61,6 +66,10 @@ or build for the CPU with a CPU torch: ROUNDPIPE_TORCH=torch==2.13.0 and a fresh
 MSG
   exit 1
 fi
+if [ -n "$torch_cuda" ]; then
+  export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+  echo "CUDA build for TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
+fi
 
 # The build backend next: the package is built without isolation against this torch.
 "${pip[@]}" "scikit-build-core>=0.10" ninja
@@ -70,8 +79,10 @@ if [ ${#offline[@]} -gt 0 ]; then
   echo "offline: installing without the lint extras (ruff, clang-format)"
 fi
 # One build folder per environment, so a CPU and a CUDA variant can live side by side.
-"${pip[@]}" --no-build-isolation --config-settings=build-dir="build/$(basename "$venv")" \
-  ".[$extras]"
+build_options=(--config-settings=build-dir="build/$(basename "$venv")")
+[ "${ROUNDPIPE_BUILD_BENCHMARKS:-0}" = 0 ] ||
+  build_options+=(--config-settings=cmake.define.ROUNDPIPE_BUILD_BENCHMARKS=ON)
+"${pip[@]}" --no-build-isolation "${build_options[@]}" ".[$extras]"
 "$python" -c "import roundpipe; from roundpipe._native import BUILD_INFO as b
 print('roundpipe', roundpipe.__version__, 'ready in $venv, torch', b['torch_version'],
       'CUDA', b['cuda_version'] or 'off')"
