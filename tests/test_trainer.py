@@ -234,3 +234,25 @@ def test_bad_arguments(tmp_path: Path) -> None:
         RoundPipeTrainer(model, args, optimizers=(opt, None))
     with pytest.raises(TypeError, match="unwrapped"):
         RoundPipeTrainer(copy.deepcopy(torch.nn.Linear(2, 2)).__class__, args)  # type: ignore[arg-type]
+
+
+def test_torchrun_ranks_match_trainer_under_ddp(tmp_path: Path) -> None:
+    # 2 ranks under torchrun (gloo): RoundPipeTrainer takes the data-parallel group (replicas,
+    # sharded host optimizer) and logs what plain Trainer logs under DistributedDataParallel.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).with_name("trainer_ranks.py")
+    logs = {}
+    for which in ("trainer", "roundpipe"):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += ["--nproc-per-node", "2", str(script), str(tmp_path), which]
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=300, env=os.environ.copy()
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        logs[which] = json.loads((tmp_path / f"{which}.json").read_text())
+    assert len(logs["trainer"]) == STEPS
+    assert_logs_match(logs["roundpipe"], logs["trainer"])
