@@ -256,3 +256,23 @@ def test_torchrun_ranks_match_trainer_under_ddp(tmp_path: Path) -> None:
         logs[which] = json.loads((tmp_path / f"{which}.json").read_text())
     assert len(logs["trainer"]) == STEPS
     assert_logs_match(logs["roundpipe"], logs["trainer"])
+
+
+def test_fp16_trains_an_fp16_model_with_fp32_copies_and_a_scaler(
+    tmp_path: Path, reference: list[dict[str, float]]
+) -> None:
+    # fp16=True: the model in fp16, fp32 optimizer copies, roundpipe.GradScaler scaling the
+    # loss; the logged losses follow fp32 Trainer's within fp16's rounding.
+    model = tiny_qwen3()
+    trainer = RoundPipeTrainer(
+        model, arguments(tmp_path, fp16=True), train_dataset=dataset(), async_step=False
+    )
+    trainer.train()
+    assert next(model.parameters()).dtype == torch.float16
+    assert trainer.scaler is not None and trainer.scaler.get_scale() > 1.0
+    copies = list(trainer.roundpipe_model.optim_parameters())
+    assert copies and all(copy.dtype == torch.float32 for copy in copies)
+    ours = step_logs(trainer)
+    assert [entry["step"] for entry in ours] == [entry["step"] for entry in reference]
+    for mine, ref in zip(ours, reference, strict=True):
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=2e-3), (mine, ref)
