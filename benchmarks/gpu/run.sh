@@ -148,14 +148,23 @@ stage_results() {
     bench-micro) grep -v -E '^(BENCH_JSON|=== )' "$log" | sed 's/^/  /' >>"$summary" || true ;;
     bench-train) sed -n '/^|/p; /^- largest/p; /^interrupted/p; /^peer warm-up: r/p' "$log" |
       sed 's/^/  /' >>"$summary" || true ;;
-    build) grep -E '^(roundpipe build:|CUDA toolkit:|torch [0-9])' "$log" | sed 's/^/  /' >>"$summary" || true ;;
+    build) grep -E '^(roundpipe build:|CUDA toolkit:|torch [0-9]|GPU [0-9])' "$log" |
+      awk '!seen[$0]++ { print "  " $0 }' >>"$summary" || true ;;
   esac
 }
 
-# split_words VALUE: VALUE's words one per line, NUL-terminated, split as a shell would split
-# them (quotes group, backslashes escape; nothing is expanded or run).
-split_words() {
-  "$python" -c 'import shlex, sys; sys.stdout.write("".join(w + "\0" for w in shlex.split(sys.argv[1])))' "$1"
+# read_words ARRAY VALUE: ARRAY set to VALUE's words, split as a shell would split them (quotes
+# group, backslashes escape; nothing is expanded or run); fails, saying why, on unbalanced quotes.
+read_words() {
+  local -n words=$1
+  local split='import shlex, sys
+try:
+    words = shlex.split(sys.argv[1])
+except ValueError as error:
+    sys.exit(f"cannot split {sys.argv[1]!r} into words: {error}")
+sys.stdout.write("".join(w + "\0" for w in words))'
+  "$python" -c "$split" "$2" >/dev/null || return 1
+  mapfile -d '' -t words < <("$python" -c "$split" "$2")
 }
 
 # pytest with Ctrl-C restored (a call started in the background inherits it ignored), so the
@@ -254,7 +263,7 @@ device_kind() { [ "$smoke" = 1 ] && echo cpu || echo cuda; }
 stage_test() {
   local args=()
   if [ -n "${PYTEST_ARGS:-}" ]; then
-    mapfile -d '' -t args < <(split_words "$PYTEST_ARGS")
+    read_words args "$PYTEST_ARGS" || return 2
   elif [ "$smoke" = 1 ]; then
     args=(tests/test_cuda.py tests/test_package.py)
   else
@@ -354,7 +363,7 @@ stage_bench_train() {
   [ "$smoke" = 0 ] || args+=(--seq 32 --rounds 1 --timeout 120)
   [ "$proof" = 0 ] || args+=(--seq "$([ "$smoke" = 1 ] && echo 32,64 || echo 1024,4096)"
     --rounds 1 --iters 2)
-  [ -z "${TRAIN_ARGS:-}" ] || mapfile -d '' -t extra < <(split_words "$TRAIN_ARGS")
+  read_words extra "${TRAIN_ARGS:-}" || return 2
   local limit=${RUN_STAGE_LIMIT:-$(stage_limit bench-train)}
   # Its budget ends before the stage's deadline, so that it prints what it measured.
   PATH=$(peer_path) "$python" benchmarks/train_gpu.py "${args[@]}" "${extra[@]}" \
@@ -382,7 +391,7 @@ stage_bench_micro() {
 stage_profile() {
   local args=() extra=()
   read -r -a args <<<"$(train_args)"
-  [ -z "${TRAIN_ARGS:-}" ] || mapfile -d '' -t extra < <(split_words "$TRAIN_ARGS")
+  read_words extra "${TRAIN_ARGS:-}" || return 2
   args+=("${extra[@]}")
   if [ "$smoke" = 1 ]; then
     args+=(--seq 32 --rounds 1 --systems ours)
