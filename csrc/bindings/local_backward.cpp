@@ -39,7 +39,7 @@ std::atomic<std::int64_t> engine_runs{0};
 // The torch releases the passes on the calling thread were checked against (CI builds and tests
 // them); any other sends every pass to torch's engine, whose internals this file restates.
 constexpr bool kCheckedTorch =
-    TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 11 && TORCH_VERSION_MINOR <= 14;
+    TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 11 && TORCH_VERSION_MINOR <= 13;
 
 // Whether passes may run on the calling thread at all: a checked torch with graph exec groups,
 // and ROUNDPIPE_LOCAL_BACKWARD not "0" (read once, when the module loads).
@@ -307,7 +307,7 @@ void bind_local_backward(py::module_& m) {
   m.def(
       "local_backward_enabled", [] { return local_enabled; },
       "Whether backward passes of recomputed segments may run on the calling thread: a torch "
-      "release they were checked on (2.11 to 2.14) with graph exec groups, and "
+      "release they were checked on (2.11 to 2.13) with graph exec groups, and "
       "ROUNDPIPE_LOCAL_BACKWARD not 0 when roundpipe was imported; else torch's engine runs all.");
   m.def(
       "backward_counts",
