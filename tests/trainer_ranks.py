@@ -5,6 +5,7 @@ on the global batch of 2 ranks and writes rank 0's per-step logs to argv[1]."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,12 @@ def main() -> None:
     if dist.get_rank() == 0:
         (out / f"{which}.json").write_text(json.dumps(step_logs(trainer)))
     dist.barrier()
+    # Leave without the interpreter's teardown: with torch 2.11 the process group's gloo
+    # threads sometimes abort the exit of plain Trainer's ranks ("terminate called without an
+    # active exception") after everything was written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
