@@ -255,7 +255,7 @@ class Call:
                 for calls in self.layer_calls.values():
                     calls.clock.flush(calls.loop, calls.action)
             except BaseException:
-                self._settle_transfers()
+                self.settle_transfers()
                 raise
             finally:
                 self.layer_calls.clear()
@@ -495,7 +495,7 @@ class Call:
             self.pending.extend(self._download_grads(stage))
         return new_grads
 
-    def _settle_transfers(self) -> None:
+    def settle_transfers(self) -> None:
         """Wait for the transfers of a failed run, whatever their outcome (the run's own error
         is what its caller needs), so that the gradient state may roll back what they wrote."""
         for event in self.pending:

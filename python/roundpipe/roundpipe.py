@@ -526,11 +526,17 @@ class RoundPipe(ForwardingModule):
 
         def run(policy: GradientPolicy) -> tuple[tuple[Any, Any], GradientOutcome]:
             grads, outcome = call.forward_backward(inputs, spec, config.output_device, policy)
-            loss = _sum_losses(call.losses)
-            outputs = (
-                _merge_or_pack(call.outputs, call.output_events, config) if return_outputs else None
-            )
-            backward_into_inputs(inputs, grads)
+            try:
+                loss = _sum_losses(call.losses)
+                outputs = (
+                    _merge_or_pack(call.outputs, call.output_events, config)
+                    if return_outputs
+                    else None
+                )
+                backward_into_inputs(inputs, grads)
+            except BaseException:
+                call.settle_transfers()  # before the gradient state rolls back what they wrote
+                raise
             return (loss, outputs), outcome
 
         loss, outputs = runtime.gradients.accumulate(run)
