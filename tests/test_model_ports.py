@@ -98,6 +98,12 @@ def hf_loss(model: nn.Module, batch: dict[str, torch.Tensor], **kwargs: Any) -> 
     return CompileForCausalLMLoss(logits=logits, labels=batch["labels"], vocab_size=VOCAB, **kwargs)
 
 
+def samples(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The batch one sample at a time, as 0.1.1's accumulate loops feed it."""
+    rows = batch["input_ids"].shape[0]
+    return [{key: value[row : row + 1] for key, value in batch.items()} for row in range(rows)]
+
+
 def num_items(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != -100).sum().item())
 
@@ -113,8 +119,7 @@ def reference_losses(family: str, is_async: bool, per_sample: bool = False) -> l
     for batch in epochs():
         if per_sample:
             n, total = num_items(batch["labels"]), 0.0
-            for row in range(batch["input_ids"].shape[0]):
-                part = {key: value[row : row + 1] for key, value in batch.items()}
+            for part in samples(batch):
                 loss = hf_loss(live, part, num_items_in_batch=n)
                 loss.backward()
                 total += loss.item()
@@ -211,15 +216,12 @@ def test_classic_accumulate(num_devices: int, family: str) -> None:
     losses = []
     for input_dict in epochs():
         n, total = num_items(input_dict["labels"]), 0.0
-        for ids, mask, labels in zip(
-            input_dict["input_ids"].split(1),
-            input_dict["attention_mask"].split(1),
-            input_dict["labels"].split(1),
-            strict=True,
-        ):
-            logits = model(input_ids=ids, attention_mask=mask).logits
+        for part in samples(input_dict):
+            logits = model(
+                input_ids=part["input_ids"], attention_mask=part["attention_mask"]
+            ).logits
             loss = CompileForCausalLMLoss(
-                logits=logits, labels=labels, vocab_size=VOCAB, num_items_in_batch=n
+                logits=logits, labels=part["labels"], vocab_size=VOCAB, num_items_in_batch=n
             )
             scaler.scale(loss).backward()
             total += loss.item()
@@ -272,20 +274,9 @@ def test_fused_accumulate(num_devices: int, family: str) -> None:
     losses = []
     for input_dict in epochs():
         n, total = num_items(input_dict["labels"]), 0.0
-        for ids, mask, labels in zip(
-            input_dict["input_ids"].split(1),
-            input_dict["attention_mask"].split(1),
-            input_dict["labels"].split(1),
-            strict=True,
-        ):
+        for part in samples(input_dict):
             loss = model.forward_backward(
-                input_kwargs={
-                    "input_ids": ids,
-                    "attention_mask": mask,
-                    "labels": labels,
-                    "return_logits": False,
-                    "num_items_in_batch": n,
-                },
+                input_kwargs={**part, "return_logits": False, "num_items_in_batch": n},
                 loss_fn=lambda output, _: scaler.scale(output.loss),
             )
             total += loss.item()
