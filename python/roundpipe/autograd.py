@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from roundpipe.call_lock import CallLock
 from roundpipe.gradients import GradientOutcome, GradientPolicy, GradientState
 from roundpipe.pipeline import Call
+from roundpipe.torch_internals import tree_flatten, tree_unflatten, will_engine_execute_node
 
 
 def input_grads(
@@ -191,10 +191,7 @@ def _wants_param_grads(params_node: Any) -> bool:
     """Whether the running backward pass reaches the anchor (a plain ``backward()``), rather
     than only the inputs (``torch.autograd.grad``, ``backward(inputs=...)``). Where the engine
     cannot tell (not inside one of its passes), the parameters' gradients are kept, as before."""
-    try:
-        return bool(torch._C._will_engine_execute_node(params_node))
-    except RuntimeError:
-        return True
+    return will_engine_execute_node(params_node)
 
 
 def _shares_pass(ctx: Any, nodes: weakref.WeakSet[Any]) -> bool:

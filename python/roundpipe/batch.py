@@ -38,8 +38,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from typing_extensions import TypeIs
+
+from roundpipe.torch_internals import TreeSpec, tree_flatten, tree_unflatten
 
 # Importing torch.distributed.pipelining costs over a second, so it is never imported here: a spec
 # can only hold its markers if the user imported this module already, and otherwise none is one.

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from roundpipe.distributed import DataParallelShard, ShardPiece
 from roundpipe.grad_scaler import GradScaler
@@ -42,6 +41,7 @@ from roundpipe.sharded_files import (
     save_folder,
 )
 from roundpipe.step import drain_optimizer_thread, wait_optimizer_thread
+from roundpipe.torch_internals import tree_flatten
 
 # The prefix of the optimizer copies' entries in a RoundPipe's state_dict().
 _COPY = "_roundpipe.optim."

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+
+from roundpipe.torch_internals import backward_hooks, tree_leaves
 
 
 class LayerCall:
@@ -160,7 +161,7 @@ def run_param_hooks(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``grad`` after the hooks registered on ``param`` (``param.register_hook``) ran on it, in
     the order they were registered: what a hook returns replaces it, as in PyTorch's engine."""
     result = grad
-    for hook in list((param._backward_hooks or {}).values()):
+    for hook in list((backward_hooks(param) or {}).values()):
         returned = hook(result)
         if returned is not None:
             result = returned

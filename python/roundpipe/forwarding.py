@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from roundpipe.optimizer_copy import OptimizerCopiesView
+from roundpipe.torch_internals import child_slots
 
 
 class ForwardingModule(OptimizerCopiesView):
@@ -28,7 +29,7 @@ class ForwardingModule(OptimizerCopiesView):
         super().__init__()
         # `training` is read from and written to the wrapped model like any other attribute.
         del self.__dict__["training"]
-        self._modules["model"] = model
+        child_slots(self)["model"] = model
         self.__dict__.update(attributes, model=model, original_model=None, _constructed=True)
 
     def set_original_model(self, original_model: nn.Module) -> None:

@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, TypeVar
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
 
 from roundpipe._native import _C
 from roundpipe.distributed import any_rank
@@ -32,6 +31,7 @@ from roundpipe.step import (
     submit_detached,
     wait_optimizer_thread,
 )
+from roundpipe.torch_internals import tree_leaves, tree_map
 
 _T = TypeVar("_T")
 

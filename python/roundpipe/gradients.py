@@ -22,6 +22,7 @@ import torch
 from roundpipe._native import _C
 from roundpipe.context import annotate, interrupts_deferred, run_param_hooks
 from roundpipe.memory import ModelMemory, clear_arena
+from roundpipe.torch_internals import backward_hooks, current_graph_task_id, queue_engine_callback
 
 _Result = TypeVar("_Result")
 
@@ -173,14 +174,14 @@ class GradientState:
         engine call :meth:`_end_pass` under ``lock`` (the model's call lock) when the pass is
         done. On failure the pass's sums are dropped, and the model's arena is untouched."""
         self.begin_call()
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         grads = self._passes.get(task)
         if grads is None:
             while len(self._passes) >= _OPEN_PASSES:
                 self._drop_pass(next(iter(self._passes)))
             grads = self._passes[task] = PassGrads(self.memory.new_grad_arena())
             end_pass = functools.partial(self._end_pass_locked, lock, task, grads)
-            torch.autograd.Variable._execution_engine.queue_callback(end_pass)
+            queue_engine_callback(end_pass)
         try:
             result, outcome = run(GradientPolicy(pass_arena=grads.arena))
         except BaseException:
@@ -194,7 +195,7 @@ class GradientState:
         """Whether a parameter that several layers use (tied weights) has hooks: they run once,
         on its whole gradient, which only the end of the backward pass has (its uses' parts are
         summed there, see :meth:`accumulate_in_pass`)."""
-        return any(param._backward_hooks for param in self._tied)
+        return any(backward_hooks(param) for param in self._tied)
 
     def _drop_pass(self, task: int) -> None:
         """Forget the sums of a pass (failed, or never ended)."""

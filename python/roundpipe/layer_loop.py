@@ -17,12 +17,12 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
-from torch.utils._pytree import tree_map
 
 from roundpipe import context
 from roundpipe._native import _C
 from roundpipe.context import annotate
 from roundpipe.device import device_at, devices
+from roundpipe.torch_internals import tree_map
 from roundpipe.transfers import on_cuda
 
 if TYPE_CHECKING:

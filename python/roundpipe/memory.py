@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from roundpipe._native import _C
+from roundpipe.torch_internals import buffer_slots, parameter_slots
 
 _Key = TypeVar("_Key")
 
@@ -189,7 +190,7 @@ class ModelMemory:
             layer = LayerMemory(index, module, begin=param_cursor, grad_begin=grad_cursor)
             by_param: dict[int, ParamSlot] = {}
             for _, owner in module.named_modules(remove_duplicate=False):
-                for name, param in owner._parameters.items():
+                for name, param in parameter_slots(owner).items():
                     if param is None:
                         continue
                     key = id(param)
@@ -204,7 +205,7 @@ class ModelMemory:
                         self.aliases.append(slot)
                     by_param[key] = slot
                     layer.slots.append(slot)
-                for name, buffer in owner._buffers.items():
+                for name, buffer in buffer_slots(owner).items():
                     if buffer is not None:
                         layer.buffers.append((owner, name))
             # Same-dtype parameters side by side: their gradients accumulate in one run.
@@ -464,7 +465,7 @@ class ModelMemory:
         found: dict[int, torch.Tensor] = {}
         for layer in self.layers:
             for owner, name in layer.buffers:
-                buffer = owner._buffers.get(name)
+                buffer = buffer_slots(owner).get(name)
                 if buffer is not None:
                     found.setdefault(id(buffer), buffer)
         return list(found.values())

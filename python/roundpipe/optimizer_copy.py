@@ -25,18 +25,12 @@ import torch
 from torch import Tensor, nn
 
 from roundpipe.context import optimizer_context_active
-
-# The gradient slot torch keeps for every tensor (a descriptor); the property below wraps it.
-_grad_slot: Any = torch._C.TensorBase.grad
-
-
-def _slot_grad(tensor: Tensor) -> Tensor | None:
-    grad: Tensor | None = _grad_slot.__get__(tensor)
-    return grad
-
-
-def _set_slot_grad(tensor: Tensor, grad: Tensor | None) -> None:
-    _grad_slot.__set__(tensor, grad)
+from roundpipe.torch_internals import (
+    NORM_CLASSES,
+    loads_state_dict_plainly,
+    set_slot_grad,
+    slot_grad,
+)
 
 
 class OptimizerCopy(nn.Parameter):
@@ -49,7 +43,7 @@ class OptimizerCopy(nn.Parameter):
     def hand_over_grad(self, grad: Tensor) -> None:
         """Make ``grad`` (any floating dtype, same shape) this copy's pending gradient; the copy
         must hold no gradient yet."""
-        assert self._pending_grad is None and _slot_grad(self) is None
+        assert self._pending_grad is None and slot_grad(self) is None
         self._pending_grad = grad
 
     def resolve_grad(self) -> None:
@@ -58,27 +52,27 @@ class OptimizerCopy(nn.Parameter):
         pending, self._pending_grad = self._pending_grad, None
         if pending is None:
             return
-        current = _slot_grad(self)
+        current = slot_grad(self)
         with torch.no_grad():
             if current is None:
-                _set_slot_grad(self, pending.to(self.dtype, copy=True))
+                set_slot_grad(self, pending.to(self.dtype, copy=True))
             else:
                 current.add_(pending)
 
     def drop_grad(self) -> None:
         """``.grad = None`` without casting a pending gradient first."""
         self._pending_grad = None
-        _set_slot_grad(self, None)
+        set_slot_grad(self, None)
 
     @property
     def grad(self) -> Tensor | None:
         self.resolve_grad()
-        return _slot_grad(self)
+        return slot_grad(self)
 
     @grad.setter
     def grad(self, value: Tensor | None) -> None:
         self._pending_grad = None
-        _set_slot_grad(self, value)
+        set_slot_grad(self, value)
 
     @grad.deleter
     def grad(self) -> None:
@@ -101,7 +95,7 @@ def gradient_of(param: Tensor) -> Tensor | None:
         pending = param._pending_grad
         if (
             pending is not None
-            and _slot_grad(param) is None
+            and slot_grad(param) is None
             and (pending.dtype in _READ_AS_IS or pending.dtype == param.dtype)
         ):
             return pending
@@ -112,7 +106,7 @@ def grad_dtype(param: Tensor) -> torch.dtype | None:
     """The dtype of ``param.grad`` (``None`` without a gradient), without casting a pending
     gradient into it."""
     if isinstance(param, OptimizerCopy) and param._pending_grad is not None:
-        current = _slot_grad(param)
+        current = slot_grad(param)
         return param.dtype if current is None else current.dtype
     grad = param.grad
     return None if grad is None else grad.dtype
@@ -221,15 +215,6 @@ def _check_torch_entry(key: str, value: Any, like: Tensor, error_msgs: list[str]
         )
 
 
-# Loaders whose keys nn.Module's rules describe: their overrides only adapt checkpoints of old
-# versions (BatchNorm adds a missing num_batches_tracked).
-_PLAIN_LOADERS = {
-    nn.Module._load_from_state_dict,
-    nn.modules.batchnorm._NormBase._load_from_state_dict,
-    nn.modules.instancenorm._InstanceNorm._load_from_state_dict,
-}
-
-
 def check_state_dict(module: nn.Module, state_dict: Any, strict: bool) -> None:
     """Raise what ``module.load_state_dict(state_dict, strict)`` would raise for its entries
     (the wrong shape, not a tensor, and under ``strict`` missing or unexpected keys), changing
@@ -243,19 +228,12 @@ def check_state_dict(module: nn.Module, state_dict: Any, strict: bool) -> None:
         module._check_state_dict_only(state_dict, strict)
         return
     modules = [m for _, m in module.named_modules(remove_duplicate=False)]
-    if any(
-        m._load_state_dict_pre_hooks
-        or m._load_state_dict_post_hooks
-        or m._state_dict_hooks
-        or m._state_dict_pre_hooks
-        or type(m)._load_from_state_dict not in _PLAIN_LOADERS
-        for m in modules
-    ):
+    if not all(loads_state_dict_plainly(m) for m in modules):
         return
     optional = {  # BatchNorm and the like load a checkpoint without it
         f"{path}.num_batches_tracked" if path else "num_batches_tracked"
         for path, m in module.named_modules(remove_duplicate=False)
-        if isinstance(m, nn.modules.batchnorm._NormBase)
+        if isinstance(m, NORM_CLASSES)
     }
     _check_entries(module, state_dict, strict, same_kind=False, optional=optional)
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
 from roundpipe._native import _C
 from roundpipe.context import annotate
@@ -44,6 +43,7 @@ from roundpipe.stage import (
     marked,
     nvtx_enabled,
 )
+from roundpipe.torch_internals import tree_flatten, tree_map
 from roundpipe.transfers import (
     detach_leaf,
     flatten,

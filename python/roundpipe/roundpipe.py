@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from roundpipe._native import _C
 from roundpipe.autograd import PipelineNode, backward_into_inputs, connect
@@ -48,6 +47,7 @@ from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, resolve_
 from roundpipe.scheduler import LayerProfile, ModelExecutePlan, RunType
 from roundpipe.step import StepPipeline, fork_interrupted, in_step_job, interrupted_before_fork
 from roundpipe.timer import ModelTimer
+from roundpipe.torch_internals import tree_flatten, version_of
 
 _PIN_MODES = ("alloc", "register", "off")
 
@@ -96,7 +96,7 @@ class _Runtime:
         """Changes whenever the parameters' values may have: with each step (its weights land
         in the parameter arena without touching the parameters' version counters) and with every
         in-place change of a parameter (a load, the user's own)."""
-        return self.steps.submitted, sum(param._version for _, param in self.param_names)
+        return self.steps.submitted, sum(version_of(param) for _, param in self.param_names)
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])

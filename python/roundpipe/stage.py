@@ -23,6 +23,12 @@ import torch
 from roundpipe._native import _C
 from roundpipe.context import annotate, run_param_hooks
 from roundpipe.device import device_at, device_count
+from roundpipe.torch_internals import (
+    backward_hooks,
+    buffer_slots,
+    has_post_accumulate_grad_hooks,
+    share_backward_hooks,
+)
 from roundpipe.tracing import StageTrace, stage_trace
 from roundpipe.transfers import on_cuda
 
@@ -210,7 +216,7 @@ class ResidentStage:
         params, views = self.layout.params, self.views
         for i in self.layout.trained:
             param = params[i]
-            if param._post_accumulate_grad_hooks:
+            if has_post_accumulate_grad_hooks(param):
                 owner, attribute = self.layout.slots[i].owners[0]
                 raise RuntimeError(
                     f"RoundPipe model '{self.model}': parameter {attribute} of layer "
@@ -219,7 +225,7 @@ class ResidentStage:
                     "gradients accumulate in a device copy, then in host memory); remove it "
                     "and act on the gradients in step_fn"
                 )
-            hooks = param._backward_hooks
+            hooks = backward_hooks(param)
             if hooks and self.layout.slots[i].borrowed:
                 _, module, name = self._param_name(i)
                 raise RuntimeError(
@@ -241,7 +247,7 @@ class ResidentStage:
                     "step_fn"
                 )
             if hooks and share:
-                views[i]._backward_hooks = hooks
+                share_backward_hooks(views[i], hooks)
 
     def run_hooks_on_sums(self) -> None:
         """Run the hooks of each trained parameter this stage's backward reached on its
@@ -260,7 +266,7 @@ class ResidentStage:
         for j in self.reach.reached():
             i = layout.trained[j]
             param, grad = layout.params[i], self.views[i].grad
-            if not param._backward_hooks or grad is None:
+            if not backward_hooks(param) or grad is None:
                 continue
             try:
                 result = run_param_hooks(param, grad)
@@ -338,10 +344,10 @@ class ResidentStage:
             try:
                 buffers = layout.buffer_layers, layout.buffer_modules, layout.buffer_names
                 for index, owner, name in zip(*buffers, strict=True):
-                    host = owner._buffers[name]
+                    host = buffer_slots(owner)[name]
                     assert host is not None
                     working = _buffer_to_device(host, device)
-                    owner._buffers[name] = working
+                    buffer_slots(owner)[name] = working
                     bound_buffers.append((index, owner, name, host, working))
                 yield
                 self._check_parameters_unchanged(keep_buffer_updates, recomputed)
@@ -353,7 +359,7 @@ class ResidentStage:
             finally:
                 _C.rebind_parameters(*owners, before)
                 for _, owner, name, host, _ in bound_buffers:
-                    owner._buffers[name] = host
+                    buffer_slots(owner)[name] = host
 
     def _check_parameters_unchanged(self, forward: bool, recomputed: bool) -> None:
         """A layer that changed a parameter in place (``embedding_renorm_`` of an

@@ -56,6 +56,7 @@ from roundpipe.distributed import DataParallel
 from roundpipe.memory import ModelMemory, clear_arena
 from roundpipe.optim import fused_writeback
 from roundpipe.optimizer_copy import OptimizerCopy
+from roundpipe.torch_internals import version_of
 from roundpipe.tracing import active_tracer, end_trace_now
 
 # Iterations are counted by the steps submitted in this process. The main thread is in iteration
@@ -388,7 +389,7 @@ class StepPipeline:
 
     def note_agreement(self) -> None:
         """The parameters and their copies agree now (copies made or loaded)."""
-        self._agreed = {id(slot.param): slot.param._version for slot in self._trained}
+        self._agreed = {id(slot.param): version_of(slot.param) for slot in self._trained}
 
     def take_edits(self) -> set[int]:
         """Parameters changed in place since they and their copies last agreed (no step in
@@ -400,12 +401,12 @@ class StepPipeline:
         with torch.no_grad():
             for slot in self._trained:
                 param = slot.param
-                if param._version == self._agreed.get(id(param)):
+                if version_of(param) == self._agreed.get(id(param)):
                     continue
                 copy = self._copies.get(id(param))  # data parallel: own pieces only
                 if copy is not None:
                     copy.copy_(self.piece_of(param, param.detach()))
-                self._agreed[id(param)] = param._version
+                self._agreed[id(param)] = version_of(param)
                 edited.add(id(param))
         return edited
 
@@ -519,7 +520,7 @@ class StepPipeline:
                     step_fn(*args, **kwargs)
                 # What step_fn changed after the fused pass wrote it (a clamp, a projection) is
                 # written back like the rest.
-                fused = {copy for copy, version in in_place.items() if copy._version == version}
+                fused = {copy for copy, version in in_place.items() if version_of(copy) == version}
                 self._fused = fused
             except Exception as error:
                 raise annotate(error, f"{self.where} (step_fn)") from error

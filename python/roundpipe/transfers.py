@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from roundpipe._native import _C
 from roundpipe.device import device_at
+from roundpipe.torch_internals import tree_flatten, tree_map, tree_unflatten
 
 
 def on_cuda() -> bool:

@@ -30,13 +30,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import register_pytree_node
 from torch.utils.checkpoint import checkpoint
 
 from roundpipe.batch import merge_output, split_input
 from roundpipe.context import doing_recompute, get_recompute_data, save_for_recompute
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
+from roundpipe.torch_internals import register_pytree_node
 
 IGNORE_INDEX = -100  # Hugging Face's label value for "no target here"
 # Tokens per chunk of the loss of a call with return_logits=False when the model was wrapped
