@@ -17,7 +17,8 @@ Then the whole per-iteration host path of a bf16 model with fp32 master weights 
 -> fp32 master .grad -> unscale + inf/NaN check -> Adam -> bf16 write-back), unfused with torch
 ops around either optimizer, and fused (our single-pass kernels).
 
-Run from the repository root: ``python benchmarks/adam_cpu.py [--record]``.
+Run from the repository root: ``python benchmarks/adam_cpu.py [--record]`` (``--record`` rewrites
+``results/adam_cpu.md``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from results import parse_count, record
+from results import parse_count, write_result
 
 # Bytes per parameter of one fp32 Adam step: read param, grad, exp_avg, exp_avg_sq; write param,
 # exp_avg, exp_avg_sq.
@@ -223,7 +224,7 @@ def main() -> None:
         "--rounds", type=int, default=3, help="turns each contender takes (fastest step reported)"
     )
     parser.add_argument("--rp011", default="/tmp/rp011", help="folder holding roundpipe==0.1.1")
-    parser.add_argument("--record", action="store_true", help="append the table to RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="write results/adam_cpu.md")
     args = parser.parse_args()
 
     import roundpipe.optim
@@ -298,12 +299,14 @@ def main() -> None:
         printed = len(lines)
 
     if args.record:
-        record(
+        path = write_result(
             "adam_cpu.py",
+            "CPU Adam throughput against torch's Adam and roundpipe 0.1.1",
             f"roundpipe {info['version']} ({info['simd_compiled']} compiled, "
             f"{info['simd_active']} used)",
             "\n".join(lines),
         )
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ until the bytes are on disk (fsync included, written to ``--dir`` on the real di
 Contenders take turns (the machine may be shared), each file is deleted after its turn; the
 fastest turn counts and the spread of the turns is printed beside it.
 
-Run from the repository root: ``python benchmarks/checkpoint_cpu.py [--params 100M,500M]``.
+Run from the repository root: ``python benchmarks/checkpoint_cpu.py [--params 100M,500M]
+[--record]`` (``--record`` rewrites ``results/checkpoint_cpu.md``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 import roundpipe
 import torch
 import torch.distributed.checkpoint as dcp
-from results import parse_count, record
+from results import parse_count, write_result
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from torch import nn
 
@@ -124,7 +125,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="turns each contender takes")
     parser.add_argument("--threads", default="1,4", help="DCP thread_count values to try")
     parser.add_argument("--dir", default="/tmp/roundpipe-checkpoint-bench", help="target folder")
-    parser.add_argument("--record", action="store_true", help="append the table to RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="write results/checkpoint_cpu.md")
     args = parser.parse_args()
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -173,11 +174,13 @@ def main() -> None:
         del model, optimizer, turns
         gc.collect()
     if args.record:
-        record(
+        path = write_result(
             "checkpoint_cpu.py",
+            "Checkpoint save speed against torch.save and torch.distributed.checkpoint",
             f"roundpipe {roundpipe.__version__}",
             "\n".join(lines),
         )
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

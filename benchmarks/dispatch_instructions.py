@@ -13,6 +13,7 @@ binary, inputs and environment give the same count, whatever else the machine is
 Each run takes about a minute (valgrind runs Python about 50 times slower). A count is not a
 time (cache misses, which a deep model's first touch of its weights makes, cost more than one
 instruction), so this shows where the host's work goes; the timed table stays the target.
+``--record`` rewrites ``results/dispatch_instructions.md``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sys
 import tempfile
 
 import torch
+from results import Output, write_result
 
 LAYERS, WIDTH, MICROBATCHES, ROWS = 256, 8, 4, 4
 
@@ -82,12 +84,20 @@ def count(contender: str, devices: int, warmup: int, calls: int) -> int:
         return int(totals.group(1))
 
 
+def valgrind_version() -> str:
+    result = subprocess.run(["valgrind", "--version"], capture_output=True, text=True, check=True)
+    return result.stdout.strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contenders", nargs="+", default=["plain", "stage", "layer"])
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--calls", type=int, default=6)
+    parser.add_argument(
+        "--record", action="store_true", help="write results/dispatch_instructions.md"
+    )
     parser.add_argument("--run", help=argparse.SUPPRESS)  # the process valgrind runs
     args = parser.parse_args()
     if args.run:
@@ -99,17 +109,29 @@ def main() -> None:
         base = count(contender, args.devices, args.warmup, 0)
         more = count(contender, args.devices, args.warmup, args.calls)
         results[contender] = (more - base) / args.calls / per_call
-    print(
-        f"# {LAYERS} layers of width {WIDTH}, {MICROBATCHES} microbatches x {ROWS} rows, "
+    out = Output()
+    out(
+        f"{LAYERS} layers of width {WIDTH}, {MICROBATCHES} microbatches x {ROWS} rows, "
         f"{args.devices} CPU device(s); instructions per layer x microbatch over {args.calls} "
         f"calls after {args.warmup}"
     )
-    print("| contender | instructions | x plain fwd+bwd |")
-    print("|---|---:|---:|")
+    out()
+    out("| contender | instructions | x plain fwd+bwd |")
+    out("|---|---:|---:|")
     plain = results.get("plain")
     for contender, value in results.items():
         ratio = f"{value / plain:.2f}x" if plain else ""
-        print(f"| {contender} | {value:,.0f} | {ratio} |")
+        out(f"| {contender} | {value:,.0f} | {ratio} |")
+    if args.record:
+        import roundpipe
+
+        path = write_result(
+            "dispatch_instructions.py",
+            "Instructions per layer x microbatch of the dispatch case (callgrind)",
+            f"roundpipe {roundpipe.__version__}, {valgrind_version()}",
+            out.text(),
+        )
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ growth of the peak RSS from the half-size model to the full one per parameter ad
 does not grow with the model cancels out of it (what the first-use costs above miss), so it is
 what decides how many parameters a given host memory holds.
 
-    python benchmarks/host_memory.py --params 200M --record
+    python benchmarks/host_memory.py --params 200M --record    # rewrites results/host_memory.md
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results import parse_count, record
+from results import parse_count, write_result
 from roundpipe import RoundPipe
 from roundpipe.optim_state import STATE_BLOCK
 
@@ -329,7 +329,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--devices", type=int, default=2, help="virtual CPU devices")
     parser.add_argument("--cases", default="all", help="comma-separated case numbers (1-based)")
-    parser.add_argument("--record", action="store_true", help="append the table to RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="write results/host_memory.md")
     parser.add_argument(
         "--marginal",
         action="store_true",
@@ -361,7 +361,13 @@ def main() -> None:
     if args.record:
         import roundpipe
 
-        record("host_memory.py", f"roundpipe {roundpipe.__version__}", text)
+        path = write_result(
+            "host_memory.py",
+            "Host memory per parameter of training, beside the floor and plain PyTorch",
+            f"roundpipe {roundpipe.__version__}",
+            text,
+        )
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

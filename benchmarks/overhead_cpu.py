@@ -28,6 +28,8 @@ waits and the copy engines' worker threads, and is the steadier figure on a load
 ``--trace`` adds to the compute table RoundPipe with a timeline trace being recorded
 (``roundpipe.trace()``, in memory) and the cost of tracing per layer x microbatch:
 (traced - ours) / (layers * microbatches).
+
+``--record`` rewrites ``results/overhead_cpu.md`` with the tables of the run.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from typing import TypeVar
 
 import roundpipe
 import torch
+from results import Output, write_result
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -98,6 +101,7 @@ _Key = TypeVar("_Key")
 
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "thread": time.thread_time}
 clock = CLOCKS["wall"]  # set by --clock
+out = Output()  # what is printed, kept for --record
 
 
 def timed(fn: Callable[..., object], *args: object) -> float:
@@ -158,22 +162,26 @@ def measure_dispatch(layers: int, n: int, devices: int, iters: int) -> dict:
 
 
 def print_dispatch(args: argparse.Namespace) -> None:
-    print(
-        f"# dispatch: {args.dispatch_layers} layers of width {DISPATCH_WIDTH}, "
+    out("### Dispatch")
+    out()
+    out(
+        f"{args.dispatch_layers} layers of width {DISPATCH_WIDTH}, "
         f"{args.microbatches} microbatches x {DISPATCH_ROWS} rows, median of {args.iters}; "
         "us per layer x microbatch (x plain forward + backward)"
     )
-    print(
+    out()
+    out(
         "| CPU devices | plain fwd+bwd | plain + checkpoint | RoundPipe, grain stage "
         "| RoundPipe, grain layer | stages (fwd + bwd) of the last plan |"
     )
-    print("|---:" * 6 + "|")
+    out("|---:" * 6 + "|")
     for devices in args.devices:
         r = measure_dispatch(args.dispatch_layers, args.microbatches, devices, args.iters)
         cells = [f"{r['plain']:.1f}"] + [
             f"{r[name]:.1f} ({r[name] / r['plain']:.2f}x)" for name in ("checkpoint", *GRAINS)
         ]
-        print(f"| {devices} | " + " | ".join(cells) + f" | {r['stages']:.0f} |")
+        out(f"| {devices} | " + " | ".join(cells) + f" | {r['stages']:.0f} |")
+    out()
 
 
 STAGE_COUNTS = (2, 8, 32, 127)
@@ -223,17 +231,20 @@ def print_stages(args: argparse.Namespace) -> None:
     counts = tuple(c for c in STAGE_COUNTS if c <= layers - 2)  # at least a layer per stage
     if len(counts) < 2:
         raise SystemExit(f"--mode stages needs at least {STAGE_COUNTS[1] + 2} layers")
-    print(
-        f"# stages: {layers} layers of width {DISPATCH_WIDTH}, {n} microbatches x "
+    out("### Stages")
+    out()
+    out(
+        f"{layers} layers of width {DISPATCH_WIDTH}, {n} microbatches x "
         f"{DISPATCH_ROWS} rows, explicit plans (fused stage: the last 2 layers), median of "
         f"{args.iters}; us per layer x microbatch"
     )
-    print(
+    out()
+    out(
         "| CPU devices | grain | "
         + " | ".join(f"{c} stages per direction" for c in counts)
         + " | us per stage |"
     )
-    print("|---:|---|" + "---:|" * (len(counts) + 1))
+    out("|---:|---|" + "---:|" * (len(counts) + 1))
     fewest, most = counts[0], counts[-1]
     added_stages = 2 * (most - fewest)  # forward and backward stages alike
     for devices in args.devices:
@@ -241,7 +252,8 @@ def print_stages(args: argparse.Namespace) -> None:
         for grain in GRAINS:
             cells = [f"{r[(grain, c)]:.1f}" for c in counts]
             per_stage = (r[(grain, most)] - r[(grain, fewest)]) * layers * n / added_stages
-            print(f"| {devices} | {grain} | " + " | ".join(cells) + f" | {per_stage:.0f} |")
+            out(f"| {devices} | {grain} | " + " | ".join(cells) + f" | {per_stage:.0f} |")
+    out()
 
 
 def measure(
@@ -278,18 +290,21 @@ def measure(
 
 
 def print_compute(args: argparse.Namespace) -> None:
-    print(
-        f"# compute: width {args.width}, {args.microbatches} microbatches x {args.rows} rows, "
-        f"median of {args.iters}"
+    out("### Compute")
+    out()
+    out(
+        f"width {args.width}, {args.microbatches} microbatches x {args.rows} rows, "
+        f"median of {args.iters}; ratio: RoundPipe / plain + checkpoint"
     )
+    out()
     traced = (
         " traced (ms) | trace cost / layer x mb (us) | events / iteration |" if args.trace else ""
     )
-    print(
+    out(
         "| layers | CPU devices | plain + checkpoint (ms) | RoundPipe (ms) "
         f"| overhead / layer x mb (us) | ratio |{traced}"
     )
-    print("|---:" * (9 if args.trace else 6) + "|")
+    out("|---:" * (9 if args.trace else 6) + "|")
     for layers in args.layers:
         for devices in args.devices:
             r = measure(
@@ -300,10 +315,11 @@ def print_compute(args: argparse.Namespace) -> None:
                 if args.trace
                 else ""
             )
-            print(
+            out(
                 f"| {r['layers']} | {r['devices']} | {r['baseline_ms']:.1f} | "
                 f"{r['roundpipe_ms']:.1f} | {r['overhead_us']:.1f} | {r['ratio']:.2f} |{traced}"
             )
+    out()
 
 
 def main() -> None:
@@ -326,6 +342,7 @@ def main() -> None:
     parser.add_argument(
         "--trace", action="store_true", help="also time RoundPipe with a trace being recorded"
     )
+    parser.add_argument("--record", action="store_true", help="write results/overhead_cpu.md")
     parser.add_argument(
         "--clock",
         choices=list(CLOCKS),
@@ -339,17 +356,26 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    print(
-        f"# torch {torch.__version__}, roundpipe {roundpipe.__version__}, "
+    out(
+        f"torch {torch.__version__}, roundpipe {roundpipe.__version__}, "
         f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
         f"{args.clock} clock"
     )
+    out()
     if args.mode in ("all", "dispatch"):
         print_dispatch(args)
     if args.mode in ("all", "compute"):
         print_compute(args)
     if args.mode == "stages":
         print_stages(args)
+    if args.record:
+        path = write_result(
+            "overhead_cpu.py",
+            "Runtime overhead on virtual CPU devices",
+            f"roundpipe {roundpipe.__version__}",
+            out.text(),
+        )
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ plan and for the greedy baseline. Lower bound = max(total work / devices, critic
 total work = microbatches x per-microbatch work of the plan's stages and critical path = one
 microbatch's work through every stage.
 
-    python benchmarks/planner.py [--repeats 5]
+    python benchmarks/planner.py [--repeats 5] [--record]
+
+``--record`` rewrites ``results/planner.md`` with both tables.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import random
 import statistics
 import time
 
+from results import Output, write_result
 from roundpipe import _C
 
 Profile = tuple[list[float], list[float], list[float], list[float], list[float]]
@@ -96,10 +99,16 @@ def plan(p: Profile, devices: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--record", action="store_true", help="write results/planner.md")
     args = parser.parse_args()
+    out = Output()
 
-    print("Planning time, run type 'fused', 8 devices (median ms)")
-    print(f"{'profile':<10}{'layers':>8}{'ours ms':>10}{'greedy ms':>11}{'stages':>8}")
+    out("### Planning time, run type 'fused', 8 devices")
+    out()
+    out(f"median of {args.repeats}; baseline: greedy packing at 1.1 x the slowest layer, in Python")
+    out()
+    out("| profile | layers | ours ms | greedy ms | stages |")
+    out("|---|---:|---:|---:|---:|")
     for name, make in (("uniform", uniform), ("qwen-like", qwen_like), ("moe-like", moe_like)):
         for layers in (100, 1_000, 10_000):
             p = make(layers)
@@ -112,14 +121,18 @@ def main() -> None:
                 greedy_fused(p, 1.1)
                 greedy.append(time.perf_counter() - start)
             stages = result["phases"][0]["num_stages"]
-            print(
-                f"{name:<10}{layers:>8}{statistics.median(ours) * 1e3:>10.2f}"
-                f"{statistics.median(greedy) * 1e3:>11.2f}{stages:>8}"
+            out(
+                f"| {name} | {layers:,} | {statistics.median(ours) * 1e3:.2f} | "
+                f"{statistics.median(greedy) * 1e3:.2f} | {stages} |"
             )
 
-    print()
-    print("Simulated iteration time / lower bound (1.00 is the bound), 'fused', M = devices + 1")
-    print(f"{'profile':<18}{'devices':>8}{'ours':>8}{'greedy':>8}{'stages':>8}")
+    out()
+    out("### Simulated iteration time / lower bound, run type 'fused', devices + 1 microbatches")
+    out()
+    out("1.00 is the bound; greedy: the baseline's plan, simulated the same way")
+    out()
+    out("| profile | devices | ours | greedy | stages |")
+    out("|---|---:|---:|---:|---:|")
     shapes = (
         ("uniform 32", uniform(32)),
         ("qwen3-1.7B-like", qwen_like(30)),
@@ -128,10 +141,20 @@ def main() -> None:
     for name, p in shapes:
         for devices in (1, 2, 4, 8):
             result = plan(p, devices)
-            ours = ratio(our_stage_seconds(p, result), devices)
+            ours_ratio = ratio(our_stage_seconds(p, result), devices)
             baseline = ratio(greedy_fused(p, 1.1), devices)
             stages = result["phases"][0]["num_stages"]
-            print(f"{name:<18}{devices:>8}{ours:>8.3f}{baseline:>8.3f}{stages:>8}")
+            out(f"| {name} | {devices} | {ours_ratio:.3f} | {baseline:.3f} | {stages} |")
+    if args.record:
+        import roundpipe
+
+        path = write_result(
+            "planner.py",
+            "Planner: planning time and simulated iteration time against the lower bound",
+            f"roundpipe {roundpipe.__version__}",
+            out.text(),
+        )
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,17 @@
-"""What the benchmark scripts share: size arguments, the machine's name, RESULTS.md entries and
-the result files under ``results/``."""
+"""What the benchmark scripts share: size arguments, the machine's name and the result files under
+``results/`` (one per benchmark, rewritten by its ``--record``)."""
 
 from __future__ import annotations
 
 import datetime
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
-
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
 def parse_count(text: str) -> int:
@@ -34,22 +33,24 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
-def record(script: str, versions: str, table: str) -> None:
-    """Add ``table`` to RESULTS.md as its newest entry, under today's date, the machine,
-    ``versions`` and the command that produced it."""
-    entry = (
-        f"## {datetime.date.today().isoformat()} — benchmarks/{script}\n\n"
-        f"- machine: {machine()}\n"
-        f"- torch {torch.__version__}, {versions}\n"
-        f"- command: `python benchmarks/{script} {' '.join(sys.argv[1:])}`\n\n"
-        f"{table.rstrip()}\n\n"
-    )
-    text = RESULTS.read_text()
-    first = text.find("\n## ") + 1  # entries are newest first, after the file's header
-    RESULTS.write_text(text[:first] + entry + text[first:] if first else text + "\n" + entry)
+class Output:
+    """Lines printed as they come and kept for the result file (``text()``)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, text: str = "") -> None:
+        print(text, flush=True)
+        self.lines.append(text)
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
 
 
 RESULT_FILES = Path(__file__).resolve().parent / "results"
+# Where --record writes instead of RESULT_FILES, when set: benchmarks/gpu/run.sh --cpu-smoke points
+# it at its output folder, so that a rehearsal's tiny figures never replace measured ones.
+RESULTS_DIR_VARIABLE = "ROUNDPIPE_BENCH_RESULTS"
 # The load before the benchmark itself ran (this module is imported when it starts): whether other
 # work shared the machine.
 LOAD_AT_START = os.getloadavg()
@@ -88,17 +89,28 @@ def git_commit() -> str:
     )
 
 
-def write_result(script: str, title: str, versions: str, body: str) -> Path:
-    """(Re)write ``results/<script's stem>.md``: ``title``, a table of the date, the machine (CPU,
-    cores, memory, whether other work shared it), torch and ``versions``, the git commit and the
-    command that produced it, then ``body`` (the tables as printed)."""
+def gpus() -> str:
+    """The CUDA devices torch sees, or "" without any."""
+    if not torch.cuda.is_available():
+        return ""
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return ", " + ", ".join(f"GPU {i}: {name}" for i, name in enumerate(names))
+
+
+def write_result(
+    script: str, title: str, versions: str, body: str, *, name: str | None = None
+) -> Path:
+    """(Re)write ``results/<name>.md`` (``name``: the script's stem unless given): ``title``, a
+    table of the date, the machine (CPU, cores, memory, GPUs, whether other work shared it),
+    torch and ``versions``, the git commit and the command that produced it, then ``body`` (the
+    tables as printed)."""
     before, after = (
         ", ".join(f"{v:.1f}" for v in load) for load in (LOAD_AT_START, os.getloadavg())
     )
     shared = LOAD_AT_START[0] > 0.5 or LOAD_AT_START[1] > 0.5
     rows = [
         ("date", datetime.date.today().isoformat()),
-        ("machine", f"{machine()}, {memory_total()} memory"),
+        ("machine", f"{machine()}, {memory_total()} memory{gpus()}"),
         (
             "shared",
             ("yes: other work ran on the machine" if shared else "no other work seen")
@@ -107,11 +119,12 @@ def write_result(script: str, title: str, versions: str, body: str) -> Path:
         ("torch", torch.__version__),
         ("versions", versions),
         ("git commit", git_commit()),
-        ("command", "`" + " ".join(["python", f"benchmarks/{script}", *sys.argv[1:]]) + "`"),
+        ("command", "`" + shlex.join(["python", f"benchmarks/{script}", *sys.argv[1:]]) + "`"),
     ]
     lines = [f"# {title}", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in rows]
-    RESULT_FILES.mkdir(exist_ok=True)
-    path = RESULT_FILES / f"{Path(script).stem}.md"
+    folder = Path(os.environ.get(RESULTS_DIR_VARIABLE) or RESULT_FILES)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name or Path(script).stem}.md"
     path.write_text("\n".join(lines) + "\n\n" + body.rstrip() + "\n")
     return path

@@ -1,12 +1,13 @@
 """Data-parallel scaling on one machine: host optimizer time and host memory per rank.
 
 Run from the repository root: ``python benchmarks/scale_cpu.py [--params 8M] [--ranks 1,2,4]
-[--record]``. For each rank count N a bf16 model with fp32 optimizer copies (roundpipe.optim.Adam)
-trains a few synchronous steps on N processes (gloo on loopback; with ``--backend nccl`` and one
-GPU per rank, the user's group is NCCL while RoundPipe's own collectives stay on gloo), beside
-one process without torch.distributed. ``--reduce host|stage`` picks ``data_parallel_reduce``:
-the gradients summed on the optimizer thread before the step, or at the end of each backward
-stage (each rank downloads and keeps only its shard). Per rank it reports:
+[--record]`` (``--record`` rewrites ``results/scale_cpu.md``). For each rank count N a bf16 model
+with fp32 optimizer copies (roundpipe.optim.Adam) trains a few synchronous steps on N processes
+(gloo on loopback; with ``--backend nccl`` and one GPU per rank, the user's group is NCCL while
+RoundPipe's own collectives stay on gloo), beside one process without torch.distributed.
+``--reduce host|stage`` picks ``data_parallel_reduce``: the gradients summed on the optimizer
+thread before the step, or at the end of each backward stage (each rank downloads and keeps only
+its shard). Per rank it reports:
 
 - fwd+bwd: ``forward_backward`` (with ``--reduce stage`` it includes the gradient reduce);
 - step: the whole optimizer step (``model.step(is_async=False)``: gradient reduce with
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from results import parse_count, record
+from results import parse_count, write_result
 
 WIDTH = 1024
 
@@ -179,7 +180,7 @@ def main() -> None:
     parser.add_argument(
         "--reduce", default="host", choices=("host", "stage"), help="data_parallel_reduce"
     )
-    parser.add_argument("--record", action="store_true", help="append the table to RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="write results/scale_cpu.md")
     parser.add_argument("--rank-config", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_config:
@@ -217,17 +218,23 @@ def main() -> None:
             f"{growth:.0f} | {formula:.0f} |"
         )
         print(rows[-1], flush=True)
-    table = "\n".join(rows)
-    print(table)
+    note = (
+        "Per rank, the slowest rank's times (median of the timed steps) and the largest RSS; "
+        f"{args.threads} torch thread(s) per rank, bf16 weights, fp32 copies, "
+        f"roundpipe.optim.Adam, synchronous steps, user's group: {args.backend}."
+    )
+    text = "\n".join(rows) + "\n\n" + note
+    print(text)
     if args.record:
         import roundpipe
 
-        note = (
-            "\n\nPer rank, the slowest rank's times (median of the timed steps) and the largest "
-            f"RSS; {args.threads} torch thread(s) per rank, bf16 weights, fp32 copies, "
-            "roundpipe.optim.Adam, synchronous steps, user's group: " + args.backend + "."
+        path = write_result(
+            "scale_cpu.py",
+            "Data-parallel scaling on one machine: host optimizer time and memory per rank",
+            f"roundpipe {roundpipe.__version__}",
+            text,
         )
-        record("scale_cpu.py", f"roundpipe {roundpipe.__version__}", table + note)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ taking turns (the fastest step counts):
   unscaled in place (what a ``step_fn`` that clips gradients does), then the same Adam pass;
 * torch's Adam (``fused=True`` and ``foreach=True``) behind the same GradScaler calls.
 
-Run from the repository root: ``python benchmarks/step_cpu.py [--params 100M] [--record]``.
+Run from the repository root: ``python benchmarks/step_cpu.py [--params 100M] [--record]``
+(``--record`` rewrites ``results/step_cpu.md``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 import roundpipe
 import torch
-from results import parse_count, record
+from results import parse_count, write_result
 from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig
 from torch import nn
 
@@ -85,7 +86,7 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=3, help="turns each variant takes (fastest step reported)"
     )
-    parser.add_argument("--record", action="store_true", help="append the table to RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="write results/step_cpu.md")
     args = parser.parse_args()
 
     lines = [
@@ -120,8 +121,13 @@ def main() -> None:
         printed = len(lines)
 
     if args.record:
-        version = roundpipe._C.build_info()["version"]
-        record("step_cpu.py", f"roundpipe {version}", "\n".join(lines))
+        path = write_result(
+            "step_cpu.py",
+            "model.step of an fp16 model with GradScaler: fused host path against unfused",
+            f"roundpipe {roundpipe._C.build_info()['version']}",
+            "\n".join(lines),
+        )
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

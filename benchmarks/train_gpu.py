@@ -15,6 +15,8 @@ Runs alternate between the systems (``--rounds``) so drift cancels; the median i
 ``benchmarks/gpu/run.sh --cpu-smoke``); 0.1.1 needs CUDA, so its column then says why it is empty.
 
     python benchmarks/train_gpu.py --params 1G --seq 1024,4096,16384 --peer-path build/peer
+
+``--record`` rewrites ``results/train_gpu.md`` with the table.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from results import parse_count, record
+from results import parse_count, write_result
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -261,7 +263,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.0, help="seconds in all; 0: no limit")
     parser.add_argument("--log-dir", default=None, help="folder for each run's output")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU devices")
-    parser.add_argument("--record", action="store_true", help="append the table to RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="write results/train_gpu.md")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -349,7 +351,15 @@ def main() -> None:
     table = "\n".join(rows)
     print(table)
     if args.record:
-        record("train_gpu.py", f"device {device_name}", table)
+        import roundpipe
+
+        path = write_result(
+            "train_gpu.py",
+            "Training throughput on one GPU: ours, roundpipe 0.1.1 and the GPU-resident bound",
+            f"roundpipe {roundpipe.__version__}, device {device_name}",
+            table,
+        )
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@
 #   test         the whole pytest suite with ROUNDPIPE_DEVICE_KIND=cuda (junit + log)
 #   test-cuda    the tests marked requires_cuda
 #   bench-micro  the C++ microbenchmarks of benchmarks/cpp (roundpipe_*_bench, built by the build
-#                stage with ROUNDPIPE_BUILD_BENCHMARKS=ON into its build folder)
-#   bench-train  benchmarks/train_gpu.py: ours vs roundpipe 0.1.1 vs the GPU-resident bound
+#                stage with ROUNDPIPE_BUILD_BENCHMARKS=ON into its build folder), through
+#                benchmarks/cpp_bench.py --record
+#   bench-train  benchmarks/train_gpu.py --record: ours vs roundpipe 0.1.1 vs the GPU-resident bound
 #   test-core    the cuda and cuda3 cases of the core test files (correctness, local backward,
 #                fused path, step, compat, presets; cpu-smoke: their 3dev cases); reaching the
 #                stage's deadline stops it with what ran, which fails only if a test failed
@@ -36,7 +37,8 @@
 # Environment:
 #   OUT               where everything goes (default build/gpu-out); at exit the logs are packed
 #                     into $OUT/logs.tar.gz beside $OUT/summary.txt (the device tool brings back
-#                     at most 8 files)
+#                     at most 8 files); the benchmarks' result files, which their --record
+#                     rewrites, go to $OUT/results (copy them into benchmarks/results/)
 #   ROUNDPIPE_PYTHON  python to use (default: python3 on a GPU; .venv/bin/python, else python3,
 #                     with --cpu-smoke)
 #   RUN_BUDGET        seconds for the whole call (default 570, proof 530); each stage gets what
@@ -146,8 +148,10 @@ stage_results() {
         "$log" | tail -n 30 | sed 's/^/  /' >>"$summary" || true
       ;;
     bench-micro) grep -v -E '^(BENCH_JSON|=== )' "$log" | sed 's/^/  /' >>"$summary" || true ;;
-    bench-train) sed -n '/^|/p; /^- largest/p; /^interrupted/p; /^peer warm-up: r/p' "$log" |
-      sed 's/^/  /' >>"$summary" || true ;;
+    bench-train)
+      sed -n '/^|/p; /^- largest/p; /^interrupted/p; /^peer warm-up: r/p; /^wrote /p' "$log" |
+        sed 's/^/  /' >>"$summary" || true
+      ;;
     build) grep -E '^(roundpipe build:|CUDA toolkit:|torch [0-9]|GPU [0-9])' "$log" |
       awk '!seen[$0]++ { print "  " $0 }' >>"$summary" || true ;;
   esac
@@ -365,10 +369,10 @@ stage_bench_train() {
     --rounds 1 --iters 2)
   read_words extra "${TRAIN_ARGS:-}" || return 2
   local limit=${RUN_STAGE_LIMIT:-$(stage_limit bench-train)}
-  # Its budget ends before the stage's deadline, so that it prints what it measured.
-  PATH=$(peer_path) "$python" benchmarks/train_gpu.py "${args[@]}" "${extra[@]}" \
-    --peer-path "$peer_dir" --log-dir "$logs/train" --budget "$((limit > 40 ? limit - 15 : 25))" |
-    tee "$logs/train_table.txt"
+  # Its budget ends before the stage's deadline, so that it prints (and records) what it measured.
+  PATH=$(peer_path) ROUNDPIPE_BENCH_RESULTS="$OUT/results" "$python" benchmarks/train_gpu.py \
+    "${args[@]}" "${extra[@]}" --peer-path "$peer_dir" --log-dir "$logs/train" \
+    --budget "$((limit > 40 ? limit - 15 : 25))" --record | tee "$logs/train_table.txt"
 }
 
 stage_bench_micro() {
@@ -383,7 +387,8 @@ stage_bench_micro() {
   local bench rc=0
   for bench in "${found[@]}"; do
     echo "--- $bench"
-    "$bench" || rc=$?
+    ROUNDPIPE_BENCH_RESULTS="$OUT/results" "$python" benchmarks/cpp_bench.py --record "$bench" ||
+      rc=$?
   done
   return "$rc"
 }
