@@ -53,7 +53,7 @@ def backward_into_inputs(inputs: list[Any], grads: list[list[torch.Tensor | None
         return
     # The autograd nodes of forward() calls (PipelineFunction's) whose outputs these are.
     nodes: set[Any] = {leaf.grad_fn for leaf, _ in pairs}
-    upstream = [node for node in nodes if isinstance(getattr(node, "node", None), PipelineNode)]
+    upstream = [node for node in nodes if isinstance(getattr(node, "node", None), NodeState)]
     for ctx in upstream:
         ctx.microbatch_passes = True
     try:
@@ -66,7 +66,7 @@ def backward_into_inputs(inputs: list[Any], grads: list[list[torch.Tensor | None
 _TENSOR = object()  # marks where an output leaf was a tensor
 
 
-class PipelineNode:
+class NodeState:
     """What the autograd node of one ``forward()`` call keeps for its backward: the call, the
     model's gradient state it accumulates into and the model's call lock (a backward is a call of
     the model too), and the shape of its outputs."""
@@ -87,7 +87,7 @@ class PipelineNode:
         self.forward_weights = weights_version()
         # The train/eval mode of every module the forward ran with: the recompute runs with it
         # (plain PyTorch's graph keeps what the forward computed, whatever model.eval() since).
-        self.modules = [m for layer in call.runner.layers for m in layer.modules()]
+        self.modules = [m for layer in call.model.layers for m in layer.modules()]
         self.forward_modes = [m.training for m in self.modules]
         self.output_specs: list[Any] = []
         self.output_leaves: list[list[Any]] = []
@@ -145,7 +145,7 @@ class PipelineNode:
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been modified by "
                     f"an inplace operation: the parameters of RoundPipe model "
-                    f"'{self.call.runner.name}' changed after the forward() whose output this "
+                    f"'{self.call.model.name}' changed after the forward() whose output this "
                     "backward goes through (a step(), a load or an in-place edit); its "
                     "recompute would use other weights. Call backward before changing them."
                 )
@@ -163,7 +163,7 @@ class PipelineNode:
                 def run(policy: GradientPolicy) -> tuple[list[Any], GradientOutcome]:
                     return call.backward(grads, policy)
 
-                if in_pass and call.runner.stage_reduce is None:
+                if in_pass and call.model.stage_reduce is None:
                     return gradients.accumulate_in_pass(run, self.lock)
                 return gradients.accumulate(run, microbatch_passes)
 
@@ -200,7 +200,7 @@ def _shares_pass(ctx: Any, nodes: weakref.WeakSet[Any]) -> bool:
     return any(other is not ctx and _wants_param_grads(other.params_node) for other in list(nodes))
 
 
-def connect(node: PipelineNode, anchor: torch.Tensor, inputs: list[torch.Tensor]) -> Any:
+def connect(node: NodeState, anchor: torch.Tensor, inputs: list[torch.Tensor]) -> Any:
     """Run ``node``'s forward as one autograd node over ``anchor`` and the user's ``inputs``
     that require grad; returns its flat output tensors."""
     apply: Callable[..., tuple[torch.Tensor, ...]] = PipelineFunction.apply
@@ -213,7 +213,7 @@ class PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, node: PipelineNode, anchor: torch.Tensor, *input_leaves: torch.Tensor
+        ctx: Any, node: NodeState, anchor: torch.Tensor, *input_leaves: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.node = node
         ctx.params_node = anchor.grad_fn
@@ -228,13 +228,13 @@ class PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
-        node: PipelineNode = ctx.node
+        node: NodeState = ctx.node
         ctx.saved_tensors  # noqa: B018  (raises "backward through the graph a second time")
         if torch.is_grad_enabled():
             # The pipelined backward computes plain gradients: a graph of them (create_graph=True,
             # a gradient penalty) would silently have no history.
             raise RuntimeError(
-                f"RoundPipe model '{node.call.runner.name}': backward with create_graph=True "
+                f"RoundPipe model '{node.call.model.name}': backward with create_graph=True "
                 "(double backward, e.g. a gradient penalty) through a forward() output is not "
                 "supported; compute such terms with a plain PyTorch model"
             )
@@ -247,4 +247,4 @@ class PipelineFunction(torch.autograd.Function):
         return (None, None, *(grad for _, grad in input_grads(node.inputs, grads)))
 
 
-__all__ = ["PipelineFunction", "PipelineNode", "backward_into_inputs", "connect", "input_grads"]
+__all__ = ["NodeState", "PipelineFunction", "backward_into_inputs", "connect", "input_grads"]

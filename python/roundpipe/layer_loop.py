@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 Phase = Literal["forward", "recompute", "backward", "loss"]
 
 
-class LoopRunner(Protocol):
-    """What the layer loop reads of the model a call runs (``roundpipe.pipeline.LayerRunner``)."""
+class LoopModel(Protocol):
+    """What the layer loop reads of the model a call runs (``roundpipe.pipeline.CallModel``)."""
 
     @property
     def layers(self) -> list[nn.Module]: ...
@@ -46,7 +46,7 @@ class LoopOwner(Protocol):
     """What the layer loop reads of the call it runs layers for (``roundpipe.pipeline.Call``)."""
 
     @property
-    def runner(self) -> LoopRunner: ...
+    def model(self) -> LoopModel: ...
     @property
     def preserve_rng_state(self) -> bool: ...
     @property
@@ -177,10 +177,10 @@ class LayerCalls:
         call: LoopOwner,
         device_index: int,
         recompute: bool,
-        recomputed: bool = False,
+        runs_twice: bool = False,
         cut: bool = False,
     ) -> None:
-        """``recomputed``: a forward stage whose layers backward recomputes (it keeps the CPU
+        """``runs_twice``: a forward stage whose layers backward recomputes (it keeps the CPU
         generator's seeded states for the recompute, see ``_C.RngStates``). ``cut``: each
         layer's output is cut from its graph (``_C.graph_cut``)."""
         self.call = call
@@ -195,12 +195,12 @@ class LayerCalls:
             device = device_at(device_index)
             generators.append(torch.cuda.default_generators[device.index])
         self.context = context.LayerCall(call.recompute_store, recompute, call.saving)
-        self.clock = LoopClock(call.runner.timer, device_index, call.on_cuda)
+        self.clock = LoopClock(call.model.timer, device_index, call.on_cuda)
         timing = "off" if self.clock.timer is None else "device" if call.on_cuda else "host"
         mark = functools.partial(_mark_layer, call, self.phase) if call.nvtx else None
         replay = recompute and not fresh
         self.loop = _C.LayerLoop(
-            call.runner.layers,
+            call.model.layers,
             call.rng_seed,
             fresh,
             generators,
@@ -208,7 +208,7 @@ class LayerCalls:
             mark,
             timing,
             device_index,
-            call.rng_states if replay or recomputed else None,
+            call.rng_states if replay or runs_twice else None,
             replay,
             cut_graphs if cut else None,
         )
@@ -306,8 +306,8 @@ __all__ = [
     "NO_RANGE",
     "LayerCalls",
     "LoopClock",
+    "LoopModel",
     "LoopOwner",
-    "LoopRunner",
     "Phase",
     "cut_graphs",
     "draw_call_seed",

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from roundpipe._native import _C
-from roundpipe.autograd import PipelineNode, backward_into_inputs, connect
+from roundpipe.autograd import NodeState, backward_into_inputs, connect
 from roundpipe.batch import (
     BatchRows,
     RoundPipePackedData,
@@ -42,7 +42,7 @@ from roundpipe.distributed import (
 from roundpipe.forwarding import ForwardingModule
 from roundpipe.gradients import GradientOutcome, GradientPolicy, GradientState
 from roundpipe.memory import ModelMemory
-from roundpipe.pipeline import Call, LayerRunner, LossSpec
+from roundpipe.pipeline import Call, CallModel, LossSpec
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, resolve_run_config
 from roundpipe.scheduler import LayerProfile, ModelExecutePlan, RunType
 from roundpipe.step import StepPipeline, fork_interrupted, in_step_job, interrupted_before_fork
@@ -79,7 +79,7 @@ class _Runtime:
 
     memory: ModelMemory
     timer: ModelTimer
-    runner: LayerRunner
+    model: CallModel
     gradients: GradientState
     steps: StepPipeline
     param_names: list[tuple[str, nn.Parameter]]
@@ -155,7 +155,7 @@ def _owner_of(params: set[int]) -> str | None:
     """The name of a live model that trains one of ``params`` (ids), if any; holds no model."""
     for runtime in list(_runtimes):
         if any(id(p) in params and p.requires_grad for _, p in runtime.param_names):
-            return runtime.runner.name
+            return runtime.model.name
     return None
 
 
@@ -340,7 +340,7 @@ class RoundPipe(ForwardingModule):
         runtime = _Runtime(
             memory=memory,
             timer=timer,
-            runner=LayerRunner(
+            model=CallModel(
                 name,
                 layers,
                 memory,
@@ -462,7 +462,7 @@ class RoundPipe(ForwardingModule):
             for leaf in tree_flatten(inputs)[0]
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad
         ]
-        node = PipelineNode(
+        node = NodeState(
             call,
             runtime.gradients,
             runtime.lock,
@@ -873,7 +873,7 @@ class RoundPipe(ForwardingModule):
         plan = self._plan(config, run_type)
         self._runtime.memory.sync_aliases()
         return Call(
-            self._runtime.runner,
+            self._runtime.model,
             plan,
             run_type,
             config.num_microbatch,

@@ -307,11 +307,11 @@ class ResidentStage:
         return uploaded
 
     @contextmanager
-    def bound(self, keep_buffer_updates: bool, recomputed: bool) -> Iterator[None]:
+    def bound(self, keep_buffer_updates: bool, runs_twice: bool) -> Iterator[None]:
         """Bind the layers' modules to the device copies while the stage computes, with the
         stage's device as the current CUDA device.
 
-        ``recomputed``: the stage is a recompute, or a forward whose layers backward will
+        ``runs_twice``: the stage is a recompute, or a forward whose layers backward will
         recompute. A layer that then changes a frozen parameter bound in host memory in place
         would change it twice where plain PyTorch changes it once (a copy would lose the change
         instead): that is a ``RuntimeError`` at the end of the stage, naming layer and
@@ -350,7 +350,7 @@ class ResidentStage:
                     buffer_slots(owner)[name] = working
                     bound_buffers.append((index, owner, name, host, working))
                 yield
-                self._check_parameters_unchanged(keep_buffer_updates, recomputed)
+                self._check_parameters_unchanged(keep_buffer_updates, runs_twice)
                 if keep_buffer_updates:
                     # Every bound buffer, changed or not: an update through `.data` leaves no
                     # trace in `_version`, and the download is asynchronous and small.
@@ -361,7 +361,7 @@ class ResidentStage:
                 for _, owner, name, host, _ in bound_buffers:
                     buffer_slots(owner)[name] = host
 
-    def _check_parameters_unchanged(self, forward: bool, recomputed: bool) -> None:
+    def _check_parameters_unchanged(self, forward: bool, runs_twice: bool) -> None:
         """A layer that changed a parameter in place (``embedding_renorm_`` of an
         ``nn.Embedding(max_norm=...)``, a weight scaled under ``no_grad``) would make the change
         twice where it is recomputed (a frozen parameter bound in host memory) or lose it (a
@@ -373,7 +373,7 @@ class ResidentStage:
             return
         in_host = {i for i, _ in self.in_host}
         for i in changed:
-            if i in in_host and not recomputed:
+            if i in in_host and not runs_twice:
                 continue
             index, module, name = self._param_name(i)
             slot = self.layout.slots[i]
