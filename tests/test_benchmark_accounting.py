@@ -1,6 +1,6 @@
-"""The accounting that issue 40's benchmarks report (benchmarks/adam_state_*.py): bytes per
-parameter of each Adam state form against what the optimizer really holds, the capacity
-arithmetic, and the result files' header."""
+"""The accounting that the compact Adam state benchmarks report (benchmarks/adam_state_*.py):
+bytes per parameter of each Adam state form against what the optimizer really holds, the
+capacity arithmetic, and the result files' header."""
 
 from __future__ import annotations
 

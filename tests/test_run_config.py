@@ -1,4 +1,5 @@
-"""RoundPipeRunConfig validation and call > model > default resolution (seed 000)."""
+"""RoundPipeRunConfig validation and call > model > default resolution (docs/guide.md,
+section 4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ModelExecutePlan: validation rules (SPEC 2.4) and ``auto`` against brute force."""
+"""ModelExecutePlan: validation rules and ``auto`` against brute force."""
 
 from __future__ import annotations
 

@@ -151,7 +151,7 @@ double brute_objective(RunType run_type, const std::vector<LayerCosts>& models,
   return brute_phase_objective(candidates, fused_stages, options);
 }
 
-// Checks the plan's shape (SPEC 2.4), the memory cap and the threshold, and returns the
+// Checks the plan's shape, the memory cap and the threshold, and returns the
 // objective recomputed from the plan itself.
 double checked_objective(RunType run_type, const std::vector<LayerCosts>& models,
                          const PlanOptions& options, const PlanResult& result) {
