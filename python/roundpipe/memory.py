@@ -124,8 +124,9 @@ class StageLayout:
 
     A plan that changes from call to call caches new layouts every call, which outlive the
     call and so end up in the garbage collector's oldest generation, where enough of them set
-    off a full collection (over 100 ms with torch loaded). So a layout is made of few objects
-    the collector tracks: flat tuples, mostly of ints and strings, which it does not track."""
+    off a full collection (which walks all of torch's objects too). So a layout is made of few
+    objects the collector tracks: flat tuples, mostly of ints and strings, which it does not
+    track."""
 
     layers: range
     param_begin: int
