@@ -104,9 +104,7 @@ class BackwardStage:
         # The layers recomputed natively: not layer 0 (it takes the user's (args, kwargs)), and
         # none while a timeline or NVTX ranges mark each microbatch.
         native = range(max(stage.layers.start, 1), stage.layers.stop)
-        if (not self.per_layer and stage.layers.start == 0) or stage.trace is not None:
-            native = range(0)
-        if call.nvtx:
+        if (not self.per_layer and stage.layers.start == 0) or stage.trace is not None or call.nvtx:
             native = range(0)
         # The backward of a forward() is one backward pass over every microbatch's graph, whose
         # gradients plain PyTorch's engine sums last microbatch first (its nodes came last); the
