@@ -117,7 +117,7 @@ def test_forward_backward_on_cuda_matches_pytorch(grain: str, pin_model: str) ->
 @pytest.mark.parametrize("grain", ["stage", "layer"])
 def test_recomputed_segments_backpropagate_on_the_calling_thread_on_cuda(grain: str) -> None:
     """On a GPU a recomputed segment's graph is torch's own nodes on the device's current stream:
-    its backward runs on the calling thread (csrc/bindings/local_backward.h), not on the
+    its backward runs on the calling thread (csrc/torch_internals/), not on the
     engine's device thread, and the gradients are plain PyTorch's on the GPU."""
     if not _C.local_backward_enabled():
         pytest.skip(

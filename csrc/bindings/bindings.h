@@ -10,7 +10,11 @@ void bind_devices(pybind11::module_& m);
 void bind_runtime(pybind11::module_& m);
 void bind_planner(pybind11::module_& m);
 void bind_optim(pybind11::module_& m);
-void bind_dispatch(pybind11::module_& m);
-void bind_local_backward(pybind11::module_& m);
+void bind_stage_io(pybind11::module_& m);
+void bind_typed_views(pybind11::module_& m);
+void bind_transfers(pybind11::module_& m);
+void bind_call_state(pybind11::module_& m);
+void bind_layer_loop(pybind11::module_& m);
+void bind_backward(pybind11::module_& m);
 
 }  // namespace roundpipe::bindings

@@ -45,6 +45,10 @@ PYBIND11_MODULE(_C, m) {
   roundpipe::bindings::bind_runtime(m);
   roundpipe::bindings::bind_planner(m);
   roundpipe::bindings::bind_optim(m);
-  roundpipe::bindings::bind_dispatch(m);
-  roundpipe::bindings::bind_local_backward(m);
+  roundpipe::bindings::bind_stage_io(m);
+  roundpipe::bindings::bind_typed_views(m);
+  roundpipe::bindings::bind_transfers(m);
+  roundpipe::bindings::bind_call_state(m);
+  roundpipe::bindings::bind_layer_loop(m);
+  roundpipe::bindings::bind_backward(m);
 }

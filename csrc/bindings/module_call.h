@@ -10,10 +10,11 @@
 // per layer call, and a pipeline calls each layer twice per microbatch (forward and recompute).
 #pragma once
 
-#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <array>
+
+#include "torch_internals/torch_internals.h"
 
 namespace roundpipe::bindings {
 
@@ -50,7 +51,7 @@ class __attribute__((visibility("hidden"))) ModuleCall {
   // compiled, no tracer, and no hook of the module's or the process's.
   bool plain(const pybind11::handle& module) const {
     namespace py = pybind11;
-    if (torch::jit::tracer::isTracing()) return false;
+    if (torch_internals::jit_tracing()) return false;
     // nn.Module's __call__ and _call_impl (torch._dynamo can replace a class's _call_impl).
     auto* type = reinterpret_cast<PyObject*>(Py_TYPE(module.ptr()));
     const auto call = py::reinterpret_steal<py::object>(PyObject_GetAttr(type, call_key_.ptr()));

@@ -1,6 +1,5 @@
 // Tensor-level entry points of the host optimizer kernels (csrc/optim): validation, then the
 // kernels on raw pointers with the GIL released.
-#include <c10/core/TensorImpl.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -14,6 +13,7 @@
 #include "common/host_threads.h"
 #include "common/thread_pool.h"
 #include "optim/adam.h"
+#include "torch_internals/torch_internals.h"
 
 namespace py = pybind11;
 
@@ -131,7 +131,7 @@ optim::StateDType check_moments(const at::Tensor& exp_avg, const at::Tensor& exp
 // In-place writes through raw pointers bypass ATen, so bump the version counters ATen would have
 // bumped; autograd then still detects a tensor it saved being modified.
 void bump_versions(const TensorList& tensors) {
-  for (const at::Tensor& tensor : tensors) tensor.unsafeGetTensorImpl()->bump_version();
+  for (const at::Tensor& tensor : tensors) torch_internals::bump_version(tensor);
 }
 
 void adam_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
@@ -229,7 +229,7 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
   }
   if (lowp_params) {
     for (const auto& lowp : *lowp_params) {
-      if (lowp) lowp->unsafeGetTensorImpl()->bump_version();
+      if (lowp) torch_internals::bump_version(*lowp);
     }
   }
   py::gil_scoped_release release;
@@ -282,8 +282,8 @@ void quantize_moment(bool is_exp_avg, const at::Tensor& values, const at::Tensor
                      const at::Tensor& scales) {
   check_codes(is_exp_avg, values, codes, scales);
   const int threads = default_threads();
-  codes.unsafeGetTensorImpl()->bump_version();
-  scales.unsafeGetTensorImpl()->bump_version();
+  torch_internals::bump_version(codes);
+  torch_internals::bump_version(scales);
   py::gil_scoped_release release;
   optim::quantize_moment(ThreadPool::global(), threads, is_exp_avg, values.data_ptr<float>(),
                          codes.data_ptr(), scales.data_ptr<float>(), values.numel());
@@ -293,7 +293,7 @@ void dequantize_moment(bool is_exp_avg, const at::Tensor& codes, const at::Tenso
                        const at::Tensor& values) {
   check_codes(is_exp_avg, values, codes, scales);
   const int threads = default_threads();
-  values.unsafeGetTensorImpl()->bump_version();
+  torch_internals::bump_version(values);
   py::gil_scoped_release release;
   optim::dequantize_moment(ThreadPool::global(), threads, is_exp_avg, codes.data_ptr(),
                            scales.data_ptr<float>(), values.data_ptr<float>(), values.numel());

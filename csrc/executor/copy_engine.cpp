@@ -2,7 +2,6 @@
 
 #include <ATen/ops/empty.h>
 #include <c10/core/StreamGuard.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -19,21 +18,35 @@
 #include "device/registry.h"
 #include "executor/jobs.h"
 
+#ifdef ROUNDPIPE_WITH_CUDA
+#include "executor/cuda_streams.h"
+#endif
+
 namespace roundpipe::executor {
 namespace {
 
-c10::Stream pool_stream(c10::Device device, bool high_priority) {
-  if (!device.is_cuda()) return c10::Stream(c10::Stream::DEFAULT, device);
-  return c10::impl::getDeviceGuardImpl(device.type())
-      ->getStreamFromGlobalPool(device, high_priority);
+c10::Stream pool_stream(c10::Device device, [[maybe_unused]] bool high_priority) {
+#ifdef ROUNDPIPE_WITH_CUDA
+  if (device.is_cuda()) return cuda::pool_stream(device, high_priority);
+#endif
+  return c10::Stream(c10::Stream::DEFAULT, device);
 }
 
 // Tells the caching allocator that `tensor` is used on `stream`, so its block is not handed to
 // other work before what is queued there has run (a device tensor used off its allocation stream).
-void record_use(const at::Tensor& tensor, const c10::Stream& stream) {
-  if (!tensor.is_cuda()) return;
-  c10::impl::getDeviceGuardImpl(tensor.device().type())
-      ->recordDataPtrOnStream(tensor.storage().data_ptr(), stream);
+void record_use([[maybe_unused]] const at::Tensor& tensor,
+                [[maybe_unused]] const c10::Stream& stream) {
+#ifdef ROUNDPIPE_WITH_CUDA
+  if (tensor.is_cuda()) cuda::record_use(tensor, stream);
+#endif
+}
+
+// The stream that compute on `device` is issued to from this thread.
+c10::Stream compute_stream(c10::Device device) {
+#ifdef ROUNDPIPE_WITH_CUDA
+  if (device.is_cuda()) return cuda::current_stream(device);
+#endif
+  return c10::Stream(c10::Stream::DEFAULT, device);
 }
 
 // An event recorded now on the stream that compute on `device` is issued to from this thread. A
@@ -41,7 +54,7 @@ void record_use(const at::Tensor& tensor, const c10::Stream& stream) {
 // overwrites memory that kernels queued there (before the block was freed and reused) still read.
 c10::Event compute_position(c10::Device device) {
   c10::Event event(device.type());
-  event.record(c10::impl::getDeviceGuardImpl(device.type())->getStream(device));
+  event.record(compute_stream(device));
   return event;
 }
 
@@ -252,11 +265,7 @@ void set_inline_copy_bytes(std::int64_t bytes) {
 
 std::int64_t inline_copy_bytes() { return inline_bytes().load(std::memory_order_relaxed); }
 
-c10::Stream current_stream(int index) {
-  c10::Device device = copy_engine(index).device();
-  if (!device.is_cuda()) return c10::Stream(c10::Stream::DEFAULT, device);
-  return c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
-}
+c10::Stream current_stream(int index) { return compute_stream(copy_engine(index).device()); }
 
 EventPtr record_event(int index) {
   c10::Stream stream = current_stream(index);
