@@ -1,6 +1,7 @@
 """The backward passes of recomputed segments that run on the calling thread
-(csrc/bindings/local_backward.h): they compute what torch's engine computes, bitwise, and every
-graph they cannot vouch for goes to the engine, which then computes what plain PyTorch does."""
+(csrc/torch_internals/torch_internals.h): they compute what torch's engine computes, bitwise, and
+every graph off their allow-list goes to the engine, which then computes what plain PyTorch
+does."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from typing import Any
 
 import pytest
 import roundpipe
@@ -257,6 +259,155 @@ def test_hooks_on_a_layers_parameters_or_module_go_to_the_engine(
     if RUNS_HERE:
         assert engine >= MICROBATCHES  # layer 3's segment, at least (its stage's, or its own)
         assert here > 0
+
+
+class _NodePreHook(nn.Linear):
+    """A pre hook on a node of the layer's graph, changing the gradient it receives."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if out.grad_fn is not None:
+            out.grad_fn.register_prehook(lambda grads: tuple(g * 0.5 for g in grads))
+        return out.tanh()
+
+
+class _NodePostHook(nn.Linear):
+    """A post hook on a node of the layer's graph, changing the gradients it hands on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if out.grad_fn is not None:
+            out.grad_fn.register_hook(
+                lambda grad_inputs, grad_outputs: tuple(
+                    None if g is None else g * 2 for g in grad_inputs
+                )
+            )
+        return out.tanh()
+
+
+class _AccumulatorHook(nn.Linear):
+    """A post hook on the AccumulateGrad node of the layer's weight, beside the flag the stage puts
+    there: the one post hook the local backward runs is that flag."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.requires_grad:
+            node = torch.autograd.graph.get_gradient_edge(self.weight).node
+            node.register_hook(lambda grad_inputs, grad_outputs: None)
+        return super().forward(x).tanh()
+
+
+class _PostAccumulateHook(nn.Linear):
+    """A post-accumulate-grad hook on the layer's weight (it reads the summed gradient)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.requires_grad:
+            self.weight.register_post_accumulate_grad_hook(lambda weight: None)
+        return super().forward(x).tanh()
+
+
+class _MultiGradHook(nn.Linear):
+    """A hook over several tensors' gradients (torch.autograd.graph.register_multi_grad_hook)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if out.requires_grad:
+            torch.autograd.graph.register_multi_grad_hook((out,), lambda grads: None)
+        return out.tanh()
+
+
+@pytest.mark.parametrize(
+    "special",
+    [_NodePreHook, _NodePostHook, _AccumulatorHook, _PostAccumulateHook, _MultiGradHook],
+)
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_hook_kinds_off_the_allow_list_go_to_the_engine(
+    devices: int, grain: str, special: type[nn.Linear]
+) -> None:
+    """The local backward runs only what its allow-list names (no hook but the stage's own
+    flag): a node's pre or post hooks, another post hook beside the flag on a weight's
+    AccumulateGrad, a post-accumulate-grad hook or a multi-grad hook send the layer's segment to
+    torch's engine, which runs them; the gradients are plain PyTorch's, bitwise (the pre and post
+    hooks change them, so a pass that skipped them would differ)."""
+
+    def make() -> nn.Sequential:
+        return nn.Sequential(
+            *[nn.Linear(WIDTH, WIDTH) for _ in range(3)],
+            special(WIDTH, WIDTH),
+            *[nn.Linear(WIDTH, WIDTH) for _ in range(4)],
+        )
+
+    here, engine = _check_against_plain(make, grain)
+    if RUNS_HERE:
+        assert engine == MICROBATCHES  # layer 3's segment (its stage's, or its own)
+        assert here > 0
+
+
+class _Square(torch.autograd.Function):
+    """A Python node computing its true derivative: nothing but its kind sends it to the
+    engine."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * 2 * x
+
+
+class _PythonNode(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = _Square.apply(super().forward(x))
+        return result
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_a_python_node_is_not_on_the_allow_list(devices: int, grain: str) -> None:
+    """A custom autograd.Function's node (a Python node, whose type torch's own C++ library does
+    not define) is not a node kind the local backward knows: its segment goes to torch's engine,
+    and the gradients are plain PyTorch's, bitwise."""
+
+    def make() -> nn.Sequential:
+        return nn.Sequential(
+            *[nn.Linear(WIDTH, WIDTH) for _ in range(5)],
+            _PythonNode(WIDTH, WIDTH),
+            *[nn.Linear(WIDTH, WIDTH) for _ in range(2)],
+        )
+
+    here, engine = _check_against_plain(make, grain)
+    if RUNS_HERE:
+        assert engine == MICROBATCHES  # layer 5's segment (its stage's, or its own)
+        assert here > 0
+
+
+@contextlib.contextmanager
+def _unreadable_compiled_autograd_state() -> Iterator[None]:
+    """torch._dynamo.compiled_autograd without its ``compiled_autograd_enabled`` global, as a
+    torch release that renamed it would be."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    saved = compiled_autograd.compiled_autograd_enabled
+    del compiled_autograd.compiled_autograd_enabled
+    try:
+        yield
+    finally:
+        compiled_autograd.compiled_autograd_enabled = saved
+
+
+def test_an_unreadable_compiled_autograd_state_sends_every_pass_to_the_engine(
+    devices: int,
+) -> None:
+    """The local backward reads whether compiled autograd is on from torch._dynamo's globals;
+    where it cannot read them it takes compiled autograd as on, and torch's engine runs every
+    pass (which then computes plain PyTorch's gradients, bitwise)."""
+    here, engine = _check_against_plain(
+        lambda: nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(6)]),
+        "layer",
+        _unreadable_compiled_autograd_state,
+    )
+    assert here == 0 and engine > 0
 
 
 class _CountUnpacks:
