@@ -21,9 +21,10 @@
 // node (ready order, validate_outputs, InputBuffer's sums, hook lists), so every line of it is
 // private API, and a wrapper per Node member would be the same code spread over two files.
 //
-// Each wrapper says which torch releases it was checked on. CI builds 2.11 (CUDA) and 2.13
-// (CPU); 2.12 was read against the same sources. A torch outside 2.11 to 2.13 still builds
-// against the wrappers, but the local backward then sends every pass to torch's engine.
+// Each wrapper says which torch releases it was checked on: read against each release's headers
+// and compiled against them (CI builds and tests 2.11 with CUDA and 2.13 on the CPU). A torch
+// outside 2.11 to 2.13 may still build, but the local backward then sends every pass to torch's
+// engine.
 #pragma once
 
 #include <ATen/core/Generator.h>
