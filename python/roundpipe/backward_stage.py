@@ -183,14 +183,14 @@ class BackwardStage:
         loop = self.run_layers.loop
         try:
             result = loop.recompute_backward(
-                layers.start,
-                layers.stop,
-                microbatch,
-                inputs,
-                reused,
-                grad[0],
-                self.per_layer,
-                backward,
+                first=layers.start,
+                stop=layers.stop,
+                microbatch=microbatch,
+                inputs=inputs,
+                saved=reused,
+                grad=grad[0],
+                per_layer=self.per_layer,
+                fallback=backward,
             )
         except Exception as error:
             raise self._failed(error) from error
@@ -209,14 +209,14 @@ class BackwardStage:
             return None
         try:
             results = self.run_layers.loop.recompute_backward_kept(
-                layers.start,
-                layers.stop,
-                order,
-                kept,
-                self.graph_retained,
-                [grads[m][0] for m in order],
-                self.per_layer,
-                backward,
+                first=layers.start,
+                stop=layers.stop,
+                microbatches=order,
+                kept=kept,
+                retained=self.graph_retained,
+                grads=[grads[m][0] for m in order],
+                per_layer=self.per_layer,
+                fallback=backward,
             )
         except Exception as error:
             raise self._failed(error) from error

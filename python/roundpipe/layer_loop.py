@@ -200,17 +200,17 @@ class LayerCalls:
         mark = functools.partial(_mark_layer, call, self.phase) if call.nvtx else None
         replay = recompute and not fresh
         self.loop = _C.LayerLoop(
-            call.model.layers,
-            call.rng_seed,
-            fresh,
-            generators,
-            self.context,
-            mark,
-            timing,
-            device_index,
-            call.rng_states if replay or runs_twice else None,
-            replay,
-            cut_graphs if cut else None,
+            modules=call.model.layers,
+            call_seed=call.rng_seed,
+            fresh=fresh,
+            generators=generators,
+            context=self.context,
+            mark=mark,
+            timing=timing,
+            device_index=device_index,
+            rng_states=call.rng_states if replay or runs_twice else None,
+            replay=replay,
+            cut=cut_graphs if cut else None,
         )
 
     def __call__(self, layers: range, microbatch: int, value: Any) -> Any:
@@ -238,7 +238,13 @@ class LayerCalls:
         try:
             with self.context:
                 return self.loop.run_keeping(
-                    layers.start, layers.stop, first_microbatch, values, kept, kept_natively, keeper
+                    first=layers.start,
+                    stop=layers.stop,
+                    first_microbatch=first_microbatch,
+                    values=values,
+                    keep=kept,
+                    kept=kept_natively,
+                    keeper=keeper,
                 )
         except Exception as error:
             context = self.context

@@ -204,8 +204,8 @@ class ModelExecutePlan:
         num_devices = device.device_count()
         result = _parse_planner_result(
             _C.plan_stages(
-                run_type,
-                [
+                run_type=run_type,
+                profiles=[
                     (
                         [float(x) for x in p.forward_seconds],
                         [float(x) for x in p.recompute_seconds],
@@ -215,12 +215,12 @@ class ModelExecutePlan:
                     )
                     for p in profiles
                 ],
-                min_stages,
-                float(upper_threshold),
-                limit * GIB / 2,
-                num_devices,
-                num_devices + 1,
-                ASSUMED_UPLOAD_BYTES_PER_SECOND[device.device_kind()],
+                min_stages=min_stages,
+                upper_threshold=float(upper_threshold),
+                stage_memory_cap=limit * GIB / 2,
+                num_devices=num_devices,
+                num_microbatches=num_devices + 1,
+                upload_bytes_per_second=ASSUMED_UPLOAD_BYTES_PER_SECOND[device.device_kind()],
             )
         )
         plans: list[ModelExecutePlan] = []

@@ -177,21 +177,21 @@ class ResidentStage:
             # With gradients also which trained parameters a backward reaches (see
             # reached_params).
             self.buffer, uploaded, self.views, self.grad_buffer, self.reach = _C.upload_stage(
-                device_index,
-                device,
-                memory.params,
-                layout.param_begin,
-                layout.param_end,
-                layout.param_runs(frozen) if memory.params is not None else [],
-                fence,
-                layout.offsets,
-                layout.params,
-                with_grads,
-                layout.grad_begin,
-                layout.grad_end,
-                layout.grad_offsets,
-                layout.trained,
-                self._grad_arena() if self.grads_from_arena else None,
+                device_index=device_index,
+                device=device,
+                arena=memory.params,
+                param_begin=layout.param_begin,
+                param_end=layout.param_end,
+                runs=layout.param_runs(frozen) if memory.params is not None else [],
+                fence=fence,
+                offsets=layout.offsets,
+                params=layout.params,
+                with_grads=with_grads,
+                grad_begin=layout.grad_begin,
+                grad_end=layout.grad_end,
+                grad_offsets=layout.grad_offsets,
+                trained=layout.trained,
+                grad_arena=self._grad_arena() if self.grads_from_arena else None,
             )
             self.uploaded = uploaded if uploaded is not None else self._upload_sources(fence)
         if with_grads:
@@ -431,13 +431,13 @@ class ResidentStage:
             runs = sorted((b, e, t) for b, e, t in clipped if b < e)
         with marked(self.nvtx_model, "download", self.layers):
             events = _C.download_grads(
-                self.device_index,
-                self._grad_arena(),
-                self.grad_buffer,
-                self.layout.grad_begin,
-                runs,
-                staging,
-                self.grads_from_arena,
+                device_index=self.device_index,
+                arena=self._grad_arena(),
+                grads=self.grad_buffer,
+                first_byte=self.layout.grad_begin,
+                runs=runs,
+                staging=staging,
+                replace=self.grads_from_arena,
             )
         if self.trace is not None and events:
             self.trace.transfer("grad_download", "gradient download", events[-1])
