@@ -73,3 +73,15 @@ def test_modules_import_only_lower_layers() -> None:
             if layer[name] < layer[own] or (layer[name] == layer[own] and not annotation_only):
                 wrong.append(f"{relative}:{line} imports {name} (layer {layer[name]}, own {own})")
     assert not wrong, "\n".join(wrong)
+
+
+def test_modules_hold_one_idea_each() -> None:
+    """The call itself stays a sequencing of stages, and no module grows into several ideas:
+    ``pipeline.py`` at most 600 lines, every other module at most 900."""
+    sizes = {
+        path.relative_to(PACKAGE).as_posix(): len(path.read_text().splitlines())
+        for path in PACKAGE.rglob("*.py")
+    }
+    assert sizes["pipeline.py"] <= 600, sizes["pipeline.py"]
+    large = {name: lines for name, lines in sizes.items() if lines > 900}
+    assert not large, large

@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from roundpipe._native import _C
 from roundpipe.autograd import NodeState, backward_into_inputs, connect
 from roundpipe.batch import (
     BatchRows,
@@ -39,13 +38,14 @@ from roundpipe.distributed import (
     check_reduce_mode,
     resolve_reduce_mode,
 )
+from roundpipe.fork_hooks import hold_for_fork
 from roundpipe.forwarding import ForwardingModule
 from roundpipe.gradients import GradientOutcome, GradientPolicy, GradientState
 from roundpipe.memory import ModelMemory
 from roundpipe.pipeline import Call, CallModel, LossSpec
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, resolve_run_config
 from roundpipe.scheduler import LayerProfile, ModelExecutePlan, RunType
-from roundpipe.step import StepPipeline, fork_interrupted, in_step_job, interrupted_before_fork
+from roundpipe.step import StepPipeline, in_step_job
 from roundpipe.timer import ModelTimer
 from roundpipe.torch_internals import tree_flatten, version_of
 
@@ -101,9 +101,9 @@ class _Runtime:
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
-# Every live model's runtime, for fork() (see _hold_models_for_fork).
+# Every live model's runtime: whose parameters are wrapped, and whose calls fork() waits for.
 _runtimes: weakref.WeakSet[_Runtime] = weakref.WeakSet()
-_held_for_fork: list[CallLock] = []
+hold_for_fork(lambda: [runtime.lock for runtime in list(_runtimes)])
 
 
 def _checked_shared(model: nn.Module, shared: Any) -> tuple[nn.Parameter, ...]:
@@ -157,40 +157,6 @@ def _owner_of(params: set[int]) -> str | None:
         if any(id(p) in params and p.requires_grad for _, p in runtime.param_names):
             return runtime.model.name
     return None
-
-
-def _hold_models_for_fork() -> None:
-    """Before fork(): wait for the calls in flight on other threads, holding every model's lock
-    until fork() returned. A child then inherits models between calls: not a lock held by a
-    thread it does not have (its first call would wait for ever), nor a stage's device copies
-    bound in place of the parameters. Skipped on the optimizer thread (the main thread may be
-    waiting there for the step, holding its model's lock); a Ctrl-C gives up the wait."""
-    if in_step_job() or fork_interrupted():
-        return
-    try:
-        for runtime in sorted(_runtimes, key=id):  # one order: two forking threads cannot cross
-            runtime.lock.acquire(refuse_endless=False)  # a hook of fork() cannot raise
-            _held_for_fork.append(runtime.lock)
-    except KeyboardInterrupt:
-        _release_models_after_fork()
-        interrupted_before_fork()
-
-
-def _release_models_after_fork() -> None:
-    while _held_for_fork:
-        _held_for_fork.pop().release()
-
-
-# Registered after roundpipe.step's hooks, so that before fork() the calls in flight end first
-# (they may queue steps), then the optimizer thread drains.
-os.register_at_fork(
-    before=_hold_models_for_fork,
-    after_in_parent=_release_models_after_fork,
-    after_in_child=_release_models_after_fork,
-)
-# Last of the parent's hooks (they run in the order registered): a Ctrl-C noted before fork()
-# surfaces as KeyboardInterrupt where fork() returns, not inside a hook of ours.
-os.register_at_fork(after_in_parent=_C.raise_fork_interrupt)
 
 
 def serialized(method: _Method) -> _Method:
