@@ -23,7 +23,7 @@ says where the rest goes.
 One-layer stages keep the virtual devices' buffers (host memory here; GPU memory on GPUs) to 2/L
 of the trained weights; frozen parameters are bound in place on virtual CPU devices, not copied.
 
-The LoRA case is issue 16's model: rank-8 adapters on a frozen bf16 base of 4096 x 4096 layers
+The LoRA case: rank-8 adapters on a frozen bf16 base of 4096 x 4096 layers
 (12 of them at 200M), the base kept in its own pageable storage (``pin_model="off"``, as
 docs/guide.md advises for frozen bases). Beside it, the same model trained by the plain PyTorch
 per-microbatch loop with ``torch.optim.Adam`` on the adapters, measured the same way.
@@ -149,7 +149,7 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
     roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
     # Many layers in one-layer stages: on virtual CPU devices the resident stages' buffers (at
     # most two stages, 2/L of the trained weights) are host memory too, and are counted. The
-    # LoRA base in issue 16's 4096 x 4096 layers.
+    # LoRA base in 4096 x 4096 layers.
     if case.lora and params >= 10**8:
         width = 4096
     else:

@@ -8,7 +8,7 @@ RNG, bookkeeping), which caps tokens/s at short sequences on a GPU. Reported in 
 microbatch for the plain PyTorch forward + backward (per microbatch: forward, loss, backward), the
 same with every layer checkpointed (``torch.utils.checkpoint``, ``use_reentrant=False``) and
 RoundPipe's ``forward_backward`` with ``recompute_grain`` "stage" and "layer", each as a ratio to
-the plain forward + backward. Target (issue 16): RoundPipe at most 2x plain forward + backward
+the plain forward + backward. Target: RoundPipe at most 2x plain forward + backward
 (recomputing the forward alone makes 1.33x).
 
 **Compute** (width 256, 16 rows per microbatch): RoundPipe against the plain loop with every layer
@@ -16,7 +16,7 @@ checkpointed (the same recompute work RoundPipe does):
 
     overhead per layer x microbatch = (ours - baseline) / (layers * microbatches)
 
-Target (issue 3): under 30 us and a ratio under 1.5 for 256 layers of width 256, 4 microbatches.
+Target: under 30 us and a ratio under 1.5 for 256 layers of width 256, 4 microbatches.
 
 ``--mode stages`` (not part of ``all``) shows the per-stage share: the dispatch model under
 explicit plans of 2, 8, 32 and 127 stages per direction (the layer x microbatch work the same in
