@@ -25,24 +25,21 @@ COMPACT = [torch.bfloat16, torch.int8]
 ODD_SIZES = [0, 1, 7, 17, 255, 256, 257, 1000, 4099]
 
 
-def code_table(is_exp_avg: bool) -> torch.Tensor:
-    """Every magnitude code's value in units of its block scale, from the format: 3 mantissa
-    bits, exponent bias 15 (exp_avg, top code 120) or 31 (exp_avg_sq, top code 248), codes
-    below 8 subnormal."""
-    bias = 15 if is_exp_avg else 31
-    values = []
-    for code in range(bias * 8 + 1):
-        exponent, mantissa = code >> 3, code & 7
-        if exponent == 0:
-            values.append(mantissa * 2.0 ** (1 - bias - 3))
-        else:
-            values.append(2.0 ** (exponent - bias) * (1 + mantissa / 8))
-    return torch.tensor(values, dtype=torch.float64)
+def code_table(is_exp_avg: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The magnitude codes a moment uses and their values in units of the block scale, from the
+    format: code c is the fp16 with bits c << 7 (exponent c >> 3 with bias 15, mantissa c & 7,
+    codes below 8 subnormal steps of 2^-17); exp_avg's reach 1.0 at code 120, exp_avg_sq's are
+    that fp16 times 2^-15 (1.0 at code 240) and never below code 8."""
+    codes = torch.arange(121) if is_exp_avg else torch.arange(8, 241)
+    halves = torch.tensor([c << 7 for c in codes.tolist()], dtype=torch.int16).view(torch.float16)
+    values = halves.double() * (1.0 if is_exp_avg else 2.0**-15)
+    return codes, values
 
 
 def nearest_codes(values: torch.Tensor, is_exp_avg: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference block-wise encoding (round to nearest, ties to the even code)."""
-    table = code_table(is_exp_avg)
+    """Reference block-wise encoding (round to nearest, ties to the even code); exp_avg's int8
+    codes hold the sign in bit 7 (as int8: magnitude - 128 for a negative value)."""
+    codes_used, table = code_table(is_exp_avg)
     flat = values.reshape(-1).double()
     codes = torch.empty(flat.numel(), dtype=torch.int64)
     scales = torch.empty(-(-flat.numel() // BLOCK), dtype=torch.float64)
@@ -55,10 +52,11 @@ def nearest_codes(values: torch.Tensor, is_exp_avg: bool) -> tuple[torch.Tensor,
         below = (above - 1).clamp(min=0)
         up_closer = (table[above] - y) < (y - table[below])
         tie = (table[above] - y) == (y - table[below])
-        chosen = torch.where(up_closer | (tie & (above % 2 == 0)), above, below)
-        if not is_exp_avg:  # a positive second moment is never code 0
-            chosen = torch.where((part > 0) & (chosen == 0), 1, chosen)
-        codes[block * BLOCK : block * BLOCK + part.numel()] = torch.where(part < 0, -chosen, chosen)
+        chosen = codes_used[
+            torch.where(up_closer | (tie & (codes_used[above] % 2 == 0)), above, below)
+        ]
+        signed = torch.where(torch.signbit(part), chosen - 128, chosen) if is_exp_avg else chosen
+        codes[block * BLOCK : block * BLOCK + part.numel()] = signed
     return codes, scales.float()
 
 
@@ -81,9 +79,13 @@ def test_codes_match_the_formats_nearest_value_and_decode_exactly(is_exp_avg: bo
     assert torch.equal(scales, expected_scales)
     decoded = torch.empty(n)
     _C.dequantize_moment(is_exp_avg, codes, scales, decoded)
-    table = code_table(is_exp_avg)
+    codes_used, table = code_table(is_exp_avg)
+    value_of = dict(zip(codes_used.tolist(), table.tolist(), strict=True))
+    magnitude = expected_codes.remainder(128) if is_exp_avg else expected_codes
+    sign = torch.where(expected_codes < 0, -1.0, 1.0).double()
     block_scale = scales.double().repeat_interleave(BLOCK)[:n]
-    expected = (table[expected_codes.abs()] * expected_codes.sign() * block_scale).float()
+    values = torch.tensor([value_of[c] for c in magnitude.tolist()], dtype=torch.float64)
+    expected = (values * sign * block_scale).float()
     assert torch.equal(decoded, expected)
     # Decoding and encoding again gives the same codes: a loaded state is kept bit for bit.
     again = torch.empty_like(codes)
@@ -145,11 +147,11 @@ def test_each_step_is_fp32_adam_from_the_decoded_state(state_dtype: torch.dtype)
             stored = moment_values(optimizer.state[param], key)
             if state_dtype == torch.bfloat16:
                 bound = value.abs() * relative_step
-            else:  # one code step of the block: relative, or the subnormal step near zero
+            else:  # one code step: relative, or exp_avg's subnormal step, or exp_avg_sq's floor
                 block_max = value.abs().reshape(-1)
                 block_max = torch.nn.functional.pad(block_max, (0, -block_max.numel() % BLOCK))
                 scale = block_max.reshape(-1, BLOCK).amax(1).repeat_interleave(BLOCK)
-                tiny = scale[: value.numel()] * 2.0 ** (-17 if key == "exp_avg" else -33)
+                tiny = scale[: value.numel()] * 2.0 ** (-17 if key == "exp_avg" else -29)
                 bound = torch.maximum(value.abs() * relative_step, tiny)
             assert bool(((stored - value).abs() <= bound * 1.0001 + 1e-30).all()), key
 
@@ -277,6 +279,7 @@ def test_compact_state_dict_round_trips_bit_for_bit(state_dtype: torch.dtype, tm
             "exp_avg_sq",
             "exp_avg_scale",
             "exp_avg_sq_scale",
+            "int8_code",
         }
         assert optimizer.state[params[0]]["exp_avg"].dtype == torch.int8
         assert optimizer.state[params[0]]["exp_avg_sq"].dtype == torch.uint8
@@ -314,6 +317,34 @@ def test_bad_scales_are_refused_naming_the_key() -> None:
     del saved["state"][0]["exp_avg_sq_scale"]
     with pytest.raises(ValueError, match="exp_avg_sq_scale"):
         Adam([p.clone() for p in params], state_dtype=torch.float32).load_state_dict(saved)
+
+
+@pytest.mark.parametrize("code", [None, 1, 3])
+def test_a_state_in_another_version_of_the_8bit_code_is_refused(code: int | None) -> None:
+    params, optimizer = trained(torch.int8)
+    saved = optimizer.state_dict()
+    assert saved["state"][0]["int8_code"].item() == 2
+    for entry in saved["state"].values():
+        if code is None:
+            del entry["int8_code"]
+        else:
+            entry["int8_code"] = torch.tensor(code)
+    for state_dtype in (torch.int8, torch.float32):
+        with pytest.raises(ValueError, match=r"version .* of roundpipe's 8-bit code"):
+            Adam([p.clone() for p in params], state_dtype=state_dtype).load_state_dict(saved)
+
+
+def test_a_positive_second_moment_never_decodes_to_zero() -> None:
+    # One huge and many tiny gradients in a block: the tiny ones' exp_avg_sq stays positive
+    # (2^-29 of the block's largest at least), so their update is no m / eps.
+    param = torch.zeros(BLOCK)
+    optimizer = Adam([param], lr=1e-3, state_dtype=torch.int8)
+    param.grad = torch.full((BLOCK,), 1e-20)
+    param.grad[0] = 1.0
+    optimizer.step()
+    exp_avg_sq = moment_values(optimizer.state[param], "exp_avg_sq")
+    assert bool((exp_avg_sq[1:] > 0).all())
+    assert float(param[1:].abs().max()) <= 1e-3 * 1.001
 
 
 def test_a_nan_gradient_poisons_its_block_and_no_other() -> None:

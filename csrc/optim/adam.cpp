@@ -47,6 +47,7 @@ AdamCoefficients adam_coefficients(const AdamHyper& hyper, double step, float gr
   AdamCoefficients c{};
   c.grad_scale_inv = grad_scale_inv;
   c.lerp_weight = static_cast<float>(1.0 - hyper.beta1);
+  c.beta1 = static_cast<float>(hyper.beta1);
   c.beta2 = static_cast<float>(hyper.beta2);
   c.one_minus_beta2 = static_cast<float>(1.0 - hyper.beta2);
   c.l2_weight_decay = static_cast<float>(hyper.weight_decay);

@@ -2,13 +2,13 @@
 // before it (cast + accumulate + inf/NaN check). Torch-free.
 //
 // Master weights are fp32. The moments are fp32, bf16 or block-wise 8-bit (see StateDType); compact
-// moments are written back with stochastic rounding driven by a counter-based hash of the element's
-// index and the step, so results do not depend on threads, chunks or instruction set. Gradients may
-// be fp32, bf16 or fp16 and are unscaled (multiplied by a GradScaler's inverse scale) as they are
-// read; the updated weights may also be written as bf16/fp16 into the model's low-precision
-// parameter buffer in the same pass. bf16 and fp16 are handled as uint16 bit patterns, with
-// round-to-nearest-even conversions that match torch's `.to(dtype)` bit for bit (NaN becomes one
-// canonical quiet NaN).
+// moments are written back with stochastic rounding driven by counter-based random bits of the
+// element's index and the step, so results do not depend on threads, chunks or instruction set.
+// Gradients may be fp32, bf16 or fp16 and are unscaled (multiplied by a GradScaler's inverse scale)
+// as they are read; the updated weights may also be written as bf16/fp16 into the model's
+// low-precision parameter buffer in the same pass. bf16 and fp16 are handled as uint16 bit
+// patterns, with round-to-nearest-even conversions that match torch's `.to(dtype)` bit for bit (NaN
+// becomes one canonical quiet NaN).
 //
 // Every SIMD variant (scalar, AVX2, AVX-512; picked at run time by active_simd_level()) performs
 // the same IEEE operations in the same order without FMA contraction, so all variants give
@@ -30,14 +30,21 @@ enum class DType : std::uint8_t { kFloat32, kBFloat16, kFloat16 };
 //   kBFloat16: bf16, stochastically rounded (round-to-nearest would freeze the second moment: its
 //              per-step change, (1 - beta2) = 0.1%, is below half a bf16 step, 0.2%).
 //   kInt8:     8-bit codes with one fp32 scale per kStateBlock elements (the block's largest
-//              magnitude). The code is a small float relative to the scale, stochastically rounded:
-//              exp_avg as int8 (sign and 7 bits: 4 exponent, 3 mantissa, smallest step 2^-17),
-//              exp_avg_sq as uint8 (5 exponent, 3 mantissa bits, smallest step 2^-33, and never
-//              rounded to zero unless it is zero, which would make the update m / eps).
+//              magnitude), stochastically rounded. A code is the top of an IEEE half: magnitude
+//              code c stands for the half with bits c << 7 (5 exponent bits, bias 15, and 3
+//              mantissa bits; codes below 8 are subnormal steps of 2^-17).
+//              exp_avg: int8, sign in bit 7 and c below; the value is half * scale, so the
+//              block's largest magnitude is code 120 and the smallest step 2^-17 of it.
+//              exp_avg_sq: uint8 c; the value is half * 2^-15 * scale (largest code 240), and
+//              c >= 8: anything below 2^-29 of the block's largest is stored as 2^-29 of it, so a
+//              second moment never decodes to zero (which would make the update m / eps).
+//              Decoding is one shift and the hardware's exact half-to-float conversion.
 enum class StateDType : std::uint8_t { kFloat32, kBFloat16, kInt8 };
 
 // Elements per scale of kInt8 moments: 0.03 byte per parameter of scales (two fp32 per block),
-// and a block's fp32 staging (2 KiB) stays in L1. Not yet compared with other sizes by measurement.
+// and the step's fp32 staging of two blocks (4 KiB) stays in L1. Larger blocks cost precision
+// (one scale spans more values) and measured no faster; smaller ones measured slower
+// (docs/design/compact_adam_state.md).
 inline constexpr std::int64_t kStateBlock = 256;
 
 inline constexpr std::int64_t state_blocks(std::int64_t numel) {
@@ -61,6 +68,7 @@ struct AdamHyper {
 struct AdamCoefficients {
   float grad_scale_inv;
   float lerp_weight;  // 1 - beta1, the weight of the gradient in the first moment
+  float beta1;
   float beta2;
   float one_minus_beta2;
   float l2_weight_decay;            // added to the gradient (Adam); 0 when decoupled or disabled

@@ -7,10 +7,12 @@
 // and store_as<DType> (exact bf16/fp16 conversions); add, sub, mul, div, sqrt, neg;
 // max(a, b) = a > b ? a : b (as x86's maxps); and any_nan. For compact moments also: a vector I
 // of kWidth 32-bit integers and a mask type M; bits/from_bits (reinterpretation); iset1, iota
-// (0, 1, ...); iadd, isub, iand, ixor, imul (low 32 bits), imin/imax (signed); shl<n>, shr<n>
-// (logical), sar<n>; less (ordered float a < b), iless (signed), is_nan; select/iselect(mask,
-// if_true, if_false); load_codes<kSigned> (8-bit codes widened, sign- or zero-extended),
-// store_codes and store_u16 (the low 8 or 16 bits of each lane); hmax (largest lane, signed).
+// (0, 1, ...); iadd, iand, ior, ixor, imul (low 32 bits), imax (signed), umax (unsigned);
+// shl<n>, shr<n> (logical); less (ordered float a < b), is_nan; iselect(mask, if_true,
+// if_false); mul_add_where(mask, a, b, c) (a * b + c where mask, else a; fused or not, used only
+// where both round alike); load_half_codes<kSigned> (8-bit codes as the halves they stand for,
+// see the 8-bit codes below); store_codes and store_u16 (the low 8 or 16 bits of each lane);
+// hmax (largest lane, signed).
 //
 // The operation order mirrors torch.optim.Adam's single-tensor CPU path (lerp for the first
 // moment, mul + addcmul for the second, sqrt / bias correction + eps, addcdiv) so results stay
@@ -22,6 +24,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 #include "optim/adam.h"
@@ -57,92 +60,108 @@ void store_bf16_stochastic(void* base, std::int64_t i, typename Isa::F x, typena
   Isa::store_u16(base, i, Isa::iselect(Isa::is_nan(x), Isa::iset1(0x7FC0u), rounded));
 }
 
-// The 8-bit codes of kInt8 moments: a float with 3 mantissa bits and exponent bias `kBias` in
-// units of the block's scale, so 1.0 (the block's largest magnitude) is the top code kBias << 3,
-// and codes below 1 << 3 are subnormal steps of 2^(-2 - kBias). Encoding and decoding work on
-// the fp32 bit pattern with integer operations, identical on every Isa.
-template <int kBias>
-struct MomentCode {
-  static constexpr int kMantissa = 3;
-  static constexpr int kDropped = 23 - kMantissa;
-  static constexpr std::uint32_t kTop = static_cast<std::uint32_t>(kBias) << kMantissa;
-  static constexpr std::uint32_t kOffset = static_cast<std::uint32_t>(127 - kBias) << kMantissa;
-  // 2^(1 - kBias), the smallest normal code's value.
-  static constexpr std::uint32_t kSmallestNormalBits = static_cast<std::uint32_t>(128 - kBias)
-                                                       << 23;
-
-  // The code of y in [0, 1] (larger values and NaN give kTop). `random` holds kDropped random
-  // bits for stochastic rounding; without it (kStochastic false) the rounding is to nearest even.
-  // Below the smallest normal code, y + 2^(1 - kBias) lies in the first normal binade, whose
-  // steps are the subnormal ones, so one rounding serves both.
-  template <class Isa, bool kStochastic>
-  static typename Isa::I encode(typename Isa::F y, typename Isa::I random) {
-    const auto smallest_normal = Isa::from_bits(Isa::iset1(kSmallestNormalBits));
-    const auto small = Isa::less(y, smallest_normal);
-    const auto z = Isa::bits(Isa::select(small, Isa::add(y, smallest_normal), y));
-    auto increment = random;
-    if constexpr (!kStochastic) {
-      const auto lowest_kept = Isa::iand(Isa::template shr<kDropped>(z), Isa::iset1(1));
-      increment = Isa::iadd(Isa::iset1((1u << (kDropped - 1)) - 1), lowest_kept);
-    }
-    auto code =
-        Isa::isub(Isa::template shr<kDropped>(Isa::iadd(z, increment)), Isa::iset1(kOffset));
-    code = Isa::iselect(small, Isa::isub(code, Isa::iset1(1u << kMantissa)), code);
-    return Isa::imin(code, Isa::iset1(kTop));
-  }
-
-  // The value of a code in [0, kTop], in units of the scale.
-  template <class Isa>
-  static typename Isa::F decode(typename Isa::I code) {
-    const auto normal =
-        Isa::from_bits(Isa::template shl<kDropped>(Isa::iadd(code, Isa::iset1(kOffset))));
-    const auto shifted = Isa::from_bits(
-        Isa::template shl<kDropped>(Isa::iadd(code, Isa::iset1(kOffset + (1u << kMantissa)))));
-    const auto subnormal = Isa::sub(shifted, Isa::from_bits(Isa::iset1(kSmallestNormalBits)));
-    return Isa::select(Isa::iless(code, Isa::iset1(1u << kMantissa)), subnormal, normal);
-  }
-};
-using ExpAvgCode = MomentCode<15>;    // int8: sign and magnitude codes 0..120
-using ExpAvgSqCode = MomentCode<31>;  // uint8: codes 0..248
-
+// The 8-bit codes of kInt8 moments (the format adam.h describes): the top bits of an IEEE half
+// (fp16) with 3 mantissa bits, so a code decodes exactly by a shift and the hardware's
+// half-to-float conversion. Encoding works on the fp32 bit pattern with integer operations.
+//
+// Encoding takes its input in units of 2^-16 of a half (the factor is part of the inverse scales
+// below): a value in [2^-14, 2^15] halves then lies in [4, 2^31], and its code, the fp32
+// exponent field minus 128 followed by the top 3 mantissa bits, is the low byte of the pattern
+// shifted right by 20 (the bit above it, the exponent field's top one, is dropped when the code
+// is stored as a byte).
+inline constexpr int kCodeDropped = 20;           // fp32 mantissa bits below a code's 3
+inline constexpr float kSmallestNormal = 4.0f;    // 2^-14 halves, in encoding units
+inline constexpr float kExpAvgSqUnit = 0x1p-15f;  // exp_avg_sq's value of a half 1.0, per scale
 inline constexpr std::uint32_t kMagnitudeMask = 0x7FFFFFFFu;
-inline constexpr std::uint32_t kSignMask = 0x80000000u;
 
-// A signed first-moment code: two's complement of the magnitude's code for negative values.
-template <class Isa>
-typename Isa::F decode_exp_avg(typename Isa::I code, typename Isa::F scale) {
-  const auto sign = Isa::template sar<31>(code);
-  const auto magnitude = Isa::isub(Isa::ixor(code, sign), sign);
-  const auto value = Isa::mul(ExpAvgCode::decode<Isa>(magnitude), scale);
-  return Isa::from_bits(Isa::ixor(Isa::bits(value), Isa::iand(sign, Isa::iset1(kSignMask))));
+// The code of y >= kSmallestNormal (in the low byte). `random` holds kCodeDropped random bits
+// for stochastic rounding; without them (kStochastic false) the rounding is to nearest even.
+template <class Isa, bool kStochastic>
+typename Isa::I encode_normal(typename Isa::F y, typename Isa::I random) {
+  const auto z = Isa::bits(y);
+  auto increment = random;
+  if constexpr (!kStochastic) {
+    const auto lowest_kept = Isa::iand(Isa::template shr<kCodeDropped>(z), Isa::iset1(1));
+    increment = Isa::iadd(Isa::iset1((1u << (kCodeDropped - 1)) - 1), lowest_kept);
+  }
+  return Isa::template shr<kCodeDropped>(Isa::iadd(z, increment));
 }
 
+// The code of any y >= 0, subnormal codes included. Below the smallest normal half, y / 2 + 2
+// lies in [2, 4): exponent field 128, whose steps are the subnormal ones, so one rounding serves
+// both. (y / 2 is exact there, or too small to change the sum, so a fused multiply-add gives the
+// same bits.)
+template <class Isa, bool kStochastic>
+typename Isa::I encode_magnitude(typename Isa::F y, typename Isa::I random) {
+  const auto small = Isa::less(y, Isa::set1(kSmallestNormal));
+  return encode_normal<Isa, kStochastic>(
+      Isa::mul_add_where(small, y, Isa::set1(0.5f), Isa::set1(2.0f)), random);
+}
+
+// exp_avg's code of `value`: sign in bit 7, magnitude code below. `inv_scale` is
+// exp_avg_inverse's. NaN, and values past the block's scale, give meaningless codes; their
+// block's scale is NaN or inf, which every code decodes to.
 template <class Isa, bool kStochastic>
 typename Isa::I encode_exp_avg(typename Isa::F value, typename Isa::F inv_scale,
                                typename Isa::I random) {
-  const auto bits = Isa::bits(value);
-  const auto y = Isa::mul(Isa::from_bits(Isa::iand(bits, Isa::iset1(kMagnitudeMask))), inv_scale);
-  const auto code = ExpAvgCode::encode<Isa, kStochastic>(y, random);
-  const auto sign = Isa::template sar<31>(bits);
-  return Isa::isub(Isa::ixor(code, sign), sign);
+  const auto y = Isa::bits(Isa::mul(value, inv_scale));
+  const auto magnitude = Isa::from_bits(Isa::iand(y, Isa::iset1(kMagnitudeMask)));
+  const auto code = encode_magnitude<Isa, kStochastic>(magnitude, random);
+  return Isa::ior(code, Isa::iand(Isa::template shr<24>(y), Isa::iset1(0x80u)));
 }
 
+// exp_avg_sq's code of `value` >= 0, never below the smallest normal one. `inv_scale` is
+// exp_avg_sq_inverse's.
 template <class Isa, bool kStochastic>
 typename Isa::I encode_exp_avg_sq(typename Isa::F value, typename Isa::F inv_scale,
                                   typename Isa::I random) {
-  const auto y = Isa::mul(value, inv_scale);
-  const auto code = ExpAvgSqCode::encode<Isa, kStochastic>(y, random);
-  // A positive second moment never becomes zero: the update would be m / eps.
-  const auto positive = Isa::less(Isa::set1(0.0f), y);
-  return Isa::imax(code, Isa::iselect(positive, Isa::iset1(1), Isa::iset1(0)));
+  const auto y = Isa::max(Isa::mul(value, inv_scale), Isa::set1(kSmallestNormal));
+  return encode_normal<Isa, kStochastic>(y, random);
 }
 
-// A block's scale from the largest magnitude's bit pattern (NaN made canonical), and the factor
-// that maps the block into [0, 1] (0 for an all-zero block).
+// A block's scale from the largest magnitude's bit pattern (NaN made canonical).
 inline float block_scale(std::uint32_t largest_bits) {
   return std::bit_cast<float>(largest_bits > 0x7F800000u ? 0x7FC00000u : largest_bits);
 }
-inline float inverse_scale(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
+
+// The factors that map a block's moments into encoding units. They are 0 for a scale that is 0,
+// NaN, infinite or below 2^-96 (where the factor would overflow): such a block's exp_avg is
+// stored as zeros and its exp_avg_sq as the smallest code, which decode to 0 or to the scale.
+inline float encode_factor(float scale, float units) {
+  return scale >= 0x1p-96f && scale <= 0x1p127f ? units / scale : 0.0f;
+}
+inline float exp_avg_inverse(float scale) { return encode_factor(scale, 0x1p16f); }
+inline float exp_avg_sq_inverse(float scale) {
+  return encode_factor(scale, 0x1p16f / kExpAvgSqUnit);
+}
+
+// The random bits of the stochastic rounding of 8-bit moments: a Weyl sequence, the step's seed
+// plus the element's index in its tensor times an odd constant. The seed (a hash of the step)
+// makes each element's bits independent and uniform from step to step, which is all unbiased
+// rounding needs, and the next vector's bits are one addition away. exp_avg takes the top
+// kCodeDropped bits, exp_avg_sq the bottom ones.
+template <class Isa>
+class WeylBits {
+ public:
+  static constexpr std::uint32_t kStep = 0x9E3779B9u;
+
+  WeylBits(std::int64_t index, std::uint32_t seed)
+      : state_(Isa::iadd(
+            Isa::imul(Isa::iadd(Isa::iset1(static_cast<std::uint32_t>(index)), Isa::iota()),
+                      Isa::iset1(kStep)),
+            Isa::iset1(seed))),
+        stride_(Isa::iset1(kStep * static_cast<std::uint32_t>(Isa::kWidth))) {}
+
+  typename Isa::I exp_avg() const { return Isa::template shr<32 - kCodeDropped>(state_); }
+  typename Isa::I exp_avg_sq() const {
+    return Isa::iand(state_, Isa::iset1((1u << kCodeDropped) - 1));
+  }
+  void advance() { state_ = Isa::iadd(state_, stride_); }
+
+ private:
+  typename Isa::I state_;
+  typename Isa::I stride_;
+};
 
 // Runs the Isa's full vectors over [begin, end) and returns where it stopped; the caller finishes
 // the remaining (fewer than kWidth) elements with the scalar kernel. `O` is the dtype written to
@@ -243,144 +262,210 @@ std::int64_t adam_vectors(const AdamCoefficients& c, const AdamBuffers& b, std::
   return i;
 }
 
-// One block of 8-bit moments, `n` elements (a multiple of kWidth) from `first` on: decode the
-// moments, update them and the weights, keep the new moments in fp32 on the stack, then encode
-// them against the block's new largest magnitudes. `index` is the block's first element's index
-// in its tensor (the rounding's counter).
-template <class Isa, DType G, DType O>
-struct Int8Block {
-  using F = typename Isa::F;
-  using I = typename Isa::I;
-  using GradElement = std::conditional_t<G == DType::kFloat32, float, std::uint16_t>;
-  float* param;
-  const GradElement* grad;
-  std::int8_t* exp_avg;
-  std::uint8_t* exp_avg_sq;
-  std::uint16_t* lowp;
-  float* exp_avg_scale;
-  float* exp_avg_sq_scale;
-
-  void run(const AdamCoefficients& c, std::int64_t n, std::int64_t index) const {
-    alignas(64) float new_exp_avg[kStateBlock];
-    alignas(64) float new_exp_avg_sq[kStateBlock];
-    const F grad_scale_inv = Isa::set1(c.grad_scale_inv);
-    const F l2_weight_decay = Isa::set1(c.l2_weight_decay);
-    const F decay_factor = Isa::set1(c.decay_factor);
-    const bool small_lerp_weight = c.lerp_weight < 0.5f;
-    const F lerp_weight = Isa::set1(small_lerp_weight ? c.lerp_weight : 1.0f - c.lerp_weight);
-    const F beta2 = Isa::set1(c.beta2);
-    const F one_minus_beta2 = Isa::set1(c.one_minus_beta2);
-    const F inv_bias_correction2_sqrt = Isa::set1(c.inv_bias_correction2_sqrt);
-    const F eps = Isa::set1(c.eps);
-    const F neg_step_size = Isa::set1(c.neg_step_size);
-    const F old_exp_avg_scale = Isa::set1(*exp_avg_scale);
-    const F old_exp_avg_sq_scale = Isa::set1(*exp_avg_sq_scale);
-    const I magnitude = Isa::iset1(kMagnitudeMask);
-    I largest_exp_avg = Isa::iset1(0);
-    I largest_exp_avg_sq = Isa::iset1(0);
-
-    for (std::int64_t i = 0; i < n; i += Isa::kWidth) {
-      F g = Isa::mul(Isa::template load_as<G>(grad, i), grad_scale_inv);
-      if (c.maximize) g = Isa::neg(g);
-      F p = Isa::load(param + i);
-      if (c.decay_weights) p = Isa::mul(p, decay_factor);
-      if (c.l2_decay) g = Isa::add(g, Isa::mul(l2_weight_decay, p));
-      F m = decode_exp_avg<Isa>(Isa::template load_codes<true>(exp_avg, i), old_exp_avg_scale);
-      const F diff = Isa::sub(g, m);
-      m = small_lerp_weight ? Isa::add(m, Isa::mul(lerp_weight, diff))
-                            : Isa::sub(g, Isa::mul(diff, lerp_weight));
-      F v = Isa::mul(ExpAvgSqCode::decode<Isa>(Isa::template load_codes<false>(exp_avg_sq, i)),
-                     old_exp_avg_sq_scale);
-      v = Isa::add(Isa::mul(v, beta2), Isa::mul(Isa::mul(one_minus_beta2, g), g));
-      const F denom = Isa::add(Isa::mul(Isa::sqrt(v), inv_bias_correction2_sqrt), eps);
-      p = Isa::add(p, Isa::div(Isa::mul(neg_step_size, m), denom));
-      Isa::store(param + i, p);
-      if constexpr (O != DType::kFloat32) Isa::template store_as<O>(lowp, i, p);
-      Isa::store(new_exp_avg + i, m);
-      Isa::store(new_exp_avg_sq + i, v);
-      largest_exp_avg = Isa::imax(largest_exp_avg, Isa::iand(Isa::bits(m), magnitude));
-      largest_exp_avg_sq = Isa::imax(largest_exp_avg_sq, Isa::iand(Isa::bits(v), magnitude));
-    }
-
-    const float m_scale = block_scale(Isa::hmax(largest_exp_avg));
-    const float v_scale = block_scale(Isa::hmax(largest_exp_avg_sq));
-    *exp_avg_scale = m_scale;
-    *exp_avg_sq_scale = v_scale;
-    const F m_inv = Isa::set1(inverse_scale(m_scale));
-    const F v_inv = Isa::set1(inverse_scale(v_scale));
-    // The code's 20 dropped bits get the 16 random bits at their top.
-    const I low16 = Isa::iset1(0xFFFFu);
-    for (std::int64_t i = 0; i < n; i += Isa::kWidth) {
-      const I random = rounding_bits<Isa>(index + i, c.rounding_seed);
-      const I m_random = Isa::template shl<ExpAvgCode::kDropped - 16>(Isa::iand(random, low16));
-      const I v_random =
-          Isa::template shl<ExpAvgSqCode::kDropped - 16>(Isa::template shr<16>(random));
-      Isa::store_codes(exp_avg, i,
-                       encode_exp_avg<Isa, true>(Isa::load(new_exp_avg + i), m_inv, m_random));
-      Isa::store_codes(
-          exp_avg_sq, i,
-          encode_exp_avg_sq<Isa, true>(Isa::load(new_exp_avg_sq + i), v_inv, v_random));
-    }
-  }
-};
-
-// The blocks in [begin, end) (block-aligned) of one tensor with 8-bit moments. A last block
-// whose length is not a multiple of kWidth runs on zero-padded copies (zeros leave its scales
-// as they are), so the tail rounds exactly as the scalar kernel would.
-// Blocks ahead that adam_int8_blocks prefetches: kPrefetchAhead elements, as adam_vectors; all
-// four lines of each block's codes are prefetched, not just the first (the step is latency-bound
-// otherwise).
-inline constexpr std::int64_t kAheadBlocks = kPrefetchAhead / kStateBlock;
+// The blocks in [begin, end) (block-aligned) of one tensor with 8-bit moments. A block's update
+// decodes its moments, updates them and the weights, keeps the new moments in fp32 (`fresh`, in
+// L1) and tracks their largest magnitudes; its encoding then stores them against the new scales.
+// The loop over block k's vectors also encodes block k - 1, and finishes each vector's weight
+// one vector late, so that the integer work and the division overlap the long chain through the
+// square root. A last block whose length is not a multiple of kWidth runs on zero-padded copies
+// (zeros leave its scales as they are), so the tail rounds exactly as the scalar kernel would.
+//
+// The moments are updated as torch's Adam updates them, with the decoding folded into the decay:
+// exp_avg = code * (scale * beta1) + grad * (1 - beta1), exp_avg_sq = code * (scale * 2^-15 *
+// beta2) + (1 - beta2) * grad * grad (the same values but for the last bit of a few roundings,
+// well inside the 8-bit codes' steps).
+// Elements ahead that the loop prefetches, a line of each stream at a time as adam_vectors does
+// (prefetching a whole block at once measured slower): twice adam_vectors' distance, the best of
+// those benchmarks/adam_state_step.py compared for this kernel, whose compute per byte is higher.
+inline constexpr std::int64_t kInt8PrefetchAhead = 2 * kPrefetchAhead;
 
 template <class Isa, DType G, DType O>
 void adam_int8_blocks(const AdamCoefficients& c, const AdamBuffers& b, std::int64_t begin,
                       std::int64_t end) {
-  using Block = Int8Block<Isa, G, O>;
-  using GradElement = typename Block::GradElement;
-  for (std::int64_t first = begin; first < end; first += kStateBlock) {
-    const std::int64_t n = std::min(kStateBlock, end - first);
+  using F = typename Isa::F;
+  using I = typename Isa::I;
+  using GradElement = std::conditional_t<G == DType::kFloat32, float, std::uint16_t>;
+  // Local copies, as in adam_vectors.
+  float* const param_ptr = b.param;
+  const auto* const grad_ptr = static_cast<const GradElement*>(b.grad);
+  auto* const exp_avg_ptr = static_cast<std::int8_t*>(b.exp_avg);
+  auto* const exp_avg_sq_ptr = static_cast<std::uint8_t*>(b.exp_avg_sq);
+  auto* const lowp_ptr = static_cast<std::uint16_t*>(b.lowp_param);
+  float* const exp_avg_scales = b.exp_avg_scale;
+  float* const exp_avg_sq_scales = b.exp_avg_sq_scale;
+  const bool unscale = c.grad_scale_inv != 1.0f;
+  const bool maximize = c.maximize;
+  const bool l2_decay = c.l2_decay;
+  const bool decay_weights = c.decay_weights;
+  const std::uint32_t seed = c.rounding_seed;
+  const float beta1 = c.beta1;
+  const float beta2 = c.beta2;
+
+  const F grad_scale_inv = Isa::set1(c.grad_scale_inv);
+  const F l2_weight_decay = Isa::set1(c.l2_weight_decay);
+  const F decay_factor = Isa::set1(c.decay_factor);
+  const F lerp_weight = Isa::set1(c.lerp_weight);
+  const F one_minus_beta2 = Isa::set1(c.one_minus_beta2);
+  const F inv_bias_correction2_sqrt = Isa::set1(c.inv_bias_correction2_sqrt);
+  const F eps = Isa::set1(c.eps);
+  const F neg_step_size = Isa::set1(c.neg_step_size);
+  const I magnitude = Isa::iset1(kMagnitudeMask);
+
+  // One block's buffers (the tensor's, or the tail's copies) and its fresh moments.
+  struct Block {
+    float* param;
+    const GradElement* grad;
+    std::int8_t* exp_avg;
+    std::uint8_t* exp_avg_sq;
+    std::uint16_t* lowp;
+    float* fresh_exp_avg;
+    float* fresh_exp_avg_sq;
+  };
+  // What an update carries from a block's start to its end.
+  struct Update {
+    F exp_avg_decay, exp_avg_sq_decay;
+    I largest_exp_avg, largest_exp_avg_sq;
+  };
+  // A vector's weight, waiting for its division.
+  struct Step {
+    F param, numerator, denominator;
+  };
+  const auto start = [&](std::int64_t first) {
     const std::int64_t block = first / kStateBlock;
-    Block in_place{b.param + first,
-                   static_cast<const GradElement*>(b.grad) + first,
-                   static_cast<std::int8_t*>(b.exp_avg) + first,
-                   static_cast<std::uint8_t*>(b.exp_avg_sq) + first,
-                   static_cast<std::uint16_t*>(b.lowp_param) + (b.lowp_param ? first : 0),
-                   b.exp_avg_scale + block,
-                   b.exp_avg_sq_scale + block};
-    if (n % Isa::kWidth == 0) {
-      if (first + (kAheadBlocks + 1) * kStateBlock <= b.numel) {
-        // The hardware prefetchers stop at page boundaries (as in adam_vectors).
-        const std::int64_t ahead = first + kAheadBlocks * kStateBlock;
-        for (std::int64_t k = 0; k < kStateBlock; k += 64 / sizeof(float)) {
-          __builtin_prefetch(b.param + ahead + k, 1);
-          __builtin_prefetch(static_cast<const GradElement*>(b.grad) + ahead + k, 0);
-        }
-        for (std::int64_t k = 0; k < kStateBlock; k += 64) {
-          __builtin_prefetch(static_cast<std::int8_t*>(b.exp_avg) + ahead + k, 1);
-          __builtin_prefetch(static_cast<std::uint8_t*>(b.exp_avg_sq) + ahead + k, 1);
-        }
-      }
-      in_place.run(c, n, first);
-      continue;
+    return Update{Isa::set1(exp_avg_scales[block] * beta1),
+                  Isa::set1(exp_avg_sq_scales[block] * kExpAvgSqUnit * beta2), Isa::iset1(0),
+                  Isa::iset1(0)};
+  };
+  // The loop's lambdas are forced inline: a call would spill every vector register (all are
+  // caller-saved), which measured far slower.
+  const auto update = [&](const Block& k, Update& u,
+                          std::int64_t i) __attribute__((always_inline)) {
+    F g = Isa::template load_as<G>(k.grad, i);
+    if (unscale) g = Isa::mul(g, grad_scale_inv);
+    if (maximize) g = Isa::neg(g);
+    F p = Isa::load(k.param + i);
+    if (decay_weights) p = Isa::mul(p, decay_factor);
+    if (l2_decay) g = Isa::add(g, Isa::mul(l2_weight_decay, p));
+    const F m =
+        Isa::add(Isa::mul(Isa::template load_half_codes<true>(k.exp_avg, i), u.exp_avg_decay),
+                 Isa::mul(g, lerp_weight));
+    const F v = Isa::add(
+        Isa::mul(Isa::template load_half_codes<false>(k.exp_avg_sq, i), u.exp_avg_sq_decay),
+        Isa::mul(Isa::mul(one_minus_beta2, g), g));
+    Isa::store(k.fresh_exp_avg + i, m);
+    Isa::store(k.fresh_exp_avg_sq + i, v);
+    u.largest_exp_avg = Isa::imax(u.largest_exp_avg, Isa::iand(Isa::bits(m), magnitude));
+    // v is +0 or more (or NaN), so its bit patterns order as unsigned integers.
+    u.largest_exp_avg_sq = Isa::umax(u.largest_exp_avg_sq, Isa::bits(v));
+    return Step{p, Isa::mul(neg_step_size, m),
+                Isa::add(Isa::mul(Isa::sqrt(v), inv_bias_correction2_sqrt), eps)};
+  };
+  const auto step = [&](const Block& k, const Step& s, std::int64_t i)
+                        __attribute__((always_inline)) {
+                          const F p = Isa::add(s.param, Isa::div(s.numerator, s.denominator));
+                          Isa::store(k.param + i, p);
+                          if constexpr (O != DType::kFloat32)
+                            Isa::template store_as<O>(k.lowp, i, p);
+                        };
+  struct Encoding {
+    F exp_avg_inverse, exp_avg_sq_inverse;
+    WeylBits<Isa> random;
+  };
+  // Sets the block's new scales; returns its encoding.
+  const auto finish = [&](const Update& u, std::int64_t first) {
+    const std::int64_t block = first / kStateBlock;
+    const float m_scale = block_scale(Isa::hmax(u.largest_exp_avg));
+    const float v_scale = block_scale(Isa::hmax(u.largest_exp_avg_sq));
+    exp_avg_scales[block] = m_scale;
+    exp_avg_sq_scales[block] = v_scale;
+    return Encoding{Isa::set1(exp_avg_inverse(m_scale)), Isa::set1(exp_avg_sq_inverse(v_scale)),
+                    WeylBits<Isa>(first, seed)};
+  };
+  const auto encode = [](const Block& k, Encoding& e,
+                         std::int64_t i) __attribute__((always_inline)) {
+    Isa::store_codes(k.exp_avg, i,
+                     encode_exp_avg<Isa, true>(Isa::load(k.fresh_exp_avg + i), e.exp_avg_inverse,
+                                               e.random.exp_avg()));
+    Isa::store_codes(k.exp_avg_sq, i,
+                     encode_exp_avg_sq<Isa, true>(Isa::load(k.fresh_exp_avg_sq + i),
+                                                  e.exp_avg_sq_inverse, e.random.exp_avg_sq()));
+    e.random.advance();
+  };
+
+  // Element j = ahead + i: one line of each fp32 stream per 16 elements, of each code stream per
+  // 64.
+  const auto prefetch_lines = [&](std::int64_t j, std::int64_t i) __attribute__((always_inline)) {
+    if (i % 16 != 0) return;
+    __builtin_prefetch(param_ptr + j, 1);
+    __builtin_prefetch(grad_ptr + j, 0);
+    if (i % 64 == 0) {
+      __builtin_prefetch(exp_avg_ptr + j, 1);
+      __builtin_prefetch(exp_avg_sq_ptr + j, 1);
     }
-    alignas(64) float param[kStateBlock] = {};
-    alignas(64) GradElement grad[kStateBlock] = {};
-    alignas(64) std::int8_t exp_avg[kStateBlock] = {};
-    alignas(64) std::uint8_t exp_avg_sq[kStateBlock] = {};
-    alignas(64) std::uint16_t lowp[kStateBlock] = {};
-    std::copy_n(in_place.param, n, param);
-    std::copy_n(in_place.grad, n, grad);
-    std::copy_n(in_place.exp_avg, n, exp_avg);
-    std::copy_n(in_place.exp_avg_sq, n, exp_avg_sq);
-    const Block staged{
-        param, grad, exp_avg, exp_avg_sq, lowp, in_place.exp_avg_scale, in_place.exp_avg_sq_scale};
-    const std::int64_t padded = (n + Isa::kWidth - 1) / Isa::kWidth * Isa::kWidth;
-    staged.run(c, padded, first);
-    std::copy_n(param, n, in_place.param);
-    std::copy_n(exp_avg, n, in_place.exp_avg);
-    std::copy_n(exp_avg_sq, n, in_place.exp_avg_sq);
-    if constexpr (O != DType::kFloat32) std::copy_n(lowp, n, in_place.lowp);
+  };
+  alignas(64) float fresh[2][2][kStateBlock];
+  Block previous{};
+  std::optional<Encoding> pending;
+  const std::int64_t full_end = begin + (end - begin) / kStateBlock * kStateBlock;
+  std::int64_t first = begin;
+  for (int slot = 0; first < full_end; first += kStateBlock, slot ^= 1) {
+    const bool prefetch = first + kStateBlock + kInt8PrefetchAhead <= b.numel;
+    const std::int64_t ahead = first + kInt8PrefetchAhead;
+    const Block current{param_ptr + first,
+                        grad_ptr + first,
+                        exp_avg_ptr + first,
+                        exp_avg_sq_ptr + first,
+                        lowp_ptr + (lowp_ptr ? first : 0),
+                        fresh[slot][0],
+                        fresh[slot][1]};
+    Update u = start(first);
+    if (pending) {
+      Encoding e = *pending;
+      if (prefetch) prefetch_lines(ahead, 0);
+      Step waiting = update(current, u, 0);
+      encode(previous, e, 0);
+      for (std::int64_t i = Isa::kWidth; i < kStateBlock; i += Isa::kWidth) {
+        if (prefetch) prefetch_lines(ahead + i, i);
+        const Step next = update(current, u, i);
+        step(current, waiting, i - Isa::kWidth);
+        waiting = next;
+        encode(previous, e, i);
+      }
+      step(current, waiting, kStateBlock - Isa::kWidth);
+    } else {
+      for (std::int64_t i = 0; i < kStateBlock; i += Isa::kWidth) {
+        if (prefetch) prefetch_lines(ahead + i, i);
+        step(current, update(current, u, i), i);
+      }
+    }
+    pending = finish(u, first);
+    previous = current;
   }
+  if (pending) {
+    for (std::int64_t i = 0; i < kStateBlock; i += Isa::kWidth) encode(previous, *pending, i);
+  }
+  if (first == end) return;
+
+  const std::int64_t n = end - first;
+  alignas(64) float param[kStateBlock] = {};
+  alignas(64) GradElement grad[kStateBlock] = {};
+  alignas(64) std::int8_t exp_avg[kStateBlock] = {};
+  alignas(64) std::uint8_t exp_avg_sq[kStateBlock] = {};
+  alignas(64) std::uint16_t lowp[kStateBlock] = {};
+  std::copy_n(param_ptr + first, n, param);
+  std::copy_n(grad_ptr + first, n, grad);
+  std::copy_n(exp_avg_ptr + first, n, exp_avg);
+  std::copy_n(exp_avg_sq_ptr + first, n, exp_avg_sq);
+  const Block staged{param, grad, exp_avg, exp_avg_sq, lowp, fresh[0][0], fresh[0][1]};
+  const std::int64_t padded = (n + Isa::kWidth - 1) / Isa::kWidth * Isa::kWidth;
+  Update u = start(first);
+  for (std::int64_t i = 0; i < padded; i += Isa::kWidth) step(staged, update(staged, u, i), i);
+  Encoding e = finish(u, first);
+  for (std::int64_t i = 0; i < padded; i += Isa::kWidth) encode(staged, e, i);
+  std::copy_n(param, n, param_ptr + first);
+  std::copy_n(exp_avg, n, exp_avg_ptr + first);
+  std::copy_n(exp_avg_sq, n, exp_avg_sq_ptr + first);
+  if constexpr (O != DType::kFloat32) std::copy_n(lowp, n, lowp_ptr + first);
 }
 
 template <class Isa, DType G, StateDType S>

@@ -66,34 +66,33 @@ struct Avx2Isa {
   static I iset1(std::uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
   static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
   static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
-  static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I iand(I a, I b) { return _mm256_and_si256(a, b); }
   static I ixor(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I ior(I a, I b) { return _mm256_or_si256(a, b); }
   static I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }
-  static I imin(I a, I b) { return _mm256_min_epi32(a, b); }
   static I imax(I a, I b) { return _mm256_max_epi32(a, b); }
-  template <int n>
-  static I shl(I a) {
-    return _mm256_slli_epi32(a, n);
-  }
+  static I umax(I a, I b) { return _mm256_max_epu32(a, b); }
   template <int n>
   static I shr(I a) {
     return _mm256_srli_epi32(a, n);
   }
-  template <int n>
-  static I sar(I a) {
-    return _mm256_srai_epi32(a, n);
-  }
   static M less(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
-  static M iless(I a, I b) { return _mm256_cmpgt_epi32(b, a); }
   static M is_nan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
-  static F select(M mask, F a, F b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(mask)); }
+  static F mul_add_where(M mask, F a, F b, F c) {
+    return _mm256_blendv_ps(a, _mm256_fmadd_ps(a, b, c), _mm256_castsi256_ps(mask));
+  }
   static I iselect(M mask, I a, I b) { return _mm256_blendv_epi8(b, a, mask); }
   template <bool kSigned>
-  static I load_codes(const void* base, std::int64_t i) {
+  static F load_half_codes(const void* base, std::int64_t i) {
     const __m128i bytes = _mm_loadl_epi64(
         reinterpret_cast<const __m128i*>(static_cast<const std::uint8_t*>(base) + i));
-    return kSigned ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+    if constexpr (kSigned) {
+      // Sign-extended and shifted, the sign lands in bits 15 and 14; bit 14 is cleared.
+      const __m128i half = _mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7);
+      return _mm256_cvtph_ps(_mm_and_si128(half, _mm_set1_epi16(static_cast<short>(0xBFFF))));
+    } else {
+      return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 7));
+    }
   }
   static void store_codes(void* base, std::int64_t i, I x) {
     // The low byte of each lane to the first 4 bytes of its 128-bit half, the halves joined.

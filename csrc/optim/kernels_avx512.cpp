@@ -70,34 +70,31 @@ struct Avx512Isa {
     return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   }
   static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
-  static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I iand(I a, I b) { return _mm512_and_si512(a, b); }
   static I ixor(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I ior(I a, I b) { return _mm512_or_si512(a, b); }
   static I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
-  static I imin(I a, I b) { return _mm512_min_epi32(a, b); }
   static I imax(I a, I b) { return _mm512_max_epi32(a, b); }
-  template <int n>
-  static I shl(I a) {
-    return _mm512_slli_epi32(a, n);
-  }
+  static I umax(I a, I b) { return _mm512_max_epu32(a, b); }
   template <int n>
   static I shr(I a) {
     return _mm512_srli_epi32(a, n);
   }
-  template <int n>
-  static I sar(I a) {
-    return _mm512_srai_epi32(a, n);
-  }
   static M less(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
-  static M iless(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
   static M is_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
-  static F select(M mask, F a, F b) { return _mm512_mask_blend_ps(mask, b, a); }
+  static F mul_add_where(M mask, F a, F b, F c) { return _mm512_mask_fmadd_ps(a, mask, b, c); }
   static I iselect(M mask, I a, I b) { return _mm512_mask_blend_epi32(mask, b, a); }
   template <bool kSigned>
-  static I load_codes(const void* base, std::int64_t i) {
+  static F load_half_codes(const void* base, std::int64_t i) {
     const __m128i bytes = _mm_loadu_si128(
         reinterpret_cast<const __m128i*>(static_cast<const std::uint8_t*>(base) + i));
-    return kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+    if constexpr (kSigned) {
+      // Sign-extended and shifted, the sign lands in bits 15 and 14; bit 14 is cleared.
+      const __m256i half = _mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7);
+      return _mm512_cvtph_ps(_mm256_and_si256(half, _mm256_set1_epi16(static_cast<short>(0xBFFF))));
+    } else {
+      return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 7));
+    }
   }
   static void store_codes(void* base, std::int64_t i, I x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<std::uint8_t*>(base) + i),

@@ -93,36 +93,27 @@ struct ScalarIsa {
   static I iset1(std::uint32_t x) { return x; }
   static I iota() { return 0; }
   static I iadd(I a, I b) { return a + b; }
-  static I isub(I a, I b) { return a - b; }
   static I iand(I a, I b) { return a & b; }
   static I ixor(I a, I b) { return a ^ b; }
+  static I ior(I a, I b) { return a | b; }
   static I imul(I a, I b) { return a * b; }
-  static I imin(I a, I b) { return signed_of(a) < signed_of(b) ? a : b; }
   static I imax(I a, I b) { return signed_of(a) > signed_of(b) ? a : b; }
-  template <int n>
-  static I shl(I a) {
-    return a << n;
-  }
+  static I umax(I a, I b) { return a > b ? a : b; }
   template <int n>
   static I shr(I a) {
     return a >> n;
   }
-  template <int n>
-  static I sar(I a) {
-    return static_cast<I>(signed_of(a) >> n);
-  }
   static M less(F a, F b) { return a < b; }
-  static M iless(I a, I b) { return signed_of(a) < signed_of(b); }
   static M is_nan(F a) { return std::isnan(a); }
-  static F select(M mask, F a, F b) { return mask ? a : b; }
+  static F mul_add_where(M mask, F a, F b, F c) { return mask ? a * b + c : a; }
   static I iselect(M mask, I a, I b) { return mask ? a : b; }
+  // The half whose top bits (after the sign) are the code: see kernel_impl.h.
   template <bool kSigned>
-  static I load_codes(const void* base, std::int64_t i) {
-    if constexpr (kSigned) {
-      return static_cast<I>(static_cast<std::int32_t>(static_cast<const std::int8_t*>(base)[i]));
-    } else {
-      return static_cast<const std::uint8_t*>(base)[i];
-    }
+  static F load_half_codes(const void* base, std::int64_t i) {
+    const std::uint32_t code = static_cast<const std::uint8_t*>(base)[i];
+    const std::uint32_t sign = kSigned ? (code & 0x80u) << 8 : 0u;
+    const std::uint32_t magnitude = kSigned ? code & 0x7Fu : code;
+    return fp16_to_float(static_cast<std::uint16_t>(sign | magnitude << 7));
   }
   static void store_codes(void* base, std::int64_t i, I x) {
     static_cast<std::uint8_t*>(base)[i] = static_cast<std::uint8_t>(x);
@@ -159,7 +150,8 @@ void quantize_blocks(bool is_exp_avg, const float* values, void* codes, float* s
       largest = ScalarIsa::imax(largest, ScalarIsa::bits(values[i]) & kMagnitudeMask);
     }
     scales[block] = block_scale(largest);
-    const float inv = inverse_scale(scales[block]);
+    const float inv =
+        is_exp_avg ? exp_avg_inverse(scales[block]) : exp_avg_sq_inverse(scales[block]);
     for (std::int64_t i = begin; i < end; ++i) {
       ScalarIsa::store_codes(codes, i,
                              is_exp_avg ? encode_exp_avg<ScalarIsa, false>(values[i], inv, 0)
@@ -172,12 +164,10 @@ void dequantize_blocks(bool is_exp_avg, const void* codes, const float* scales, 
                        std::int64_t numel, std::int64_t first_block, std::int64_t last_block) {
   for (std::int64_t block = first_block; block < last_block; ++block) {
     const std::int64_t end = std::min((block + 1) * kStateBlock, numel);
+    const float unit = scales[block] * kExpAvgSqUnit;
     for (std::int64_t i = block * kStateBlock; i < end; ++i) {
-      values[i] =
-          is_exp_avg
-              ? decode_exp_avg<ScalarIsa>(ScalarIsa::load_codes<true>(codes, i), scales[block])
-              : ExpAvgSqCode::decode<ScalarIsa>(ScalarIsa::load_codes<false>(codes, i)) *
-                    scales[block];
+      values[i] = is_exp_avg ? ScalarIsa::load_half_codes<true>(codes, i) * scales[block]
+                             : ScalarIsa::load_half_codes<false>(codes, i) * unit;
     }
   }
 }

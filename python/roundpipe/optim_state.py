@@ -5,8 +5,10 @@ conversions between them.
 * ``torch.bfloat16``: the same keys in bf16 (the step rounds them stochastically).
 * ``torch.int8``: ``exp_avg`` as int8 codes and ``exp_avg_sq`` as uint8 codes, in the
   parameter's shape, each with one float32 scale per block of :data:`STATE_BLOCK` elements of the
-  flattened parameter (``exp_avg_scale``, ``exp_avg_sq_scale``): a code is a small float (3
-  mantissa bits) in units of its block's largest magnitude (``csrc/optim/kernel_impl.h``).
+  flattened parameter (``exp_avg_scale``, ``exp_avg_sq_scale``), and the code's version
+  (``int8_code``, :data:`INT8_CODE`): a code is a small float (the top bits of an fp16 with 3
+  mantissa bits) in units of its block's largest magnitude (``csrc/optim/adam.h`` defines it).
+  A state in another version of the code is refused with ``ValueError``.
 
 A state in any form converts into any other (:func:`convert_moments`), so an optimizer loads the
 state of another ``state_dtype`` (torch's included) and keeps its own form.
@@ -28,6 +30,25 @@ SCALE_KEYS = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
 CODE_DTYPES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
 # Elements per scale of int8 moments.
 STATE_BLOCK: int = _C.state_block()
+# The key and version of the 8-bit code that csrc/optim/adam.h's StateDType::kInt8 describes:
+# bumped whenever that format changes, so that codes are never read in another one's meaning. The
+# state holds it as a 0-dim int64 tensor, like every other value of an Adam state entry.
+CODE_KEY = "int8_code"
+INT8_CODE = 2
+
+
+def code_tag() -> Tensor:
+    """The state's :data:`CODE_KEY` value of this roundpipe's 8-bit code."""
+    return torch.tensor(INT8_CODE)
+
+
+def code_version(entry: Mapping[str, Any]) -> int | None:
+    """The 8-bit code version a state entry declares (1, the first code, had no tag); None for
+    a tag that is no integer."""
+    tag = entry.get(CODE_KEY, 1)
+    if isinstance(tag, Tensor) and tag.numel() == 1 and not tag.is_floating_point():
+        return int(tag.item())
+    return tag if isinstance(tag, int) else None
 
 
 def check_state_dtype(state_dtype: Any) -> torch.dtype:
@@ -58,7 +79,7 @@ def fresh_moments(param: Tensor, state_dtype: torch.dtype) -> dict[str, Tensor]:
             key: torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
             for key in MOMENT_KEYS
         }
-    moments = {}
+    moments = {CODE_KEY: code_tag()}
     for key in MOMENT_KEYS:
         moments[key] = torch.zeros(param.shape, dtype=CODE_DTYPES[key])
         moments[SCALE_KEYS[key]] = torch.zeros(blocks(param.numel()))
@@ -103,6 +124,14 @@ def moment_values(entry: Mapping[str, Any], key: str) -> Tensor:
             f"the optimizer state's {key} holds {value.dtype} codes; 8-bit {key} is "
             f"{CODE_DTYPES[key]}"
         )
+    version = code_version(entry)
+    if version != INT8_CODE:
+        raise ValueError(
+            f"the optimizer state's 8-bit {key} is in version {version} of roundpipe's 8-bit code "
+            f"({CODE_KEY}), which this roundpipe does not read (it reads version {INT8_CODE}): "
+            f"load the state with the roundpipe that saved it into an optimizer with "
+            f"state_dtype=torch.float32 and save that state to carry it over"
+        )
     scale = entry.get(SCALE_KEYS[key])
     if scale is None or not _is_scale_of(scale, value.numel()):
         raise ValueError(
@@ -122,6 +151,8 @@ def convert_moments(
     ``param``: copies, so the saved state is never aliased. A state already in that form is
     copied as it is (bit for bit); fp32 values become int8 codes rounded to nearest."""
     moments: dict[str, Tensor] = {}
+    if state_dtype == torch.int8 and any(key in entry for key in MOMENT_KEYS):
+        moments[CODE_KEY] = code_tag()
     for key in MOMENT_KEYS:
         if key not in entry:
             continue
@@ -147,7 +178,9 @@ def elementwise_state(entry: Mapping[str, Any]) -> dict[str, Any]:
     one value per element, so pieces of it can be cut at any element (sharded checkpoints)."""
     if not any(key in entry for key in SCALE_KEYS.values()):
         return dict(entry)
-    state = {key: value for key, value in entry.items() if key not in SCALE_KEYS.values()}
+    state = {
+        key: value for key, value in entry.items() if key not in (*SCALE_KEYS.values(), CODE_KEY)
+    }
     for key in MOMENT_KEYS:
         if key in entry:
             state[key] = moment_values(entry, key)

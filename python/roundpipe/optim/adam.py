@@ -166,8 +166,9 @@ class Adam(torch.optim.Optimizer):
     stochastically rounded; see :mod:`roundpipe.optim_state`). Compact moments move fewer bytes
     per step (the step is memory-bound) and need ``amsgrad=False``. ``load_state_dict`` takes a
     state of any form (torch's included) and converts it into ``state_dtype``; ``state_dict``
-    holds this optimizer's own form (for ``torch.int8`` also ``exp_avg_scale`` and
-    ``exp_avg_sq_scale``). Parameters that torch's code updates keep torch's state.
+    holds this optimizer's own form (for ``torch.int8`` also ``exp_avg_scale``,
+    ``exp_avg_sq_scale`` and ``int8_code``). Parameters that torch's code updates keep torch's
+    state.
     """
 
     def __init__(
@@ -253,7 +254,11 @@ class Adam(torch.optim.Optimizer):
         Adam saves them, bf16, or 8-bit codes with their scales), are converted into this
         optimizer's ``state_dtype`` (a state already in that form is taken bit for bit)."""
         saved = state_dict["state"]
-        moment_keys = (*optim_state.MOMENT_KEYS, *optim_state.SCALE_KEYS.values())
+        moment_keys = (
+            *optim_state.MOMENT_KEYS,
+            *optim_state.SCALE_KEYS.values(),
+            optim_state.CODE_KEY,
+        )
         moments = {
             index: {key: value for key, value in entry.items() if key in moment_keys}
             for index, entry in saved.items()
