@@ -13,6 +13,11 @@ namespace {
 // Elements per parallel task: large enough to amortise claiming a task, small enough to balance
 // the load across threads (a task touches about 1 MiB of optimizer state).
 constexpr std::int64_t kChunkElements = 1 << 15;
+// Larger with 8-bit moments: threads take chunks in turn, so a thread's streams start cold at each
+// of its chunks (its prefetches past the previous one's end went to another thread's chunk), and
+// this kernel, with less slack between compute and memory time, lost much of two threads' speed
+// to that at the smaller size.
+constexpr std::int64_t kInt8ChunkElements = 1 << 17;
 
 // murmur3's 32-bit finaliser.
 std::uint32_t mix(std::uint32_t h) {
@@ -83,7 +88,10 @@ void adam_step(ThreadPool& pool, int num_threads, SimdLevel level,
                std::span<const AdamCoefficients> coefficients,
                std::span<const AdamBuffers> buffers) {
   const std::vector<std::int64_t> numels = numels_of(buffers);
-  parallel_for_chunks(pool, num_threads, numels, kChunkElements,
+  const bool int8 = std::any_of(buffers.begin(), buffers.end(), [](const AdamBuffers& b) {
+    return b.state_dtype == StateDType::kInt8;
+  });
+  parallel_for_chunks(pool, num_threads, numels, int8 ? kInt8ChunkElements : kChunkElements,
                       [&](std::size_t k, std::int64_t begin, std::int64_t end) {
                         const AdamBuffers& b = buffers[k];
                         if (b.state_dtype == StateDType::kInt8) {

@@ -17,8 +17,10 @@
 // The operation order mirrors torch.optim.Adam's single-tensor CPU path (lerp for the first
 // moment, mul + addcmul for the second, sqrt / bias correction + eps, addcdiv) so results stay
 // within float rounding of torch; the one departure is a multiplication by the bias correction's
-// reciprocal in place of the division by it (one rounding apart). No FMA: every Isa rounds each
-// operation once, which keeps all variants bit-identical to the scalar one.
+// reciprocal in place of the division by it (one rounding apart); 8-bit moments depart a little
+// more (adam_int8_blocks). No FMA contraction: every Isa rounds each operation once (the one fused
+// multiply-add, mul_add_where, rounds as the separate operations would), which keeps all variants
+// bit-identical to the scalar one.
 #pragma once
 
 #include <algorithm>

@@ -1,5 +1,6 @@
 // AVX2 kernels (8 floats per vector; F16C for fp16). Compiled with -mavx2 -mfma -mf16c and run only
-// when the CPU reports AVX2 and FMA. FMA is deliberately not used (see kernel_impl.h).
+// when the CPU reports AVX2 and FMA. FMA is used only where it rounds as separate operations would
+// (see kernel_impl.h).
 #include <immintrin.h>
 
 #include "optim/kernel_impl.h"

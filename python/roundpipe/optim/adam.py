@@ -441,14 +441,12 @@ class Adam(torch.optim.Optimizer):
                     )
                 if target is not None:
                     _check_companion(target, param, f"lowp_params[{index - 1}]", _LOWP_DTYPES)
-                if (
-                    self.state_dtype != torch.float32
-                    and self._takes_compact(param)
-                    and not self._native_fits(param, grad)
-                ):
+                fits = self._native_fits(param, grad)
+                if not fits and self.state_dtype != torch.float32 and self._takes_compact(param):
                     # Compact moments have no torch path: the kernel reads a dense fp32 copy.
                     grad = grad.to(torch.float32).contiguous()
-                _, params, group_grads, lowp = split[self._native_fits(param, grad)]
+                    fits = self._native_fits(param, grad)
+                _, params, group_grads, lowp = split[fits]
                 params.append(param)
                 group_grads.append(grad)
                 lowp.append(target)
