@@ -335,16 +335,21 @@ def test_a_state_in_another_version_of_the_8bit_code_is_refused(code: int | None
 
 
 def test_a_positive_second_moment_never_decodes_to_zero() -> None:
-    # One huge and many tiny gradients in a block: the tiny ones' exp_avg_sq stays positive
-    # (2^-29 of the block's largest at least), so their update is no m / eps.
+    # Gradients of 2^-16 beside one of 1 in a block: their exp_avg is still a (subnormal) code,
+    # but their exp_avg_sq, 2^-32 of the block's largest, is below the smallest code. Stored as
+    # zero it would make the next update m / eps (over a thousand times lr); the floor keeps every
+    # update of this and the next step (with zero gradients) within 2 lr.
+    lr = 1e-3
     param = torch.zeros(BLOCK)
-    optimizer = Adam([param], lr=1e-3, state_dtype=torch.int8)
-    param.grad = torch.full((BLOCK,), 1e-20)
+    optimizer = Adam([param], lr=lr, state_dtype=torch.int8)
+    param.grad = torch.full((BLOCK,), 2.0**-16)
     param.grad[0] = 1.0
     optimizer.step()
-    exp_avg_sq = moment_values(optimizer.state[param], "exp_avg_sq")
-    assert bool((exp_avg_sq[1:] > 0).all())
-    assert float(param[1:].abs().max()) <= 1e-3 * 1.001
+    assert bool((moment_values(optimizer.state[param], "exp_avg")[1:] > 0).all())
+    assert bool((moment_values(optimizer.state[param], "exp_avg_sq")[1:] > 0).all())
+    param.grad = torch.zeros(BLOCK)
+    optimizer.step()
+    assert float(param.abs().max()) <= 2 * lr
 
 
 def test_a_nan_gradient_poisons_its_block_and_no_other() -> None:

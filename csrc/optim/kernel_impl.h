@@ -101,8 +101,8 @@ typename Isa::I encode_magnitude(typename Isa::F y, typename Isa::I random) {
 }
 
 // exp_avg's code of `value`: sign in bit 7, magnitude code below. `inv_scale` is
-// exp_avg_inverse's. NaN, and values past the block's scale, give meaningless codes; their
-// block's scale is NaN or inf, which every code decodes to.
+// exp_avg_inverse's. NaN gives a meaningless code, but its block's scale is NaN, which every code
+// decodes to.
 template <class Isa, bool kStochastic>
 typename Isa::I encode_exp_avg(typename Isa::F value, typename Isa::F inv_scale,
                                typename Isa::I random) {
@@ -128,7 +128,8 @@ inline float block_scale(std::uint32_t largest_bits) {
 
 // The factors that map a block's moments into encoding units. They are 0 for a scale that is 0,
 // NaN, infinite or below 2^-96 (where the factor would overflow): such a block's exp_avg is
-// stored as zeros and its exp_avg_sq as the smallest code, which decode to 0 or to the scale.
+// stored as zeros and its exp_avg_sq as the smallest code, which decode to (nearly) zero at such
+// a scale, or to NaN.
 inline float encode_factor(float scale, float units) {
   return scale >= 0x1p-96f && scale <= 0x1p127f ? units / scale : 0.0f;
 }
@@ -264,6 +265,11 @@ std::int64_t adam_vectors(const AdamCoefficients& c, const AdamBuffers& b, std::
   return i;
 }
 
+// Elements ahead that the loop prefetches, a line of each stream at a time as adam_vectors does
+// (prefetching a whole block at once measured slower): twice adam_vectors' distance, the best of
+// those benchmarks/adam_state_step.py compared for this kernel, whose compute per byte is higher.
+inline constexpr std::int64_t kInt8PrefetchAhead = 2 * kPrefetchAhead;
+
 // The blocks in [begin, end) (block-aligned) of one tensor with 8-bit moments. A block's update
 // decodes its moments, updates them and the weights, keeps the new moments in fp32 (`fresh`, in
 // L1) and tracks their largest magnitudes; its encoding then stores them against the new scales.
@@ -273,14 +279,9 @@ std::int64_t adam_vectors(const AdamCoefficients& c, const AdamBuffers& b, std::
 // (zeros leave its scales as they are), so the tail rounds exactly as the scalar kernel would.
 //
 // The moments are updated as torch's Adam updates them, with the decoding folded into the decay:
-// exp_avg = code * (scale * beta1) + grad * (1 - beta1), exp_avg_sq = code * (scale * 2^-15 *
-// beta2) + (1 - beta2) * grad * grad (the same values but for the last bit of a few roundings,
-// well inside the 8-bit codes' steps).
-// Elements ahead that the loop prefetches, a line of each stream at a time as adam_vectors does
-// (prefetching a whole block at once measured slower): twice adam_vectors' distance, the best of
-// those benchmarks/adam_state_step.py compared for this kernel, whose compute per byte is higher.
-inline constexpr std::int64_t kInt8PrefetchAhead = 2 * kPrefetchAhead;
-
+// exp_avg = half * (scale * beta1) + grad * (1 - beta1) and exp_avg_sq = half * (scale * 2^-15 *
+// beta2) + (1 - beta2) * grad * grad, `half` being the code's value (the same values but for the
+// last bit of a few roundings, well inside the 8-bit codes' steps).
 template <class Isa, DType G, DType O>
 void adam_int8_blocks(const AdamCoefficients& c, const AdamBuffers& b, std::int64_t begin,
                       std::int64_t end) {
