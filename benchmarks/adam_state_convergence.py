@@ -1,4 +1,4 @@
-"""Convergence with compact Adam state (issue 40): the same model trained from the same start on
+"""Convergence with compact Adam state: the same model trained from the same start on
 the same batches by ``roundpipe.optim.Adam`` with ``state_dtype`` fp32, bf16 and int8, beside
 ``torch.optim.Adam`` (the baseline; ours with fp32 state should match it), final losses and
 their ratios to fp32's.
@@ -214,7 +214,7 @@ def main() -> None:
 
         path = write_result(
             "adam_state_convergence.py",
-            "Convergence with compact Adam state (issue 40)",
+            "Convergence with compact Adam state",
             f"roundpipe {roundpipe.__version__}, transformers {transformers.__version__}",
             "\n".join(lines),
         )

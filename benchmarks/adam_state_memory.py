@@ -1,4 +1,4 @@
-"""Host bytes per parameter with compact Adam state (issue 40), and the largest model a given host
+"""Host bytes per parameter with compact Adam state, and the largest model a given host
 memory holds with each ``state_dtype``.
 
 The cases are ``host_memory.py``'s (each in a fresh process, on virtual CPU devices, peak RSS
@@ -151,7 +151,7 @@ def main() -> None:
 
         path = write_result(
             "adam_state_memory.py",
-            "Host bytes per parameter with compact Adam state (issue 40)",
+            "Host bytes per parameter with compact Adam state",
             f"roundpipe {roundpipe.__version__}",
             text,
         )

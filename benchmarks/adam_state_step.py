@@ -1,4 +1,4 @@
-"""Adam step throughput with compact moments (issue 40): ``roundpipe.optim.Adam`` with
+"""Adam step throughput with compact moments: ``roundpipe.optim.Adam`` with
 ``state_dtype`` fp32, bf16 and int8 against ``torch.optim.Adam(fused=True)`` (torch has a fused
 CPU Adam, so it is the baseline rather than foreach), the bytes each moves per parameter and the
 memory-bandwidth bound, all measured in the same run.
@@ -223,7 +223,7 @@ def main() -> None:
     if args.record:
         path = write_result(
             "adam_state_step.py",
-            "Adam step throughput with compact moments (issue 40)",
+            "Adam step throughput with compact moments",
             f"roundpipe {info['version']} ({info['simd_compiled']} compiled, "
             f"{info['simd_active']} used)",
             "\n".join(lines),

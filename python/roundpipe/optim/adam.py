@@ -35,6 +35,7 @@ from torch.optim.adam import adam as torch_adam
 from roundpipe import optim_state
 from roundpipe._native import _C
 from roundpipe.optimizer_copy import OptimizerCopy, gradient_of
+from roundpipe.torch_internals import version_of
 
 __all__ = ["Adam", "fused_writeback", "get_num_threads", "set_num_threads"]
 
@@ -393,7 +394,7 @@ class Adam(torch.optim.Optimizer):
         if written is not None:
             for _, params, _, group_lowp in native + other:
                 written.update(
-                    (p, p._version)
+                    (p, version_of(p))
                     for p, t in zip(params, group_lowp, strict=True)
                     if t is not None
                 )
