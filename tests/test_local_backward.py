@@ -155,7 +155,7 @@ class _InPlace(nn.Module):
         return h.relu_()
 
 
-def _runs_here_layers() -> nn.Sequential:
+def _locally_eligible_layers() -> nn.Sequential:
     return nn.Sequential(
         _Residual(),
         _SharedWeight(),
@@ -173,7 +173,7 @@ def test_plain_graphs_run_on_the_calling_thread_and_match_pytorch(devices: int, 
     """Sums where gradients meet, a parameter used twice, multi-output nodes, casts, in-place
     ops, a norm: every recomputed segment's backward runs on the calling thread, and the
     gradients are plain PyTorch's, bitwise."""
-    here, engine = _check_against_plain(_runs_here_layers, grain)
+    here, engine = _check_against_plain(_locally_eligible_layers, grain)
     # A pass per recomputed stage of two layers (three of them) and microbatch; in layer grain one
     # per layer. The fused stage's backward from the loss is torch.autograd.backward's, as in
     # plain PyTorch.

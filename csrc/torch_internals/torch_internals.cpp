@@ -189,7 +189,7 @@ bool known_kind(const ag::Node& node) {
 }
 
 // Whether `node`'s hooks are on the allow-list: none in any of Node's hook lists, but
-// ReachedFlag among its post hooks (which run_here calls as the engine would).
+// ReachedFlag among its post hooks (which run_locally calls as the engine would).
 bool known_hooks(ag::Node& node) {
   if (!node.pre_hooks().empty() || !node.tensor_pre_hooks().empty() ||
       !node.retains_grad_hooks().empty() || node.tensor_post_acc_grad_hooks() != nullptr) {
@@ -219,10 +219,10 @@ struct Placement {
   }
 };
 
-// Whether the engine would do nothing but what run_here does for `node`: a known kind with known
+// Whether the engine would do nothing but what run_locally does for `node`: a known kind with known
 // hooks, no tensor subclass among its inputs, and every input on one device and its current
 // stream (or the CPU).
-bool runs_here(ag::Node& node, Placement& placement) {
+bool eligible_locally(ag::Node& node, Placement& placement) {
   if (!known_kind(node) || !known_hooks(node)) return false;
   bool cpu = false;
   bool accelerator = false;
@@ -252,7 +252,7 @@ bool count_dependencies(const ag::edge_list& roots,
   while (!stack.empty()) {
     ag::Node* node = stack.back();
     stack.pop_back();
-    if (!runs_here(*node, placement)) return false;
+    if (!eligible_locally(*node, placement)) return false;
     for (const ag::Edge& edge : node->next_edges()) reach(edge);
   }
   return true;
@@ -293,8 +293,8 @@ void accumulate(at::Tensor& slot, at::Tensor&& grad) {
 }
 
 // The backward of `roots` with gradients `grads` on this thread, as the engine runs it.
-void run_here(const ag::edge_list& roots, std::vector<at::Tensor>& grads,
-              std::unordered_map<ag::Node*, int>& dependencies) {
+void run_locally(const ag::edge_list& roots, std::vector<at::Tensor>& grads,
+                 std::unordered_map<ag::Node*, int>& dependencies) {
   const at::AutoGradMode no_grad(false);  // create_graph off, as the engine's graph task sets
   std::unordered_map<ag::Node*, std::vector<at::Tensor>> waiting;
   std::vector<Ready> ready;
@@ -418,7 +418,7 @@ BackwardScope::BackwardScope() {
   if (!local_enabled || compiled_autograd_maybe_on()) return;
   try {
     if (!calls.get().is_none()) {  // the caller's group holds for the pass
-      may_run_here_ = true;
+      may_run_locally_ = true;
       return;
     }
     calls.set(calls.make());
@@ -426,7 +426,7 @@ BackwardScope::BackwardScope() {
     return;  // a group that cannot be read or made: the engine runs the pass
   }
   group_set_ = true;
-  may_run_here_ = true;
+  may_run_locally_ = true;
 }
 
 BackwardScope::~BackwardScope() {
@@ -447,7 +447,7 @@ void run_backward(const std::vector<at::Tensor>& roots, const std::vector<at::Te
   // packed what the nodes unpack: their unpack hooks are user code that may ask for the graph
   // task. Anomaly mode and the profiler's callbacks record what the engine does per node.
   const auto* outer = ag::get_current_graph_task_exec_info();
-  bool here = scope.may_run_here() && (outer == nullptr || outer->empty()) &&
+  bool here = scope.may_run_locally() && (outer == nullptr || outer->empty()) &&
               roots.size() == grads.size() && !ag::AnomalyMode::is_enabled() &&
               !at::hasCallbacks() && !c10::impl::TorchDispatchModeTLS::any_modes_set() &&
               !at::SavedTensorDefaultHooks::get_hooks().has_value();
@@ -476,7 +476,7 @@ void run_backward(const std::vector<at::Tensor>& roots, const std::vector<at::Te
     return;
   }
   local_runs.fetch_add(1, std::memory_order_relaxed);
-  run_here(edges, root_grads, dependencies);
+  run_locally(edges, root_grads, dependencies);
 }
 
 }  // namespace roundpipe::torch_internals

@@ -138,10 +138,10 @@ class BackwardScope {
   BackwardScope& operator=(const BackwardScope&) = delete;
 
   // Whether the pass may run on the calling thread (the graph decides the rest).
-  bool may_run_here() const { return may_run_here_; }
+  bool may_run_locally() const { return may_run_locally_; }
 
  private:
-  bool may_run_here_ = false;
+  bool may_run_locally_ = false;
   bool group_set_ = false;
 };
 
