@@ -213,14 +213,9 @@ class _RetainsGrad(nn.Linear):
         return out.tanh()
 
 
-@pytest.mark.parametrize("special", [_CustomFunction, _TensorHook, _RetainsGrad])
-@pytest.mark.parametrize("grain", ["stage", "layer"])
-def test_a_segment_with_python_nodes_or_hooks_goes_to_the_engine(
-    devices: int, grain: str, special: type[nn.Linear]
-) -> None:
-    """A custom autograd.Function, a tensor hook or retain_grad() inside a layer: that layer's
-    segment is backpropagated by torch's engine (the others still on the calling thread), and the
-    gradients are plain PyTorch's, bitwise."""
+def _special_layer_goes_to_the_engine(special: type[nn.Linear], grain: str) -> None:
+    """Layer 3 of eight is ``special``: its segment (its stage's, or its own) goes to torch's
+    engine, the others still run on the calling thread, and the gradients are plain PyTorch's."""
 
     def make() -> nn.Sequential:
         return nn.Sequential(
@@ -233,6 +228,18 @@ def test_a_segment_with_python_nodes_or_hooks_goes_to_the_engine(
     if RUNS_HERE:
         assert engine == MICROBATCHES  # layer 3's segment (its stage's, or its own)
         assert here > 0
+
+
+@pytest.mark.parametrize("special", [_CustomFunction, _TensorHook, _RetainsGrad])
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_a_segment_with_python_nodes_or_hooks_goes_to_the_engine(
+    devices: int, grain: str, special: type[nn.Linear]
+) -> None:
+    """A custom autograd.Function, a tensor hook or retain_grad() inside a layer: that layer's
+    segment is backpropagated by torch's engine (the others still on the calling thread), and the
+    gradients are plain PyTorch's, bitwise."""
+
+    _special_layer_goes_to_the_engine(special, grain)
 
 
 def _parameter_hook(model: nn.Module) -> object:
@@ -329,17 +336,7 @@ def test_hook_kinds_off_the_allow_list_go_to_the_engine(
     torch's engine, which runs them; the gradients are plain PyTorch's, bitwise (the pre and post
     hooks change them, so a pass that skipped them would differ)."""
 
-    def make() -> nn.Sequential:
-        return nn.Sequential(
-            *[nn.Linear(WIDTH, WIDTH) for _ in range(3)],
-            special(WIDTH, WIDTH),
-            *[nn.Linear(WIDTH, WIDTH) for _ in range(4)],
-        )
-
-    here, engine = _check_against_plain(make, grain)
-    if RUNS_HERE:
-        assert engine == MICROBATCHES  # layer 3's segment (its stage's, or its own)
-        assert here > 0
+    _special_layer_goes_to_the_engine(special, grain)
 
 
 class _Square(torch.autograd.Function):
