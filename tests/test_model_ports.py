@@ -7,7 +7,9 @@ embeddings), and compute the reference losses with the unwrapped model in plain 
 same run: synchronous steps as plain steps, asynchronous ones with RoundPipe's staleness of one
 step (``reference.stale_step``). The data has structure to learn (each token predicts the
 next), and the learning rate is high enough that an untrained model fails the tolerance, so a
-run that does not train as the reference does cannot pass.
+run that does not train as the reference does cannot pass. The forward-only tests of the MoE
+families (0.1.1's ``test_qwen3moe.py`` and ``test_gpt_oss.py``) run a model first trained in plain
+PyTorch, whose losses an untrained model's miss by more than the tolerance.
 """
 
 from __future__ import annotations
@@ -73,13 +75,13 @@ def raw_model(family: str) -> nn.Module:
     return getattr(transformers, model_name)(getattr(transformers, config_name)(**SHAPE, **extra))
 
 
-def dataloader() -> list[dict[str, torch.Tensor]]:
-    """Four padded batches of 4 counting sequences (token t + 1 follows token t)."""
+def dataloader(rows: int = 4) -> list[dict[str, torch.Tensor]]:
+    """Four padded batches of ``rows`` counting sequences (token t + 1 follows token t)."""
     generator = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(4):
-        lengths = torch.randint(6, 11, (4,), generator=generator)
-        starts = torch.randint(0, VOCAB, (4, 1), generator=generator)
+        lengths = torch.randint(6, 11, (rows,), generator=generator)
+        starts = torch.randint(0, VOCAB, (rows, 1), generator=generator)
         ids = (starts + torch.arange(10)) % VOCAB
         mask = (torch.arange(10) < lengths[:, None]).long()
         labels = ids.masked_fill(mask == 0, -100)
@@ -87,9 +89,9 @@ def dataloader() -> list[dict[str, torch.Tensor]]:
     return batches
 
 
-def epochs() -> Iterator[dict[str, torch.Tensor]]:
+def epochs(rows: int = 4) -> Iterator[dict[str, torch.Tensor]]:
     for _ in range(EPOCHS):
-        for batch in dataloader():
+        for batch in dataloader(rows):
             yield {key: value.clone() for key, value in batch.items()}
 
 
@@ -136,20 +138,26 @@ def reference_losses(family: str, is_async: bool, per_sample: bool = False) -> l
     return losses
 
 
-def untrained_losses(family: str) -> list[float]:
+def untrained_losses(family: str, batches: list[dict[str, torch.Tensor]]) -> list[float]:
     model = raw_model(family)
     with torch.no_grad():
-        return [hf_loss(model, batch).item() for batch in epochs()]
+        return [hf_loss(model, batch).item() for batch in batches]
 
 
 def assert_close_losses(
-    losses: list[float], ref: list[float], tolerance: float, family: str
+    losses: list[float],
+    ref: list[float],
+    tolerance: float,
+    family: str,
+    batches: list[dict[str, torch.Tensor]] | None = None,
 ) -> None:
-    """0.1.1's formula, and proof that it discriminates: the untrained model fails it."""
+    """0.1.1's formula, and proof that it discriminates: the untrained model's losses on the same
+    ``batches`` (default: the training loops' ``epochs()``) fail it."""
     diff = [abs(v - r) / r for v, r in zip(losses, ref, strict=True)]
     assert sum(diff) / len(diff) < tolerance, (losses, ref)
-    untrained = [abs(v - r) / r for v, r in zip(untrained_losses(family), ref, strict=True)]
-    assert sum(untrained) / len(untrained) > tolerance, "the references must have trained"
+    untrained = untrained_losses(family, list(epochs()) if batches is None else batches)
+    untrained_diff = [abs(v - r) / r for v, r in zip(untrained, ref, strict=True)]
+    assert sum(untrained_diff) / len(untrained_diff) > tolerance, "the references must have trained"
 
 
 def scaled_step(scaler: GradScaler, optim: Adam) -> Callable[[], None]:
@@ -178,7 +186,9 @@ def test_minimum(num_devices: int, family: str, use_preset: bool) -> None:
     assert_close_losses(losses, reference_losses(family, False), 0.005, family)
 
 
-@pytest.mark.parametrize(("use_preset", "is_async"), [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    ("use_preset", "is_async"), [(True, True), (True, False), (False, True), (False, False)]
+)
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "gpt_oss"])
 def test_classic(num_devices: int, family: str, use_preset: bool, is_async: bool) -> None:
     # roundpipe.optim.Adam on fp32 optimizer copies, a GradScaler, model.step.
@@ -259,6 +269,132 @@ def test_fused(num_devices: int, family: str, is_async: bool, grain: str) -> Non
         model.step(scaled_step(scaler, optim), is_async=is_async)
         scaler.update()
     assert_close_losses(losses, reference_losses(family, is_async), 0.01, family)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_label(num_devices: int, family: str) -> None:
+    # 0.1.1's Llama fused loop: the labels split as forward_backward's label, each microbatch's
+    # loss the wrapped model's own Hugging Face loss_function of its logits (attributes read
+    # through the wrapper), weighted by the whole batch's target count.
+    model = wrap_model_to_roundpipe(
+        raw_model(family),
+        model_run_config=RoundPipeRunConfig(num_microbatch=3),
+        use_sequential_preset=True,
+        optim_dtype=torch.float32,
+    )
+    optim = Adam(model.optim_parameters(), lr=LR)
+    scaler = GradScaler(8192.0)
+    losses = []
+    for input_dict in epochs():
+        labels = input_dict.pop("labels")
+        n = num_items(labels)
+        loss = model.forward_backward(
+            input_kwargs=dict(input_dict),
+            label=labels,
+            loss_fn=lambda outputs, labels, n=n: scaler.scale(
+                model.loss_function(
+                    logits=outputs.logits,
+                    labels=labels,
+                    vocab_size=model.vocab_size,
+                    num_items_in_batch=n,
+                )
+            ),
+        )
+        losses.append(loss.item() / scaler.get_scale())
+        model.step(scaled_step(scaler, optim))
+        scaler.update()
+    assert_close_losses(losses, reference_losses(family, True), 0.01, family)
+
+
+# 0.1.1's MoE forward tests: batches of 10 samples in 4 microbatches (an uneven split).
+FORWARD_ROWS, FORWARD_MICROBATCHES = 10, 4
+
+
+def trained_model(family: str) -> nn.Module:
+    """The family's tiny model after plain-PyTorch training on the forward tests' batches: its
+    loss depends on what it is fed (an untrained model's is near log(VOCAB) whatever the input),
+    so a forward that mixes up rows or microbatches cannot match the reference."""
+    model = raw_model(family)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    for batch in epochs(FORWARD_ROWS):
+        hf_loss(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_auto_forward(num_devices: int, family: str) -> None:
+    # Forward only (gradients on, no backward), wrapped recursively: the whole batch's loss of
+    # the merged logits. Router logits are not asked for, so aux_loss is None, as unwrapped.
+    trained = trained_model(family)
+    model = wrap_model_to_roundpipe(
+        copy.deepcopy(trained),
+        model_run_config=RoundPipeRunConfig(num_microbatch=FORWARD_MICROBATCHES),
+        use_sequential_preset=False,
+    )
+    batches = dataloader(FORWARD_ROWS)
+    losses, aux_losses = [], []
+    for input_dict in batches:
+        input_dict = dict(input_dict)
+        labels = input_dict.pop("labels")
+        out = model(**input_dict)
+        aux_losses.append(out.aux_loss)
+        loss = CompileForCausalLMLoss(
+            logits=out.logits, labels=labels, vocab_size=model.config.vocab_size
+        )
+        losses.append(loss.item())
+    with torch.no_grad():
+        ref = [hf_loss(trained, batch).item() for batch in batches]
+    assert aux_losses == [None] * len(batches)
+    assert_close_losses(losses, ref, 0.005, family, batches)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_preset_forward(num_devices: int, family: str) -> None:
+    # The preset's forward with router logits, without logits, each microbatch's loss its share
+    # of the whole batch's: the merge averages loss and aux_loss, so num_microbatch times the
+    # loss less the router term is the whole batch's loss (a summed merge would be 4x off), and
+    # aux_loss the mean of the unwrapped model's load-balancing losses of the microbatches
+    # (dim 0 cut as torch.tensor_split cuts it; the loss is not linear in the batch).
+    trained = trained_model(family)
+    model = wrap_model_to_roundpipe(
+        copy.deepcopy(trained),
+        model_run_config=RoundPipeRunConfig(num_microbatch=FORWARD_MICROBATCHES),
+        use_sequential_preset=True,
+    )
+    batches = dataloader(FORWARD_ROWS)
+    losses, aux_losses = [], []
+    for input_dict in batches:
+        out = model(
+            **input_dict,
+            output_router_logits=True,
+            return_logits=False,
+            num_items_in_batch=num_items(input_dict["labels"]),
+        )
+        aux_losses.append(out.aux_loss.item())
+        router_term = model.router_aux_loss_coef * out.aux_loss
+        losses.append(((out.loss - router_term) * FORWARD_MICROBATCHES).item())
+    with torch.no_grad():
+        ref = [hf_loss(trained, batch).item() for batch in batches]
+        ref_aux = [
+            torch.stack(
+                [
+                    trained(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+                    for ids, mask in zip(
+                        batch["input_ids"].tensor_split(FORWARD_MICROBATCHES),
+                        batch["attention_mask"].tensor_split(FORWARD_MICROBATCHES),
+                        strict=True,
+                    )
+                ]
+            )
+            .mean()
+            .item()
+            for batch in batches
+        ]
+    assert_close_losses(losses, ref, 0.005, family, batches)
+    aux_diff = [abs(v - r) / r for v, r in zip(aux_losses, ref_aux, strict=True)]
+    assert sum(aux_diff) / len(aux_diff) < 0.01, (aux_losses, ref_aux)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
