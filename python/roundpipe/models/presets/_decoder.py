@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -263,11 +264,21 @@ class DecoderPrefix(nn.Module):
             "config": self.config,
             "inputs_embeds": embeds,
             "attention_mask": attention_mask,
-            "past_key_values": None,
+            _mask_cache_argument(): None,
         }
         if self.family.masks_use_position_ids:
             arguments["position_ids"] = position_ids
         return {kind: builders[kind](**arguments) for kind in self.kinds}
+
+
+@functools.cache
+def _mask_cache_argument() -> str:
+    """The name of the mask builders' KV-cache argument: ``cache`` from transformers 5.24 on,
+    ``past_key_values`` before (5.24 still takes it with a warning; 5.40 drops it)."""
+    from transformers.masking_utils import create_causal_mask
+
+    parameters = inspect.signature(create_causal_mask).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 class DecoderLayerStage(nn.Module):
