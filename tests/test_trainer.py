@@ -208,7 +208,12 @@ def test_save_model_writes_the_trained_weights(tmp_path: Path) -> None:
         ({"fsdp": "full_shard"}, "fsdp"),
         ({"gradient_checkpointing": True}, "checkpointing"),
         ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
-        ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "reduce_lr_on_plateau"),
+        (
+            {"lr_scheduler_type": "reduce_lr_on_plateau", "eval_strategy": "steps"},
+            "reduce_lr_on_plateau",
+        ),
+        ({"optim": "lomo"}, "lomo"),
+        ({"optim": "schedule_free_adamw"}, "schedule_free_adamw"),
     ],
 )
 def test_unsupported_arguments_are_named(
@@ -219,7 +224,7 @@ def test_unsupported_arguments_are_named(
     except (ImportError, ValueError) as error:  # transformers refuses it itself (no deepspeed)
         pytest.skip(f"TrainingArguments refuses {overrides}: {error}")
     with pytest.raises(ValueError, match=named):
-        RoundPipeTrainer(tiny_qwen3(), args, train_dataset=dataset(8))
+        RoundPipeTrainer(tiny_qwen3(), args, train_dataset=dataset(8), eval_dataset=dataset(4))
 
 
 def test_bad_arguments(tmp_path: Path) -> None:
@@ -276,3 +281,81 @@ def test_fp16_trains_an_fp16_model_with_fp32_copies_and_a_scaler(
     assert [entry["step"] for entry in ours] == [entry["step"] for entry in reference]
     for mine, ref in zip(ours, reference, strict=True):
         assert mine["loss"] == pytest.approx(ref["loss"], rel=2e-3), (mine, ref)
+
+
+def test_weight_decay_reaches_a_model_without_preset(tmp_path: Path) -> None:
+    # GPT-2 has no preset: wrapped as an AutoRoundPipe, whose optimizer copies are named after
+    # the model it holds. Trainer's weight-decay groups must still find them.
+    def gpt2() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+
+    reference = Trainer(model=gpt2(), args=arguments(tmp_path / "ref"), train_dataset=dataset())
+    reference.train()
+    trainer = RoundPipeTrainer(
+        gpt2(), arguments(tmp_path / "ours"), train_dataset=dataset(), async_step=False
+    )
+    trainer.train()
+    optimizer = trainer.optimizer.optimizer  # type: ignore[union-attr]
+    decays = [group["weight_decay"] for group in optimizer.param_groups]
+    assert decays == [0.1, 0.0]
+    assert_logs_match(step_logs(trainer), step_logs(reference))
+
+
+class ZLoss:
+    """A subclass's own loss: cross-entropy from the logits plus a z-loss term."""
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        labels = inputs.pop("labels")
+        logits = model(**inputs)["logits"].float()
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100
+        )
+        loss = loss + 1e-2 * logits.logsumexp(-1).pow(2).mean()
+        return (loss, logits) if return_outputs else loss
+
+
+def test_a_subclass_compute_loss_is_what_trains(tmp_path: Path) -> None:
+    class PlainZ(ZLoss, Trainer):
+        pass
+
+    class OursZ(ZLoss, RoundPipeTrainer):
+        pass
+
+    reference = PlainZ(
+        model=tiny_qwen3(), args=arguments(tmp_path / "ref"), train_dataset=dataset()
+    )
+    reference.train()
+    trainer = OursZ(
+        tiny_qwen3(),
+        arguments(tmp_path / "ours"),
+        train_dataset=dataset(),
+        run_config=RoundPipeRunConfig(num_microbatch=2),
+        async_step=False,
+    )
+    trainer.train()
+    assert_logs_match(step_logs(trainer), step_logs(reference))
+
+
+def test_several_gpus_are_one_device_pool(
+    tmp_path: Path, reference: list[dict[str, float]]
+) -> None:
+    # Trainer would replicate the model over n_gpu GPUs (DataParallel), multiplying the batch
+    # and dividing the token count; RoundPipe's pool is every GPU, so neither happens.
+    args = arguments(tmp_path)
+    assert args.n_gpu <= 1
+    args._n_gpu = 2  # as on a machine with two GPUs, without torchrun
+    trainer = RoundPipeTrainer(tiny_qwen3(), args, train_dataset=dataset(), async_step=False)
+    assert trainer.args.n_gpu == 1 and trainer.args.train_batch_size == BATCH
+    trainer.train()
+    assert_logs_match(step_logs(trainer), reference)

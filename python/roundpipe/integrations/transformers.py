@@ -60,6 +60,17 @@ def _unsupported(args: TrainingArguments) -> list[str]:
         found.append("label_smoothing_factor (the model's own loss is used: set 0)")
     if getattr(args, "neftune_noise_alpha", None) is not None:
         found.append("neftune_noise_alpha (leave it unset)")
+    optim = str(getattr(args.optim, "value", args.optim))
+    steps_elsewhere = {
+        "schedule_free": "its train/eval weight modes would not reach RoundPipe's optimizer copies",
+        "lomo": "it updates the weights inside the backward pass",
+        "adalomo": "it updates the weights inside the backward pass",
+        "galore": "it is built from the model's modules, not from optimizer copies",
+        "apollo": "it is built from the model's modules, not from optimizer copies",
+    }
+    for prefix, why in steps_elsewhere.items():
+        if optim.startswith(prefix):
+            found.append(f"optim={optim!r} ({why}: use an optimizer class such as adamw_torch)")
     scheduler = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
     if scheduler in ("reduce_lr_on_plateau", "greedy"):
         found.append(f"lr_scheduler_type={scheduler!r} (use a step-based schedule)")
@@ -88,7 +99,7 @@ class RoundPipeTrainer(Trainer):
             ``optimizer_cls_and_kwargs``, ...). ``optimizers`` is refused: the optimizer must be
             built over the optimizer copies the trainer creates; pass
             ``optimizer_cls_and_kwargs`` or ``args.optim`` instead. So are ``model_init`` and
-            ``compute_loss_func``.
+            ``compute_loss_func`` (a subclass's ``compute_loss`` is used, in training too).
     """
 
     roundpipe_model: RoundPipe | AutoRoundPipe
@@ -135,6 +146,12 @@ class RoundPipeTrainer(Trainer):
                 "RoundPipeTrainer does not support these TrainingArguments: "
                 + "; ".join(unsupported)
             )
+        if self.args.n_gpu > 1:
+            # RoundPipe uses every GPU as its device pool: no DataParallel replicas, so the batch
+            # is per_device_train_batch_size and the token count is not split across GPUs (as
+            # Trainer does for a model-parallel model).
+            self.args._n_gpu = 1
+            self._train_batch_size = self.args.train_batch_size
         self.async_step = async_step
         self.scaler = GradScaler() if self.args.fp16 else None
         options = dict(wrap_kwargs or {})
@@ -202,8 +219,18 @@ class RoundPipeTrainer(Trainer):
         if self.optimizer is not None:
             return self.optimizer
         wrapped = self.roundpipe_model
-        decay = set(self.get_decay_parameter_names(wrapped))
+        # Decay is decided by name, on the module whose parameter names the optimizer copies
+        # carry: a RoundPipe's copies are named as its own parameters ("model.<name>"), an
+        # AutoRoundPipe's as the model it holds (its parts' paths, then "model.<name>").
+        named_module = wrapped.model if isinstance(wrapped, AutoRoundPipe) else wrapped
+        decay = set(self.get_decay_parameter_names(named_module))
         named = list(wrapped.optim_named_parameters())
+        unknown = [name for name, _ in named if name not in dict(named_module.named_parameters())]
+        if unknown:
+            raise RuntimeError(
+                f"optimizer copies {unknown[:3]} have no parameter of that name in the model: "
+                "cannot tell which take weight decay"
+            )
         groups = [
             {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
@@ -312,11 +339,15 @@ class RoundPipeTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
         """Forward, loss and backward of one batch through the pipeline; returns the loss
-        ``Trainer`` reports for it (the batch's share of the accumulation window's loss)."""
+        ``Trainer`` reports for it (the batch's share of the accumulation window's loss). A
+        subclass that overrides ``compute_loss`` gets it called here (see
+        :meth:`_custom_loss_step`)."""
         wrapped = self.roundpipe_model
         wrapped.train()
         inputs = dict(inputs)
         scaler = self.scaler
+        if type(self).compute_loss is not RoundPipeTrainer.compute_loss:
+            return self._custom_loss_step(inputs, num_items_in_batch)
         exact = self.model_accepts_loss_kwargs and num_items_in_batch is not None
         if exact:
             inputs["num_items_in_batch"] = num_items_in_batch
@@ -343,6 +374,24 @@ class RoundPipeTrainer(Trainer):
             (scaler.scale(loss) if scaler is not None else loss).backward()
             total = loss.detach().float().cpu()
         return total.to(self.args.device)
+
+    def _custom_loss_step(
+        self, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None
+    ) -> torch.Tensor:
+        """A batch through a subclass's ``compute_loss`` (given the RoundPipe model): its loss,
+        scaled for gradient accumulation as ``Trainer.training_step`` scales it, goes through
+        ``.backward()`` (the pipelined backward of the ``forward()`` it called)."""
+        with self.compute_loss_context_manager():
+            loss: torch.Tensor = self.compute_loss(
+                self.roundpipe_model, inputs, num_items_in_batch=num_items_in_batch
+            )
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        return loss.detach().float().cpu().to(self.args.device)
 
     def compute_loss(
         self,
