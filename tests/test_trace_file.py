@@ -293,6 +293,42 @@ def test_an_unwritable_path_is_an_os_error_when_the_block_ends(tmp_path: Path) -
         pass
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a full disk)")
+def test_a_full_disk_is_an_os_error_naming_the_path_and_keeps_no_lock() -> None:
+    # /dev/full opens and locks, then every write fails with ENOSPC: the failed file used to stay
+    # open with its lock, so the next trace to it said "another process is writing".
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(2):
+        with pytest.raises(OSError, match="cannot write a trace to /dev/full: No space left"):
+            with roundpipe.trace("/dev/full"):
+                pass
+        with pytest.raises(ZeroDivisionError) as caught:
+            with roundpipe.trace("/dev/full"):
+                1 / 0  # noqa: B018
+        assert any("/dev/full: No space left" in note for note in caught.value.__notes__)
+    assert len(os.listdir("/proc/self/fd")) == fds
+    with roundpipe.trace("/dev/null") as tracer:  # a device without a length takes the writes
+        record(tracer, 2)
+
+
+def test_a_write_that_fails_later_names_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "t.json"
+    file = TraceFile(str(path), {})
+    file.append([{"ph": "M", "name": "a"}])
+
+    def full(*_: object) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError, match=f"cannot write a trace to {path}: No space left"):
+        file.append([{"ph": "M", "name": "b"}])
+    monkeypatch.undo()
+    file.close_unfinished()
+    assert [e["name"] for e in json.loads(path.read_text())["traceEvents"]] == ["a"]
+
+
 def test_save_leaves_nothing_beside_a_path_it_cannot_replace(tmp_path: Path) -> None:
     (tmp_path / "folder").mkdir()
     with pytest.raises(IsADirectoryError):

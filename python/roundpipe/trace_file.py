@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -44,11 +45,7 @@ class TraceFile:
             # No O_TRUNC: a file another process is writing is only emptied once it is ours.
             self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError as error:
-            raise type(error)(
-                error.errno,
-                f"cannot write a trace to {path}: {error.strerror}; give the path of a file in "
-                "an existing folder that you can write to",
-            ) from None
+            raise _naming(path, error) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -56,12 +53,20 @@ class TraceFile:
             raise TraceFileBusy(
                 f"another process is writing a trace to {path}; give each process its own path"
             ) from None
-        os.ftruncate(self._fd, 0)
         self._lock = threading.Lock()
         self._end = len(_HEADER)  # where the next event goes: the tail starts there
         self._events = 0
         tail = self._tail(UNFINISHED)
-        self._pwrite(_HEADER + tail, 0)
+        try:
+            if stat.S_ISREG(os.fstat(self._fd).st_mode):  # a device (/dev/null) has no length
+                os.ftruncate(self._fd, 0)
+            self._pwrite(_HEADER + tail, 0)
+        except OSError:
+            # Closed, and its lock with it: a later trace to the same path is not refused as
+            # "another process is writing".
+            os.close(self._fd)
+            self._fd = None
+            raise
         self._tail_bytes = len(tail)
 
     def append(self, events: Sequence[Mapping[str, Any]]) -> None:
@@ -130,9 +135,22 @@ class TraceFile:
     def _pwrite(self, data: bytes, offset: int) -> None:
         assert self._fd is not None
         view = memoryview(data)
-        while view:
-            written = os.pwrite(self._fd, view, offset)
-            view, offset = view[written:], offset + written
+        try:
+            while view:
+                written = os.pwrite(self._fd, view, offset)
+                view, offset = view[written:], offset + written
+        except OSError as error:  # a full disk, say: the error names the trace's path
+            raise _naming(self.path, error) from None
+
+
+def _naming(path: str, error: OSError) -> OSError:
+    """``error`` (of the same type, so ``FileNotFoundError`` stays one) with a message naming
+    the trace's ``path`` and what to do."""
+    return type(error)(
+        error.errno,
+        f"cannot write a trace to {path}: {error.strerror}; give the path of a file in an "
+        "existing folder that you can write to, on a disk with room",
+    )
 
 
 __all__ = ["UNFINISHED", "TraceFile", "TraceFileBusy"]
