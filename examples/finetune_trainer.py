@@ -77,10 +77,14 @@ class Sums(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
 
 class TraceOneStep(TrainerCallback):
-    """Records the RoundPipe schedule of one training step (forward, backward, optimizer)."""
+    """Records the RoundPipe schedule of one training step (forward, backward, optimizer).
 
-    def __init__(self, step: int, path: str) -> None:
-        self.step, self.path = step, path
+    The step's optimizer update runs on the host's optimizer thread after ``on_step_end``; the
+    recording waits for it (without publishing its weights, so the training is unchanged) before
+    it ends, or the picture would lack the update."""
+
+    def __init__(self, step: int, path: str, model: roundpipe.RoundPipe) -> None:
+        self.step, self.path, self.model = step, path, model
         self.recording: Any = None
 
     def on_step_begin(
@@ -94,6 +98,7 @@ class TraceOneStep(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any
     ) -> None:
         if self.recording is not None and state.global_step == self.step:
+            self.model.wait_for_step()
             self.recording.__exit__(None, None, None)
             self.recording = None
 
@@ -223,8 +228,9 @@ def main() -> None:
         train_dataset=Sums(args.steps * args.batch_size, seed=1, digits=args.digits),
         eval_dataset=Sums(256, seed=2, digits=args.digits),
         run_config=RoundPipeRunConfig(num_microbatch=args.num_microbatch),
-        callbacks=[TraceOneStep(args.steps - 1, trace_path)],
     )
+    assert isinstance(trainer.roundpipe_model, roundpipe.RoundPipe)  # Qwen3 has a preset
+    trainer.add_callback(TraceOneStep(args.steps - 1, trace_path, trainer.roundpipe_model))
     start = time.perf_counter()
     trainer.train()
     elapsed = time.perf_counter() - start
