@@ -15,6 +15,7 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import roundpipe
@@ -238,6 +239,28 @@ def misuse_checkpoint(cfg: dict[str, Any], rank: int, model: Any, optimizer: Any
         roundpipe.save_checkpoint(f"{ckpt}_{rank}", model, optimizer)
     elif scenario == "save_per_rank_extra":
         roundpipe.save_checkpoint(ckpt, model, optimizer, extra={"rank": rank})
+    elif scenario == "save_extra_raises_on_rank1":
+
+        def extra() -> dict[str, Any]:
+            if rank == 1:
+                raise KeyError("the user's extra fails on rank 1")
+            return {}
+
+        roundpipe.save_checkpoint(ckpt, model, optimizer, extra=extra)
+    elif scenario == "save_folder_uncreatable_on_rank0":
+        # The ranks do not share a filesystem: the folder's parent exists on rank 1's alone.
+        parent = Path(ckpt).parent / ("missing" if rank == 0 else "present")
+        (parent if rank == 1 else Path(ckpt)).mkdir(exist_ok=True)
+        os.chdir(Path(ckpt) if rank == 0 else parent.parent)
+        roundpipe.save_checkpoint(Path("present") / "ckpt", model, optimizer)
+    elif scenario == "load_folder_missing_on_rank1":
+        # The folder saved is where rank 0 looks for it, not where rank 1 does.
+        roundpipe.save_checkpoint(ckpt, model, optimizer)
+        os.chdir(Path(ckpt).parent if rank == 0 else Path(ckpt))
+        roundpipe.load_checkpoint(Path(ckpt).name, model, optimizer)
+    elif scenario == "save_extra_in_another_key_order":
+        keys = ["a", "b"] if rank == 0 else ["b", "a"]
+        roundpipe.save_checkpoint(ckpt, model, optimizer, extra={key: 1 for key in keys})
 
 
 def train_ddp(cfg: dict[str, Any], rank: int, world: int, result: dict[str, Any]) -> None:

@@ -48,6 +48,7 @@ from torch import nn
 from roundpipe._native import BUILD_INFO
 from roundpipe.checkpoint_sharded import (
     check_parts,
+    checks_on_every_rank,
     drain_for_load,
     is_sharded,
     load_sharded,
@@ -102,19 +103,20 @@ def save_checkpoint(
         TypeError / ValueError: an invalid argument, before anything is drained or written.
         FileNotFoundError: the folder of ``path`` does not exist.
     """
-    target = _checked_path(path)
-    _check_parts(model, optimizer, scaler)
-    if not target.parent.is_dir():
-        raise FileNotFoundError(f"path: the folder {str(target.parent)!r} does not exist")
     sharded = is_sharded(model)
-    if sharded and target.is_file():
-        raise ValueError(
-            f"path {str(target)!r} is a file; a data-parallel model saves a checkpoint folder"
-        )
-    if not sharded and target.is_dir():
-        raise ValueError(f"path {str(target)!r} is a folder; pass a file name")
-    if not callable(extra):
-        _check_weights_only(extra)
+    with checks_on_every_rank(model, "save_checkpoint"):
+        target = _checked_path(path)
+        _check_parts(model, optimizer, scaler)
+        if not target.parent.is_dir():
+            raise FileNotFoundError(f"path: the folder {str(target.parent)!r} does not exist")
+        if sharded and target.is_file():
+            raise ValueError(
+                f"path {str(target)!r} is a file; a data-parallel model saves a checkpoint folder"
+            )
+        if not sharded and target.is_dir():
+            raise ValueError(f"path {str(target)!r} is a folder; pass a file name")
+        if not callable(extra):
+            _check_weights_only(extra)
     if sharded:
         save_sharded(target, model, optimizer, scaler, lambda: _resolved(extra))
         return
@@ -215,21 +217,23 @@ def load_checkpoint(
             Adam, a disabled scaler's ``{}`` for an enabled one).
         RuntimeError: the model's entries do not fit (``model.load_state_dict``'s error).
     """
-    target = _checked_path(path)
-    _check_parts(model, optimizer, scaler)
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
-    if not target.exists():
-        raise FileNotFoundError(f"no checkpoint file or folder at {str(target)!r}")
+    with checks_on_every_rank(model, "load_checkpoint"):
+        target = _checked_path(path)
+        _check_parts(model, optimizer, scaler)
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+        if not target.exists():
+            raise FileNotFoundError(f"no checkpoint file or folder at {str(target)!r}")
+        if not target.is_dir() and is_sharded(model):
+            raise ValueError(
+                f"path {str(target)!r} is a checkpoint file of one process; a data-parallel "
+                "model loads checkpoint folders saved by data-parallel ranks (at any number of "
+                "them). To start from this file, load torch.load(path, weights_only=True)"
+                "['model'] with model.load_state_dict (weights and optimizer copies; the "
+                "optimizer starts afresh)"
+            )
     if target.is_dir():
         return load_sharded(target, model, optimizer, scaler, strict)
-    if is_sharded(model):
-        raise ValueError(
-            f"path {str(target)!r} is a checkpoint file of one process; a data-parallel model "
-            "loads checkpoint folders saved by data-parallel ranks (at any number of them). To "
-            "start from this file, load torch.load(path, weights_only=True)['model'] with "
-            "model.load_state_dict (weights and optimizer copies; the optimizer starts afresh)"
-        )
     if not target.is_file():
         raise FileNotFoundError(f"no checkpoint file at {str(target)!r}")
 

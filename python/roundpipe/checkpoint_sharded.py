@@ -18,9 +18,10 @@ What a folder holds, by entry name:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,8 @@ from roundpipe.torch_internals import tree_flatten
 
 # The prefix of the optimizer copies' entries in a RoundPipe's state_dict().
 _COPY = "_roundpipe.optim."
+# A RoundPipe's state_dict() entry of gradients accumulated but not stepped.
+_UNSTEPPED = "model/_roundpipe.grads"
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -53,23 +56,65 @@ def is_sharded(model: nn.Module) -> bool:
     return shard is not None and shard.world_size > 1
 
 
+@contextlib.contextmanager
+def checks_on_every_rank(model: nn.Module, action: str) -> Iterator[None]:
+    """Around a collective checkpoint call's argument checks (``action``: ``"save_checkpoint"``
+    or ``"load_checkpoint"``): when they raise on one rank of a data-parallel model (a folder
+    only that rank cannot see, an optimizer only it got wrong), that rank tells the others at
+    the agreement they are waiting in, so that every rank raises at once, this one its own
+    error, instead of the others waiting for it until the group times out."""
+    try:
+        yield
+    except Exception:
+        shard = _shard_of(model)
+        if shard is not None and shard.world_size > 1 and shard.agree is not None:
+            with contextlib.suppress(ValueError):
+                shard.agree(action, refused=True)
+        raise
+
+
 def save_sharded(
     folder: Path, model: nn.Module, optimizer: Any, scaler: Any, extra: Callable[[], Any]
 ) -> None:
     """Every rank of ``model``'s data-parallel group calls this with its own model replica and
-    optimizer; ``extra()`` is taken after the model's state. See ``roundpipe.save_checkpoint``."""
+    optimizer; ``extra()`` is taken after the model's state. See ``roundpipe.save_checkpoint``.
+
+    Each rank gathers what it writes on its own first; the ranks then compare notes once, so
+    that one rank's failure there (the user's ``extra`` raising, an optimizer on other
+    parameters) or its different ``extra`` raises on every rank before anything is written,
+    instead of leaving the others waiting in a collective."""
     shard = _shard_of(model)
     assert shard is not None
     if shard.agree is not None:
         shard.agree("save_checkpoint")
+    failure: BaseException | None = None
+    entries: dict[str, Any] = {}
+    pieces: dict[str, Piece] = {}
+    try:
+        entries, pieces = _save_entries(model, optimizer, scaler, extra, shard)
+        note = ("grads" if _UNSTEPPED in entries else "ok", _fingerprint(entries["extra"]))
+    except Exception as error:
+        failure, note = error, ("failed", f"{type(error).__name__}: {error}")
+    notes: list[Any] = [None] * shard.world_size
+    dist.all_gather_object(notes, note, group=shard.group)
+    _refuse_notes(notes, failure)
+    save_folder(folder, entries, pieces, shard.group)
+
+
+def _save_entries(
+    model: nn.Module,
+    optimizer: Any,
+    scaler: Any,
+    extra: Callable[[], Any],
+    shard: DataParallelShard,
+) -> tuple[dict[str, Any], dict[str, Piece]]:
+    """This rank's entries of the checkpoint and which of them are pieces."""
     by_copy = {id(piece.copy): piece for piece in shard.pieces}
     params = _optimizer_params(optimizer, by_copy) if optimizer is not None else []
     entries: dict[str, Any] = {}
     pieces: dict[str, Piece] = {}
-    model_state = model.state_dict()
-    _refuse_unstepped_grads(model_state, shard)
     by_name = {piece.name: piece for piece in shard.pieces}
-    for key, value in model_state.items():
+    for key, value in model.state_dict().items():
         piece = by_name.get(key.removeprefix(_COPY))
         if key.startswith(_COPY) and piece is not None:
             _add_piece(entries, pieces, f"model/{key}", piece, value)
@@ -96,17 +141,28 @@ def save_sharded(
     if scaler is not None:
         entries["scaler"] = scaler.state_dict()
     entries["extra"] = extra()
-    _refuse_different_extras(entries["extra"], shard)
-    save_folder(folder, entries, pieces, shard.group)
+    return entries, pieces
 
 
-def _refuse_different_extras(extra: Any, shard: DataParallelShard) -> None:
-    """``extra`` is saved once: ``ValueError`` on every rank, before anything is written, when
-    a rank passes another value than rank 0's (which would be lost silently)."""
-    prints: list[Any] = [None] * shard.world_size
-    dist.all_gather_object(prints, _fingerprint(extra), group=shard.group)
-    for rank, value in enumerate(prints):
-        if value != prints[0]:
+def _refuse_notes(notes: list[tuple[str, str]], failure: BaseException | None) -> None:
+    """Raise on every rank, before anything is written, when any rank's note (from
+    :func:`save_sharded`) says it failed, holds gradients accumulated but not stepped, or has
+    another ``extra`` than rank 0's. A rank that failed raises its own error."""
+    for rank, (kind, detail) in enumerate(notes):
+        if kind == "failed":
+            if failure is not None:
+                raise failure
+            raise RuntimeError(
+                f"save_checkpoint: rank {rank} failed before writing ({detail}); every rank "
+                "raises, and nothing was written"
+            )
+    if any(kind == "grads" for kind, _ in notes):
+        raise ValueError(
+            "model: a data-parallel model cannot be saved with gradients accumulated but not "
+            "stepped (they differ per rank); save right after step()"
+        )
+    for rank, (_, extra) in enumerate(notes):
+        if extra != notes[0][1]:
             raise ValueError(
                 f"save_checkpoint: extra differs on rank {rank} from rank 0's, but a "
                 "data-parallel checkpoint holds it once: give every rank the same extra (state "
@@ -116,8 +172,9 @@ def _refuse_different_extras(extra: Any, shard: DataParallelShard) -> None:
 
 
 def _fingerprint(value: Any) -> str:
-    """A digest of ``value``'s structure and contents (tensors by dtype, shape and values)."""
-    leaves, spec = tree_flatten(value)
+    """A digest of ``value``'s structure and contents (tensors by dtype, shape and values);
+    mappings by their items in key order, so equal dicts built in another order match."""
+    leaves, spec = tree_flatten(_sorted_mappings(value))
     digest = hashlib.sha256(str(spec).encode())
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -127,6 +184,18 @@ def _fingerprint(value: Any) -> str:
         else:
             digest.update(repr(leaf).encode())
     return digest.hexdigest()
+
+
+def _sorted_mappings(value: Any) -> Any:
+    """``value`` with every mapping replaced by its ``(repr(key), value)`` pairs sorted."""
+    if isinstance(value, Mapping):
+        items = ((repr(key), _sorted_mappings(item)) for key, item in value.items())
+        return sorted(items, key=lambda pair: pair[0])
+    if isinstance(value, list):
+        return [_sorted_mappings(item) for item in value]
+    if type(value) is tuple:
+        return tuple(_sorted_mappings(item) for item in value)
+    return value
 
 
 def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, strict: bool) -> Any:
@@ -140,8 +209,48 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, st
             "a sharded checkpoint folder (saved by data-parallel ranks) loads into a RoundPipe, "
             f"data-parallel or alone, got {type(model).__name__}"
         )
+    # Each rank reads what it will load on its own first; one rank's failure there raises on
+    # every rank (checks_on_every_rank), before anything is loaded.
+    with checks_on_every_rank(model, "load_checkpoint"):
+        entries, pieces = _load_entries(folder, shard, optimizer, scaler)
     if shard.agree is not None:
         shard.agree("load_checkpoint")
+    # Ends the collectives in flight; the step is written back only once the load is known to
+    # succeed (drain_for_load).
+    wait_for_load(model)
+    load_folder(folder, entries, pieces, shard.group if shard.world_size > 1 else None)
+
+    where = f"checkpoint {str(folder)!r}"
+    # What each rank loads must fit on every rank before any loads it: a rank whose optimizer
+    # does not fit would otherwise stay behind while the others load.
+    with checks_on_every_rank(model, "load_checkpoint"):
+        model_state, optimizer_state = _loaded_state(entries, shard, optimizer, where)
+        check_parts(
+            where,
+            model,
+            model_state,
+            strict,
+            optimizer,
+            optimizer_state,
+            scaler,
+            entries.get("scaler"),
+        )
+    if shard.agree is not None:
+        shard.agree("load_checkpoint")
+    drain_for_load(model)
+    model.load_state_dict(model_state, strict=strict)
+    if optimizer is not None:
+        optimizer.load_state_dict(optimizer_state)
+    if scaler is not None:
+        scaler.load_state_dict(entries["scaler"])
+    return entries["extra"]
+
+
+def _load_entries(
+    folder: Path, shard: DataParallelShard, optimizer: Any, scaler: Any
+) -> tuple[dict[str, Any], dict[str, Piece]]:
+    """Empty entries of what this rank loads from ``folder`` (its own pieces, every whole
+    entry) and which of them are pieces."""
     saved = read_saved_entries(folder)
     wanted = {"optimizer": optimizer, "scaler": scaler}
     missing = [
@@ -183,18 +292,22 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, st
     if scaler is not None:
         entries["scaler"] = None
     entries["extra"] = None
-    # Ends the collectives in flight; the step is written back only once the load is known to
-    # succeed (drain_for_load).
-    wait_for_load(model)
-    load_folder(folder, entries, pieces, shard.group if shard.world_size > 1 else None)
+    return entries, pieces
 
+
+def _loaded_state(
+    entries: dict[str, Any], shard: DataParallelShard, optimizer: Any, where: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and the optimizer's state dicts from the loaded ``entries``."""
+    by_name = {piece.name: piece for piece in shard.pieces}
+    by_copy = {id(piece.copy): piece for piece in shard.pieces}
+    params = _optimizer_params(optimizer, by_copy) if optimizer is not None else []
     model_state = {
         key[len("model/") :]: value for key, value in entries.items() if key.startswith("model/")
     }
     for name, piece in by_name.items():
         if f"{_COPY}{name}" in model_state:
             model_state[f"{_COPY}{name}"] = model_state[f"{_COPY}{name}"].view(piece.copy.shape)
-    where = f"checkpoint {str(folder)!r}"
     groups: Any = entries.get("optimizer/param_groups")
     optimizer_state: dict[str, Any] = {}
     if optimizer is not None:
@@ -219,16 +332,7 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any, scaler: Any, st
                 )
             ],
         }
-    check_parts(
-        where, model, model_state, strict, optimizer, optimizer_state, scaler, entries.get("scaler")
-    )
-    drain_for_load(model)
-    model.load_state_dict(model_state, strict=strict)
-    if optimizer is not None:
-        optimizer.load_state_dict(optimizer_state)
-    if scaler is not None:
-        scaler.load_state_dict(entries["scaler"])
-    return entries["extra"]
+    return model_state, optimizer_state
 
 
 def check_parts(
@@ -415,15 +519,3 @@ def _firsts(optimizer: Any) -> list[int]:
         firsts.append(count)
         count += len(group["params"])
     return firsts
-
-
-def _refuse_unstepped_grads(model_state: dict[str, Any], shard: DataParallelShard) -> None:
-    """``ValueError`` on every rank when any rank has gradients accumulated but not stepped:
-    they differ per rank, and a load at another number of ranks could not divide them."""
-    flag = torch.tensor(["_roundpipe.grads" in model_state], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard.group)
-    if flag.item():
-        raise ValueError(
-            "model: a data-parallel model cannot be saved with gradients accumulated but not "
-            "stepped (they differ per rank); save right after step()"
-        )

@@ -42,11 +42,11 @@ import math
 import os
 import threading
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -97,6 +97,12 @@ def reduce(tensor: torch.Tensor, dst: int, group: Any) -> None:
     dist.reduce(tensor, dst, op=dist.ReduceOp.SUM, group=group)
 
 
+class Agreement(Protocol):
+    """:meth:`DataParallel.agree` as a sharded checkpoint calls it."""
+
+    def __call__(self, action: str, *, refused: bool = False) -> None: ...
+
+
 @dataclass(frozen=True)
 class ShardPiece:
     """The part of one trainable parameter that a rank's optimizer steps.
@@ -124,8 +130,9 @@ class DataParallelShard:
     # parallelism. Collectives about this model's state (sharded checkpoints) run on it.
     group: Any = None
     # ``agree(action)``: checks that every rank is about to do ``action`` at the same point of
-    # training (DataParallel.agree); None without data parallelism.
-    agree: Callable[[str], None] | None = None
+    # training; ``agree(action, refused=True)``: this rank refuses its arguments to ``action``
+    # (DataParallel.agree). None without data parallelism.
+    agree: Agreement | None = None
 
 
 @dataclass(frozen=True)
@@ -429,20 +436,33 @@ class DataParallel:
         self.agree("backward call", layout, ordinal)
         self.calls += 1
 
-    def agree(self, action: str, layout: int = 0, ordinal: int = -1) -> None:
+    def agree(
+        self, action: str, layout: int = 0, ordinal: int = -1, *, refused: bool = False
+    ) -> None:
         """Check, on the calling thread, that every rank is about to do the same collective
         ``action`` (one of :data:`AGREED_ACTIONS`) at the same point of training: the same
         number of steps and of backward calls since the last one. A rank out of step (one more
         backward call, a save on rank 0 alone) would otherwise pair its collectives with the
         other ranks' different ones: wait out the group timeout, or make gloo abort the
         process. ``ValueError`` on every rank, naming the first rank that differs and the rule
-        it broke, instead."""
+        it broke, instead.
+
+        ``refused``: this rank refused its arguments to ``action`` (a collective call's
+        argument checks can fail on one rank alone: a folder that rank cannot see). Every rank
+        raises ``ValueError`` naming it; the refusing rank's caller raises its own error."""
         kind = AGREED_ACTIONS.index(action)
-        mine = torch.tensor([self.steps, self.calls, kind, layout, ordinal], dtype=torch.int64)
+        row = [self.steps, self.calls, kind, layout, ordinal, int(refused)]
+        mine = torch.tensor(row, dtype=torch.int64)
         everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
         try:
             all_gather(everyone, mine, self.call_group)
             rows = everyone.view(self.world_size, -1).tolist()
+            for rank, row in enumerate(rows):
+                if row[5] and row[2] == kind:
+                    raise ValueError(
+                        f"rank {rank} refused its arguments to {action} (its own error says "
+                        "why); every rank raises, so that none waits for it"
+                    )
             for rank, row in enumerate(rows):
                 if row != rows[0]:
                     raise ValueError(_disagreement(self.reduce_mode, rank, row, rows[0]))

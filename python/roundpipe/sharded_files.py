@@ -92,10 +92,23 @@ def save_folder(
     must exist). Called by every rank of ``group`` (None: this process alone) with its own
     pieces; returns once the new manifest is on disk on every rank."""
     ranks = _Ranks(group)
+    failure: OSError | None = None
     if ranks.rank == 0:
-        folder.mkdir(exist_ok=True)
-        _remove_crashed_temporaries(folder)
-    name = ranks.broadcast(f"data-{uuid.uuid4().hex[:16]}")
+        try:
+            folder.mkdir(exist_ok=True)
+            _remove_crashed_temporaries(folder)
+        except OSError as error:
+            failure = error
+    name, problem = ranks.broadcast(
+        (f"data-{uuid.uuid4().hex[:16]}", None if failure is None else str(failure))
+    )
+    if failure is not None:
+        raise failure
+    if problem is not None:  # every rank raises, none waits for rank 0's writes
+        raise OSError(
+            f"save_checkpoint: rank 0 could not create the checkpoint folder {str(folder)!r} "
+            f"({problem}); nothing was written"
+        )
     data = folder / name
     writer = FileSystemWriter(data, single_file_per_rank=True, sync_files=True)
     with _quiet(f"saving checkpoint {str(folder)!r}"):
