@@ -211,6 +211,97 @@ def test_chained_models_sharing_a_weight(num_devices: int) -> None:
     torch.testing.assert_close(second.model[0].bias, reference[2].bias, rtol=1e-5, atol=1e-6)
 
 
+# -- A module with buffers that several layers use -------------------------------------------
+
+
+def batchnorm_twice() -> nn.Sequential:
+    """One Linear + BatchNorm used as layers 0-1 and 3-4: the statistics advance at each use."""
+    torch.manual_seed(2)
+    linear, norm = nn.Linear(8, 8, bias=False), nn.BatchNorm1d(8)
+    return nn.Sequential(linear, norm, nn.Tanh(), linear, norm, nn.Tanh())
+
+
+def batchnorm_twice_in_a_layer() -> nn.Sequential:
+    """One BatchNorm used twice inside one layer."""
+    torch.manual_seed(3)
+    norm = nn.BatchNorm1d(8)
+    return nn.Sequential(
+        nn.Linear(8, 8, bias=False), nn.Sequential(norm, nn.Tanh(), norm), nn.Tanh()
+    )
+
+
+def assert_buffers_and_grads(ours: nn.Module, reference: nn.Module) -> None:
+    """Buffers bitwise; gradients to rounding, relative to their largest element (a Linear
+    before a BatchNorm has gradients of every size)."""
+    for name, value in reference.named_buffers():
+        assert torch.equal(ours.get_buffer(name), value), name
+    for (name, param), expected in zip(
+        ours.named_parameters(), reference.parameters(), strict=True
+    ):
+        assert param.grad is not None and expected.grad is not None, name
+        scale = float(expected.grad.abs().max())
+        assert scale > 0, name
+        torch.testing.assert_close(
+            param.grad, expected.grad, rtol=1e-5, atol=1e-6 * scale, msg=name
+        )
+
+
+# Both uses in one stage, or apart (the second use's stage runs after every microbatch went
+# through the first's).
+BUFFER_PLANS = {
+    "one_stage": plan([], [range(0, 6)]),
+    "apart": plan([range(0, 3)], [range(3, 6), range(0, 3)]),
+}
+
+
+@pytest.mark.parametrize("microbatches", [1, MICROBATCHES])
+@pytest.mark.parametrize("plan_name", sorted(BUFFER_PLANS))
+def test_shared_module_buffers_advance_at_every_use(
+    num_devices: int, plan_name: str, microbatches: int
+) -> None:
+    # Each use updates the statistics in turn, none is lost, and the module keeps its own
+    # buffers (a module bound twice in one stage was once left bound to a working copy).
+    reference = batchnorm_twice()
+    model = RoundPipe(copy.deepcopy(reference))
+    buffers = [model.model[1].running_mean, model.model[1].running_var]
+    config = RoundPipeRunConfig(num_microbatch=microbatches, execute_plan=BUFFER_PLANS[plan_name])
+    for iteration in range(2):
+        x, y = data(iteration)
+        x, y = torch.cat([x, x.flip(0)]), torch.cat([y, y.flip(0)])  # two rows per microbatch
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+        pieces = list(zip(x.tensor_split(microbatches), y.tensor_split(microbatches), strict=True))
+        if plan_name == "one_stage":  # as plain PyTorch: microbatch by microbatch
+            for xs, ys in pieces:
+                mse(reference(xs), ys).backward()
+        else:  # the first use over every microbatch, then the second
+            hidden = [reference[:3](xs) for xs, _ in pieces]
+            for h, (_, ys) in zip(hidden, pieces, strict=True):
+                mse(reference[3:](h), ys).backward()
+    model.synchronize()
+    assert [model.model[1].running_mean, model.model[1].running_var] == buffers
+    assert model.model[1] is model.model[4]
+    assert_buffers_and_grads(model.model, reference)
+
+
+def test_module_used_twice_in_a_layer_keeps_its_buffers(num_devices: int) -> None:
+    reference = batchnorm_twice_in_a_layer()
+    model = RoundPipe(copy.deepcopy(reference))
+    norm = model.model[1][0]
+    buffers = [norm.running_mean, norm.running_var, norm.num_batches_tracked]
+    config = RoundPipeRunConfig(num_microbatch=MICROBATCHES)
+    for iteration in range(2):
+        x, y = data(iteration)
+        model.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=config)
+        plain_microbatches(reference, x, y)
+        with torch.no_grad():  # in train mode, an inference call updates them too
+            model(x, roundpipe_run_config=config)
+            for xs in x.tensor_split(MICROBATCHES):
+                reference(xs)
+    model.synchronize()
+    assert [norm.running_mean, norm.running_var, norm.num_batches_tracked] == buffers
+    assert_buffers_and_grads(model.model, reference)
+
+
 # -- Hugging Face: tied input and output embeddings ------------------------------------------
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face cases need it")

@@ -147,10 +147,14 @@ class StageLayout:
     owner_modules: tuple[nn.Module, ...]
     owner_names: tuple[str, ...]
     owner_slots: tuple[int, ...]
-    #: The layers' buffers, one entry per buffer in the three tuples: layer, module, attribute.
+    #: The layers' buffers, one entry per buffer in the three tuples: its home layer (where its
+    #: updates are queued, see :meth:`ModelMemory.defer_buffer_write`), module, attribute.
     buffer_layers: tuple[int, ...]
     buffer_modules: tuple[nn.Module, ...]
     buffer_names: tuple[str, ...]
+    #: The layers whose queued buffer writes the stage settles before binding: its own and the
+    #: homes of its buffers.
+    buffer_settle: tuple[int, ...]
     #: Maximal runs of same-dtype gradients: (begin, end, dtype) in the gradient arena.
     grad_runs: tuple[tuple[int, int, torch.dtype], ...]
     #: Slots that may be frozen (no gradient slot): indices into ``slots``.
@@ -186,10 +190,14 @@ class ModelMemory:
         self.layers: list[LayerMemory] = []
         first_slot: dict[int, ParamSlot] = {}
         self.aliases: list[ParamSlot] = []
+        buffer_home: dict[int, int] = {}  # id of a buffer tensor: its first layer
+        #: ``(id(module), attribute)`` of each buffer: the first layer holding it (its home).
+        self.buffer_home: dict[tuple[int, str], int] = {}
         param_cursor = grad_cursor = 0
         for index, module in enumerate(layers):
             layer = LayerMemory(index, module, begin=param_cursor, grad_begin=grad_cursor)
             by_param: dict[int, ParamSlot] = {}
+            layer_buffers: set[tuple[int, str]] = set()  # a module used twice in the layer
             for _, owner in module.named_modules(remove_duplicate=False):
                 for name, param in parameter_slots(owner).items():
                     if param is None:
@@ -207,8 +215,15 @@ class ModelMemory:
                     by_param[key] = slot
                     layer.slots.append(slot)
                 for name, buffer in buffer_slots(owner).items():
-                    if buffer is not None:
-                        layer.buffers.append((owner, name))
+                    if buffer is None or (id(owner), name) in layer_buffers:
+                        continue
+                    layer_buffers.add((id(owner), name))
+                    layer.buffers.append((owner, name))
+                    # A buffer that several layers hold (a module with BatchNorm statistics
+                    # used twice) has one home, its first layer: every use's update is queued
+                    # there, and a stage settles it before binding the buffer.
+                    home = buffer_home.setdefault(id(buffer), index)
+                    self.buffer_home.setdefault((id(owner), name), home)
             # Same-dtype parameters side by side: their gradients accumulate in one run.
             layer.slots.sort(key=lambda s: str(s.param.dtype))
             for slot in layer.slots:
@@ -311,6 +326,10 @@ class ModelMemory:
         # parameter's (one module used twice could not be bound to two copies at once anyway).
         first_use: dict[int, int] = {}
         bound_once: set[tuple[int, str]] = set()  # (module, attribute): one binding each
+        # A buffer is bound once per stage too, and its queued updates (of any layer that holds
+        # it, queued at its home) are settled before: each use updates it in turn.
+        buffers_once: set[tuple[int, str]] = set()
+        settle = set(layers)
         for index in layers:
             layer = self.layers[index]
             for slot in layer.slots:
@@ -331,9 +350,15 @@ class ModelMemory:
                     owners[1].append(name)
                     owners[2].append(bound)
             for owner, name in layer.buffers:
-                buffers[0].append(index)
+                key = (id(owner), name)
+                if key in buffers_once:  # a module that several layers of the stage share
+                    continue
+                buffers_once.add(key)
+                home = self.buffer_home[key]
+                buffers[0].append(home)
                 buffers[1].append(owner)
                 buffers[2].append(name)
+                settle.add(home)
         return StageLayout(
             layers=layers,
             param_begin=self.layers[layers.start].begin,
@@ -352,6 +377,7 @@ class ModelMemory:
             buffer_layers=tuple(buffers[0]),
             buffer_modules=tuple(buffers[1]),
             buffer_names=tuple(buffers[2]),
+            buffer_settle=tuple(sorted(settle)),
             grad_runs=tuple(
                 _coalesced(run for index in layers for run in self._layer_grad_runs[index])
             ),
@@ -449,7 +475,7 @@ class ModelMemory:
         :meth:`settle_buffers` without stalling the stage that computed them."""
         self._buffer_writes.setdefault(layer, []).append((buffer, source, landed))
 
-    def settle_buffers(self, layers: range | None = None) -> None:
+    def settle_buffers(self, layers: Iterable[int] | None = None) -> None:
         """Apply the queued buffer writes of ``layers`` (default: all), in the order queued."""
         if not self._buffer_writes:  # nearly always (no buffers): checked once, not per layer
             return

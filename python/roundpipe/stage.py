@@ -327,7 +327,7 @@ class ResidentStage:
         trace = self.trace
         device = device_at(self.device_index)
         memory = self.memory
-        memory.settle_buffers(self.layers)
+        memory.settle_buffers(self.layout.buffer_settle)
         bound_buffers: list[tuple[int, torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
         with device_guard(device):
             start = trace.mark() if trace is not None else None
@@ -343,10 +343,14 @@ class ResidentStage:
             before = _C.rebind_parameters(*owners, [views[i] for i in layout.owner_slots])
             try:
                 buffers = layout.buffer_layers, layout.buffer_modules, layout.buffer_names
+                # One working copy per buffer tensor, which every module holding it is bound to.
+                working_of: dict[int, torch.Tensor] = {}
                 for index, owner, name in zip(*buffers, strict=True):
                     host = buffer_slots(owner)[name]
                     assert host is not None
-                    working = _buffer_to_device(host, device)
+                    working = working_of.get(id(host))
+                    if working is None:
+                        working = working_of[id(host)] = _buffer_to_device(host, device)
                     buffer_slots(owner)[name] = working
                     bound_buffers.append((index, owner, name, host, working))
                 yield
@@ -355,7 +359,8 @@ class ResidentStage:
                     # Every bound buffer, changed or not: an update through `.data` leaves no
                     # trace in `_version`, and the download is asynchronous and small.
                     for index, _, _, host, working in bound_buffers:
-                        memory.defer_buffer_write(index, host, *self._buffer_to_host(working))
+                        if working_of.pop(id(host), None) is not None:  # once per tensor
+                            memory.defer_buffer_write(index, host, *self._buffer_to_host(working))
             finally:
                 _C.rebind_parameters(*owners, before)
                 for _, owner, name, host, _ in bound_buffers:
