@@ -1,4 +1,4 @@
-"""The main job: a small training run on the default devices (virtual CPU devices without a GPU).
+"""The minimal API example: a small training run on the default devices (CPU ones without a GPU).
 
 A stack of residual MLP blocks learns a fixed random teacher. Parameters live in host memory,
 stages run round-robin on the device pool, and the optimizer steps asynchronously on the host.
