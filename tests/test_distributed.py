@@ -593,78 +593,49 @@ def test_per_rank_extra_is_refused_on_every_rank(tmp_path: Path):
     assert not (ckpt / "MANIFEST.json").exists()
 
 
-def test_a_rank_whose_extra_raises_makes_every_rank_raise(tmp_path: Path):
-    # Rank 1's extra() raises before anything is written: rank 1 raises its own error, rank 0
-    # hears of it at once (not at the group timeout), and nothing is written.
-    ckpt = tmp_path / "ckpt"
+def misuse_errors(tmp_path: Path, scenario: str) -> list[str]:
+    """Run ``scenario`` of dp_worker's misuse_checkpoint at 2 ranks (checkpoint folder
+    ``tmp_path/ckpt``); each rank's error, in rank order ("" where a rank raised none)."""
     results, _, codes = run(
         _folder(tmp_path, "ranks"),
         2,
         reference=False,
-        scenario="save_extra_raises_on_rank1",
-        misuse_at=1,
-        ckpt=str(ckpt),
-        timeout=60,
-    )
-    assert codes == [0, 0]
-    errors = [result["error"] for result in results if result is not None]
-    assert len(errors) == 2, results
-    assert errors[1].startswith("KeyError") and "fails on rank 1" in errors[1], errors
-    assert errors[0].startswith("RuntimeError") and "rank 1 failed" in errors[0], errors
-    assert "KeyError" in errors[0] and "nothing was written" in errors[0], errors
-    assert not (ckpt / "MANIFEST.json").exists()
-
-
-def test_a_checkpoint_folder_rank_0_cannot_create_makes_every_rank_raise(tmp_path: Path):
-    # The ranks see different filesystems: the folder's parent exists on rank 1's only. Rank 0
-    # refuses the path; rank 1, waiting at the save's agreement, hears of it at once.
-    results, _, codes = run(
-        _folder(tmp_path, "ranks"),
-        2,
-        reference=False,
-        scenario="save_folder_uncreatable_on_rank0",
+        scenario=scenario,
         misuse_at=1,
         ckpt=str(tmp_path / "ckpt"),
         timeout=60,
     )
     assert codes == [0, 0]
-    errors = [result["error"] for result in results if result is not None]
-    assert len(errors) == 2, results
+    assert all(result is not None for result in results), results
+    return [result.get("error", "") for result in results]
+
+
+def test_a_rank_whose_extra_raises_makes_every_rank_raise(tmp_path: Path):
+    # Rank 1's extra() raises before anything is written: rank 1 raises its own error, rank 0
+    # hears of it at once (not at the group timeout), and nothing is written.
+    errors = misuse_errors(tmp_path, "save_extra_raises_on_rank1")
+    assert errors[1].startswith("KeyError") and "fails on rank 1" in errors[1], errors
+    assert errors[0].startswith("RuntimeError") and "rank 1 failed" in errors[0], errors
+    assert "KeyError" in errors[0] and "nothing was written" in errors[0], errors
+    assert not (tmp_path / "ckpt" / "MANIFEST.json").exists()
+
+
+def test_a_checkpoint_folder_rank_0_cannot_create_makes_every_rank_raise(tmp_path: Path):
+    # The ranks see different filesystems: the folder's parent exists on rank 1's only. Rank 0
+    # refuses the path; rank 1, waiting at the save's agreement, hears of it at once.
+    errors = misuse_errors(tmp_path, "save_folder_uncreatable_on_rank0")
     assert errors[0].startswith("FileNotFoundError"), errors
     assert errors[1].startswith("ValueError") and "rank 0 refused its arguments" in errors[1]
     assert not list((tmp_path / "present").glob("**/data-*"))
 
 
 def test_a_checkpoint_folder_rank_1_cannot_see_makes_every_rank_raise_on_load(tmp_path: Path):
-    results, _, codes = run(
-        _folder(tmp_path, "ranks"),
-        2,
-        reference=False,
-        scenario="load_folder_missing_on_rank1",
-        misuse_at=1,
-        ckpt=str(tmp_path / "ckpt"),
-        timeout=60,
-    )
-    assert codes == [0, 0]
-    errors = [result["error"] for result in results if result is not None]
-    assert len(errors) == 2, results
+    errors = misuse_errors(tmp_path, "load_folder_missing_on_rank1")
     assert errors[1].startswith("FileNotFoundError"), errors
     assert errors[0].startswith("ValueError") and "rank 1 refused its arguments" in errors[0]
     assert "load_checkpoint" in errors[0], errors
 
 
 def test_equal_extras_built_in_another_key_order_are_saved(tmp_path: Path):
-    ckpt = tmp_path / "ckpt"
-    results, _, codes = run(
-        _folder(tmp_path, "ranks"),
-        2,
-        reference=False,
-        scenario="save_extra_in_another_key_order",
-        misuse_at=1,
-        ckpt=str(ckpt),
-        timeout=60,
-    )
-    assert codes == [0, 0]
-    for result in results:
-        assert result is not None and "error" not in result, result
-    assert (ckpt / "MANIFEST.json").exists()
+    assert misuse_errors(tmp_path, "save_extra_in_another_key_order") == ["", ""]
+    assert (tmp_path / "ckpt" / "MANIFEST.json").exists()
