@@ -164,6 +164,20 @@ def scaled_step(scaler: GradScaler, optim: Adam) -> Callable[[], None]:
     return lambda: (scaler.step(optim), optim.zero_grad(), None)[-1]
 
 
+def wrapped_with_adam(
+    family: str, run_config: RoundPipeRunConfig, use_preset: bool
+) -> tuple[nn.Module, Adam, GradScaler]:
+    """``family``'s model wrapped as 0.1.1's training loops wrap it (fp32 optimizer copies),
+    ``roundpipe.optim.Adam`` over its copies and a ``GradScaler`` starting at 8192."""
+    model = wrap_model_to_roundpipe(
+        raw_model(family),
+        model_run_config=run_config,
+        use_sequential_preset=use_preset,
+        optim_dtype=torch.float32,
+    )
+    return model, Adam(model.optim_parameters(), lr=LR), GradScaler(8192.0)
+
+
 @pytest.mark.parametrize("use_preset", [True, False])
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_minimum(num_devices: int, family: str, use_preset: bool) -> None:
@@ -192,14 +206,9 @@ def test_minimum(num_devices: int, family: str, use_preset: bool) -> None:
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "gpt_oss"])
 def test_classic(num_devices: int, family: str, use_preset: bool, is_async: bool) -> None:
     # roundpipe.optim.Adam on fp32 optimizer copies, a GradScaler, model.step.
-    model = wrap_model_to_roundpipe(
-        raw_model(family),
-        model_run_config=RoundPipeRunConfig(num_microbatch=3),
-        use_sequential_preset=use_preset,
-        optim_dtype=torch.float32,
+    model, optim, scaler = wrapped_with_adam(
+        family, RoundPipeRunConfig(num_microbatch=3), use_preset
     )
-    optim = Adam(model.optim_parameters(), lr=LR)
-    scaler = GradScaler(8192.0)
     losses = []
     for input_dict in epochs():
         labels = input_dict.pop("labels")
@@ -215,14 +224,7 @@ def test_classic(num_devices: int, family: str, use_preset: bool, is_async: bool
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_classic_accumulate(num_devices: int, family: str) -> None:
     # One sample per call, the whole batch's target count as num_items_in_batch.
-    model = wrap_model_to_roundpipe(
-        raw_model(family),
-        model_run_config=RoundPipeRunConfig(num_microbatch=1),
-        use_sequential_preset=False,
-        optim_dtype=torch.float32,
-    )
-    optim = Adam(model.optim_parameters(), lr=LR)
-    scaler = GradScaler(8192.0)
+    model, optim, scaler = wrapped_with_adam(family, RoundPipeRunConfig(num_microbatch=1), False)
     losses = []
     for input_dict in epochs():
         n, total = num_items(input_dict["labels"]), 0.0
@@ -247,14 +249,9 @@ def test_classic_accumulate(num_devices: int, family: str) -> None:
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "gpt_oss"])
 def test_fused(num_devices: int, family: str, is_async: bool, grain: str) -> None:
     # forward_backward without logits, each microbatch's loss its share of the whole batch's.
-    model = wrap_model_to_roundpipe(
-        raw_model(family),
-        model_run_config=RoundPipeRunConfig(num_microbatch=3, recompute_grain=grain),
-        use_sequential_preset=True,
-        optim_dtype=torch.float32,
+    model, optim, scaler = wrapped_with_adam(
+        family, RoundPipeRunConfig(num_microbatch=3, recompute_grain=grain), True
     )
-    optim = Adam(model.optim_parameters(), lr=LR)
-    scaler = GradScaler(8192.0)
     losses = []
     for input_dict in epochs():
         input_dict = {
@@ -276,14 +273,7 @@ def test_fused_label(num_devices: int, family: str) -> None:
     # 0.1.1's Llama fused loop: the labels split as forward_backward's label, each microbatch's
     # loss the wrapped model's own Hugging Face loss_function of its logits (attributes read
     # through the wrapper), weighted by the whole batch's target count.
-    model = wrap_model_to_roundpipe(
-        raw_model(family),
-        model_run_config=RoundPipeRunConfig(num_microbatch=3),
-        use_sequential_preset=True,
-        optim_dtype=torch.float32,
-    )
-    optim = Adam(model.optim_parameters(), lr=LR)
-    scaler = GradScaler(8192.0)
+    model, optim, scaler = wrapped_with_adam(family, RoundPipeRunConfig(num_microbatch=3), True)
     losses = []
     for input_dict in epochs():
         labels = input_dict.pop("labels")
@@ -399,14 +389,7 @@ def test_preset_forward(num_devices: int, family: str) -> None:
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_fused_accumulate(num_devices: int, family: str) -> None:
-    model = wrap_model_to_roundpipe(
-        raw_model(family),
-        model_run_config=RoundPipeRunConfig(num_microbatch=1),
-        use_sequential_preset=True,
-        optim_dtype=torch.float32,
-    )
-    optim = Adam(model.optim_parameters(), lr=LR)
-    scaler = GradScaler(8192.0)
+    model, optim, scaler = wrapped_with_adam(family, RoundPipeRunConfig(num_microbatch=1), True)
     losses = []
     for input_dict in epochs():
         n, total = num_items(input_dict["labels"]), 0.0

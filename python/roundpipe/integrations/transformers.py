@@ -225,7 +225,8 @@ class RoundPipeTrainer(Trainer):
         named_module = wrapped.model if isinstance(wrapped, AutoRoundPipe) else wrapped
         decay = set(self.get_decay_parameter_names(named_module))
         named = list(wrapped.optim_named_parameters())
-        unknown = [name for name, _ in named if name not in dict(named_module.named_parameters())]
+        known = {name for name, _ in named_module.named_parameters()}
+        unknown = [name for name, _ in named if name not in known]
         if unknown:
             raise RuntimeError(
                 f"optimizer copies {unknown[:3]} have no parameter of that name in the model: "
