@@ -37,7 +37,7 @@ import roundpipe.optim
 import torch
 from results import parse_count, write_result
 from roundpipe import _C
-from roundpipe.optim_state import STATE_BLOCK
+from roundpipe.optim.adam_state import STATE_BLOCK
 
 # Bytes per parameter of one step: param and grad read (8), param written (4), each moment read
 # and written once.

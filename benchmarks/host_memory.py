@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results import parse_count, write_result
 from roundpipe import RoundPipe
-from roundpipe.optim_state import STATE_BLOCK
+from roundpipe.optim.adam_state import STATE_BLOCK
 
 
 @dataclass(frozen=True)

@@ -266,7 +266,7 @@ def main() -> None:
     print(f"{a} + {b} = {said}, says the model ({right}/20 sums right)")
     print(host_state_report(trainer, parameters))
 
-    from roundpipe.plot import plot_trace
+    from roundpipe.timeline.plot import plot_trace
 
     loss_png = os.path.join(args.out, "loss.png")
     schedule_png = os.path.join(args.out, "iteration.png")

@@ -17,7 +17,7 @@ import roundpipe
 import torch
 from roundpipe import _C
 from roundpipe.optim import Adam
-from roundpipe.optim_state import moment_values
+from roundpipe.optim.adam_state import moment_values
 from torch import nn
 
 BLOCK = 256

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import roundpipe
-import roundpipe.checkpoint
+import roundpipe.checkpoints.checkpoint
 import torch
 from roundpipe import (
     CheckpointError,
@@ -176,7 +176,7 @@ def test_chunked_checksums_match_the_payload(
 ) -> None:
     """Small chunks, so torch.save's writes straddle chunk boundaries; each chunk's CRC-32 is
     checked against the file's own bytes, and a flipped byte names its chunk's range."""
-    monkeypatch.setattr(roundpipe.checkpoint, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(roundpipe.checkpoints.checkpoint, "CHUNK_BYTES", 1000)
     model = nn.Sequential(nn.Linear(40, 40), nn.Linear(40, 3))
     path = tmp_path / "small-chunks.rp"
     save_checkpoint(path, model, extra=list(range(300)))
@@ -279,7 +279,7 @@ def test_file_that_would_run_code_is_refused(tmp_path: Path) -> None:
     chunk = 64 << 20
     manifest = json.dumps(
         {
-            "format": "roundpipe.checkpoint",
+            "format": "roundpipe.checkpoints.checkpoint",
             "format_version": 1,
             "roundpipe_version": roundpipe.__version__,
             "torch_version": torch.__version__,
@@ -424,7 +424,7 @@ def test_saves_leave_torchs_crc_setting_to_other_threads(
 
     monkeypatch.setattr(torch, "save", save)
     save_checkpoint(tmp_path / "ckpt", nn.Linear(2, 2))
-    per_thread = roundpipe.checkpoint._config_overrides_per_thread()
+    per_thread = roundpipe.checkpoints.checkpoint._config_overrides_per_thread()
     assert per_thread or torch.__version__ < "2.13", "torch 2.13's overrides are per thread"
     assert seen == [(not per_thread, True)]
     assert torch.serialization.get_crc32_options() is True

@@ -747,8 +747,8 @@ def test_layer_loop_recompute_backward_matches_autograd(
     inputs, given or kept natively by the forward loop: the gradients are plain autograd's to the
     bit, the timings name the layers, and the saved inputs stay as they were when a later
     recompute may start from them again."""
+    from roundpipe.call.layer_loop import cut_graphs
     from roundpipe.context import LayerCall
-    from roundpipe.layer_loop import cut_graphs
 
     def unused(*_: object) -> None:  # keeper and fallback: every value here is a lone tensor
         raise AssertionError("not a lone tensor")
@@ -882,7 +882,8 @@ def test_at_most_two_stages_are_resident_at_once(
     on), in forward, fused and backward stages, with either recompute grain."""
     import weakref
 
-    from roundpipe import RoundPipe, RoundPipeRunConfig, pipeline
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+    from roundpipe.call import pipeline
 
     alive: weakref.WeakSet[pipeline.ResidentStage] = weakref.WeakSet()
     init = pipeline.ResidentStage.__init__

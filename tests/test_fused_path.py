@@ -13,7 +13,7 @@ import roundpipe
 import torch
 from reference import MICROBATCHES, batches, master_step, mse, plain_grads
 from roundpipe import GradScaler, RoundPipe, RoundPipeRunConfig
-from roundpipe.optimizer_copy import OptimizerCopy
+from roundpipe.optim.copies import OptimizerCopy
 from torch import nn
 
 CONFIG = RoundPipeRunConfig(num_microbatch=MICROBATCHES)

@@ -644,7 +644,8 @@ class Recorder(nn.Module):
 def test_runtime_runs_stages_in_the_simulators_order(
     devices: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from roundpipe import _C, stage
+    from roundpipe import _C
+    from roundpipe.call import stage
 
     roundpipe.configure_devices(kind="cpu", num_cpu_devices=devices)
     log: list[tuple[int, int]] = []

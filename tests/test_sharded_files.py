@@ -1,5 +1,5 @@
-"""Sharded checkpoint folders (roundpipe.sharded_files) in one process: round trip, pieces read
-back across layouts, corruption, crashes during a save. The multi-rank cases are in
+"""Sharded checkpoint folders (roundpipe.checkpoints.sharded_files) in one process: round trip,
+pieces read back across layouts, corruption, crashes during a save. The multi-rank cases are in
 tests/test_distributed.py."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from roundpipe import sharded_files
-from roundpipe.sharded_files import (
+from roundpipe.checkpoints import sharded_files
+from roundpipe.checkpoints.sharded_files import (
     MANIFEST,
     CheckpointError,
     Piece,
@@ -210,7 +210,7 @@ _KILLED_SAVE = textwrap.dedent(
     """
     import os, signal, sys, torch
     from pathlib import Path
-    from roundpipe import sharded_files
+    from roundpipe.checkpoints import sharded_files
     folder = Path(sys.argv[1])
     real = sharded_files._describe
     def die(path):

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import roundpipe
 import torch
-from roundpipe import tracing as rt
 from roundpipe._native import _C
 from roundpipe.scheduler import LayerProfile, ModelExecutePlan
+from roundpipe.timeline import tracing as rt
 
 PYTHON_PATH = os.pathsep.join(p for p in (str(Path(roundpipe.__file__).parents[1]), *sys.path) if p)
 
@@ -358,7 +358,7 @@ def test_simulate_rejects_bad_arguments() -> None:
 
 def test_plot_writes_a_png_that_opens(tmp_path: Path) -> None:
     from matplotlib.image import imread
-    from roundpipe.plot import plot_trace
+    from roundpipe.timeline.plot import plot_trace
 
     plan = make_plan([range(0, 2), range(2, 4)], [range(4, 6), range(2, 4), range(0, 2)])
     predicted = plan.simulate(profile(6, 1e-3), "fused", num_microbatch=4, num_devices=3)
@@ -377,7 +377,7 @@ def test_plot_writes_a_png_that_opens(tmp_path: Path) -> None:
 
 
 def test_plot_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from roundpipe.plot import main
+    from roundpipe.timeline.plot import main
 
     trace_path = tmp_path / "run.json"
     rt.Trace([event("forward", 0, "compute", 0, 10)]).save(trace_path)
@@ -389,7 +389,7 @@ def test_plot_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_plot_without_matplotlib_says_how_to_install(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from roundpipe.plot import plot_trace
+    from roundpipe.timeline.plot import plot_trace
 
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
@@ -417,7 +417,7 @@ FORWARD = {"ph": "X", "cat": "forward", "name": "f", "ts": 0, "dur": 5, "pid": 0
 def test_plot_command_line_says_in_one_line_what_is_wrong_with_a_trace(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], events: list, problem: str
 ) -> None:
-    from roundpipe.plot import main
+    from roundpipe.timeline.plot import main
 
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"traceEvents": events}))
@@ -434,7 +434,7 @@ def test_plot_command_line_says_in_one_line_what_is_wrong_with_a_trace(
 def test_plot_command_line_without_matplotlib_says_how_to_install_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from roundpipe.plot import main
+    from roundpipe.timeline.plot import main
 
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
@@ -453,7 +453,7 @@ def test_plot_command_line_without_matplotlib_says_how_to_install_in_one_line(
 def test_events_on_lanes_without_a_thread_name_are_drawn(tmp_path: Path) -> None:
     import warnings
 
-    from roundpipe.plot import _rows, plot_trace
+    from roundpipe.timeline.plot import _rows, plot_trace
 
     path = tmp_path / "unnamed.json"
     # No thread_name events: tid 1 is a device's second lane in our format, tid 9 no lane of ours.
@@ -477,7 +477,7 @@ def test_a_cut_short_trace_round_trips_and_says_so(tmp_path: Path) -> None:
 
 
 def test_plot_rejects_an_empty_trace(tmp_path: Path) -> None:
-    from roundpipe.plot import plot_trace
+    from roundpipe.timeline.plot import plot_trace
 
     with pytest.raises(ValueError, match="no events"):
         plot_trace(rt.Trace([]), tmp_path / "x.png")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import roundpipe
-from roundpipe import tracing as rt
-from roundpipe.trace_file import UNFINISHED, TraceFile
+from roundpipe.timeline import tracing as rt
+from roundpipe.timeline.file import UNFINISHED, TraceFile
 
 PYTHON_PATH = os.pathsep.join(p for p in (str(Path(roundpipe.__file__).parents[1]), *sys.path) if p)
 
@@ -243,7 +243,7 @@ def test_a_forked_child_leaves_the_parents_trace_alone(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import os, roundpipe
-        from roundpipe import tracing as rt
+        from roundpipe.timeline import tracing as rt
         with roundpipe.trace({str(path)!r}) as tracer:
             pid = os.fork()
             if pid == 0:

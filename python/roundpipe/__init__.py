@@ -10,7 +10,7 @@ from __future__ import annotations
 from roundpipe import optim
 from roundpipe._native import BUILD_INFO
 from roundpipe.batch import RoundPipePackedData
-from roundpipe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from roundpipe.checkpoints.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from roundpipe.context import (
     OptimizerCtx,
     doing_recompute,
@@ -18,13 +18,13 @@ from roundpipe.context import (
     save_for_recompute,
 )
 from roundpipe.device import configure_devices, device_count, device_kind, devices
-from roundpipe.grad_scaler import GradScaler
 from roundpipe.models import wrap_model_to_roundpipe
+from roundpipe.optim.grad_scaler import GradScaler
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.scheduler import ModelExecutePlan
+from roundpipe.timeline.tracing import trace
 from roundpipe.timer import ModelTimer
-from roundpipe.tracing import trace
 
 __version__: str = str(BUILD_INFO["version"])
 

@@ -814,6 +814,29 @@ def pack_output(outputs: list[Any], events: Sequence[Event | None]) -> Any:
     )
 
 
+def merge_or_pack(outputs: list[Any], events: list[Any], spec: Any) -> Any:
+    """Per-microbatch outputs (their copies' events beside them) merged by ``spec`` (see
+    :func:`merge_output`), or with ``spec=False`` packed with the events for a downstream
+    RoundPipe to wait on."""
+    if spec is False:
+        return pack_output(outputs, events)
+    for event in events:
+        if event is not None:
+            event.synchronize()
+    return merge_output(outputs, spec)
+
+
+def sum_losses(losses: list[Any]) -> Any:
+    """Element-wise sum of the microbatches' losses, as detached CPU tensors (a list for
+    sequences)."""
+    if isinstance(losses[0], torch.Tensor):
+        total = losses[0]
+        for loss in losses[1:]:
+            total = total + loss.to(total.device)
+        return total.detach().cpu()
+    return [sum_losses([loss[i] for loss in losses]) for i in range(len(losses[0]))]
+
+
 __all__ = [
     "Batch",
     "BatchRows",
@@ -823,9 +846,11 @@ __all__ = [
     "check_spec",
     "is_user_function",
     "marker_kind",
+    "merge_or_pack",
     "merge_output",
     "pack_output",
     "packed_events",
     "split_input",
     "split_label",
+    "sum_losses",
 ]

@@ -1,5 +1,5 @@
 """What a layer can ask of the runtime while it runs: recompute data and the optimizer context;
-how an error raised in a layer or a step is made to name where it happened (``annotate``); and
+how an error raised in a layer or a step is made to name where it happened (``locate_error``); and
 how the hooks registered on a parameter run on a gradient the runtime summed (``run_param_hooks``).
 
 ``save_for_recompute`` lets a layer stash values computed in its forward pass (for example
@@ -10,10 +10,7 @@ rebuilding them (and, on GPUs, without a host synchronisation).
 from __future__ import annotations
 
 import copy
-import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,7 +165,7 @@ def run_param_hooks(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return result
 
 
-def annotate(error: BaseException, where: str) -> BaseException:
+def locate_error(error: BaseException, where: str) -> BaseException:
     """``error`` with ``where`` (model, layer, phase) prefixed to its message, same type when the
     type allows it (so ``except ValueError`` in user code still works), else a RuntimeError."""
     if isinstance(error, (KeyboardInterrupt, SystemExit)):
@@ -184,30 +181,6 @@ def annotate(error: BaseException, where: str) -> BaseException:
     annotated.__cause__ = error
     annotated.__traceback__ = error.__traceback__
     return annotated
-
-
-@contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """Hold a Ctrl-C that arrives inside the block until it ends, then raise it as Python's
-    handler would: for bookkeeping that must not stop half-way (the gradients handed to a
-    step and the step queued, the weights written back after it), none of which waits. On
-    other threads (where Python delivers no Ctrl-C) and under a handler Python did not install,
-    the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    if not callable(previous):  # SIG_IGN, SIG_DFL or a handler installed outside Python
-        yield
-        return
-    caught: list[Any] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught:
-            previous(signal.SIGINT, caught[0])
 
 
 __all__ = [

@@ -50,12 +50,14 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from roundpipe.context import annotate
+from roundpipe.context import locate_error
+from roundpipe.device import devices
 
 if TYPE_CHECKING:
     from roundpipe.memory import ModelMemory, ParamSlot
-    from roundpipe.optimizer_copy import OptimizerCopy
+    from roundpipe.optim.copies import OptimizerCopy
 
 # Bytes in one all-reduce of the gradient reduce: bounds gloo's own buffers whatever the model
 # size, and lets the ranks' transfers of one chunk overlap the reduction of the previous one.
@@ -471,7 +473,7 @@ class DataParallel:
                 raise  # the call names the layers and the phase
             phase = "optimizer step" if action == "step" else action
             where = f"RoundPipe model {self.name!r}: {phase} (data-parallel agreement)"
-            raise annotate(error, where) from error
+            raise locate_error(error, where) from error
 
     def reduce_stage(
         self, buffer: torch.Tensor, first_byte: int, layers: range, device: torch.device
@@ -549,6 +551,45 @@ class DataParallel:
             yield
         finally:
             _active.model = previous
+
+
+def replicas_of(
+    group: Any,
+    model: nn.Module,
+    memory: ModelMemory,
+    name: str,
+    settings: dict[str, Any],
+    reduce: str,
+) -> DataParallel | None:
+    """The data parallelism of a RoundPipe over ``model`` (wrapped as ``memory``'s layers) on
+    ``group`` (a ``ProcessGroup``, :data:`NO_GROUP` or None, see :func:`check_group`) with
+    gradients reduced where ``reduce`` says (see :func:`resolve_reduce_mode`), over the device
+    pool: None for no group or a group of one rank. Every rank must have built the same model
+    with the same ``settings`` (the wrapper's arguments that shape the replicas): compared with
+    rank 0's, with the parameters' and buffers' names, shapes and dtypes."""
+    size = check_group(group)
+    check_reduce_mode(reduce)
+    if size <= 1:
+        return None
+    pool = devices()
+    reduce_mode = resolve_reduce_mode(reduce, pool)
+    signature = {
+        "world size": size,
+        "layer count": len(memory.layers),
+        **settings,
+        "data_parallel_reduce": reduce_mode,
+        "parameters": [
+            (n, tuple(p.shape), str(p.dtype), p.requires_grad)
+            for n, p in model.named_parameters(remove_duplicate=False)
+        ],
+        "buffers": [
+            (n, tuple(b.shape), str(b.dtype))
+            for n, b in model.named_buffers(remove_duplicate=False)
+        ],
+    }
+    if reduce_mode == "stage":  # one group per GPU: the ranks need as many
+        signature["GPUs"] = len({d.index for d in pool if d.type == "cuda"})
+    return DataParallel(group, memory, name, signature, reduce_mode, pool)
 
 
 def _doing(row: list[int]) -> str:
@@ -632,5 +673,6 @@ __all__ = [
     "check_group",
     "check_reduce_mode",
     "reduce",
+    "replicas_of",
     "resolve_reduce_mode",
 ]

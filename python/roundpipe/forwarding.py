@@ -13,13 +13,16 @@ from typing import Any
 
 from torch import nn
 
-from roundpipe.optimizer_copy import OptimizerCopiesView
+from roundpipe.optim.copies import OptimizerCopiesView
+from roundpipe.state_dict import RuntimeState
 from roundpipe.torch_internals import child_slots
 
 
-class ForwardingModule(OptimizerCopiesView):
+class ForwardingModule(RuntimeState, OptimizerCopiesView):
     """A module wrapping ``model`` (registered as the submodule ``model``) whose attribute
-    reads, writes and deletes go to the wrapped model."""
+    reads, writes and deletes go to the wrapped model, whose ``state_dict`` holds the runtime's
+    own entries too (:class:`RuntimeState`), and whose parameters are the optimizer copies inside
+    ``OptimizerCtx`` (:class:`OptimizerCopiesView`)."""
 
     model: nn.Module
     original_model: nn.Module | None

@@ -20,7 +20,8 @@ from typing import Any, TypeVar, cast
 import torch
 
 from roundpipe._native import _C
-from roundpipe.context import annotate, interrupts_deferred, run_param_hooks
+from roundpipe.context import locate_error, run_param_hooks
+from roundpipe.lifecycle import interrupts_deferred
 from roundpipe.memory import ModelMemory, clear_arena
 from roundpipe.torch_internals import backward_hooks, current_graph_task_id, queue_engine_callback
 
@@ -99,7 +100,7 @@ class GradientState:
         self._tied = [param for param in self._params if id(param) in memory.tied]
         # Frozen when the model was wrapped: no gradient slot (see begin_call).
         self._untrained = [slot.param for slot in memory.slots() if slot.grad_offset is None]
-        # The autograd nodes of the model's forward() calls still alive (roundpipe.autograd),
+        # The autograd nodes of the model's forward() calls still alive (roundpipe.call.autograd),
         # to tell whether a backward pass goes through several of them.
         self.forward_nodes: weakref.WeakSet[Any] = weakref.WeakSet()
         # The backward passes through several forward() calls in progress, by graph task.
@@ -241,7 +242,7 @@ class GradientState:
                 except Exception as error:
                     name = self._param_names.get(id(param), "?")
                     where = f"RoundPipe model '{self.name}': a hook of parameter '{name}'"
-                    raise annotate(error, where) from error
+                    raise locate_error(error, where) from error
                 view.add_(result)
                 self.reached.add(id(param))
         self.dirty = True

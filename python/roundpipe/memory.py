@@ -546,11 +546,34 @@ def _coalesced(spans: Iterable[tuple[int, int, _Key]]) -> list[tuple[int, int, _
     return runs
 
 
+def checked_shared_parameters(model: nn.Module, shared: Any) -> tuple[nn.Parameter, ...]:
+    """``shared_parameters`` (parameters of ``model`` that another owner trains) validated:
+    parameters of ``model``, each once."""
+    if isinstance(shared, torch.Tensor) or not isinstance(shared, Iterable):
+        raise TypeError(
+            f"shared_parameters must be an iterable of nn.Parameter, got {type(shared).__name__}"
+        )
+    params = tuple(shared)
+    mine = {id(p) for p in model.parameters()}
+    for param in params:
+        if not isinstance(param, nn.Parameter):
+            raise TypeError(
+                f"shared_parameters must hold nn.Parameter objects, got {type(param).__name__}"
+            )
+        if id(param) not in mine:
+            raise ValueError(
+                "shared_parameters holds a parameter that is not one of the model's: list only "
+                "parameters the wrapped model uses"
+            )
+    return tuple({id(p): p for p in params}.values())
+
+
 __all__ = [
     "LayerMemory",
     "ModelMemory",
     "ParamSlot",
     "StageLayout",
+    "checked_shared_parameters",
     "clear_arena",
     "typed_view",
 ]

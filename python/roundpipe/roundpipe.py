@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import gc
 import os
@@ -16,36 +15,36 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from roundpipe.autograd import NodeState, backward_into_inputs, connect
 from roundpipe.batch import (
     BatchRows,
     RoundPipePackedData,
-    merge_output,
-    pack_output,
+    merge_or_pack,
     packed_events,
     split_input,
     split_label,
+    sum_losses,
 )
-from roundpipe.call_lock import CallLock
+from roundpipe.call.autograd import NodeState, backward_into_inputs, connect
+from roundpipe.call.lock import CallLock, hold_for_fork
+from roundpipe.call.pipeline import Call, CallModel, LossSpec
+from roundpipe.checkpoints.model_state import ModelState
 from roundpipe.context import optimizer_context_active
-from roundpipe.device import device_count, devices
+from roundpipe.device import device_count
 from roundpipe.distributed import (
     NO_GROUP,
-    DataParallel,
     DataParallelShard,
     ShardPiece,
     check_group,
     check_reduce_mode,
-    resolve_reduce_mode,
+    replicas_of,
 )
-from roundpipe.fork_hooks import hold_for_fork
 from roundpipe.forwarding import ForwardingModule
 from roundpipe.gradients import GradientOutcome, GradientPolicy, GradientState
-from roundpipe.memory import ModelMemory
-from roundpipe.pipeline import Call, CallModel, LossSpec
+from roundpipe.memory import ModelMemory, checked_shared_parameters
+from roundpipe.optim.step import StepPipeline
+from roundpipe.optim.step_thread import in_step_job
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, resolve_run_config
 from roundpipe.scheduler import LayerProfile, ModelExecutePlan, RunType
-from roundpipe.step import StepPipeline, in_step_job
 from roundpipe.timer import ModelTimer
 from roundpipe.torch_internals import tree_flatten, version_of
 
@@ -55,16 +54,6 @@ _PIN_MODES = ("alloc", "register", "off")
 def _default_name() -> str:
     frame = sys._getframe(2)
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-
-
-def _sum_losses(losses: list[Any]) -> Any:
-    """Element-wise sum over microbatches, as detached CPU tensors (a list for sequences)."""
-    if isinstance(losses[0], torch.Tensor):
-        total = losses[0]
-        for loss in losses[1:]:
-            total = total + loss.to(total.device)
-        return total.detach().cpu()
-    return [_sum_losses([loss[i] for loss in losses]) for i in range(len(losses[0]))]
 
 
 class GradientsDisabledError(RuntimeError, AssertionError):
@@ -83,14 +72,14 @@ class _Runtime:
     gradients: GradientState
     steps: StepPipeline
     param_names: list[tuple[str, nn.Parameter]]
+    # The runtime's own state-dict entries (optimizer copies, gradients, pending write-back).
+    state: ModelState
     # Calls on the model take turns (see ``serialized``).
     lock: CallLock
     # The autograd node's input that ties a forward() with gradients into the graph.
     anchor: torch.Tensor = field(default_factory=lambda: torch.empty(0, requires_grad=True))
     # Automatic plans by (run type, device count): (timer version, plan).
     plans: dict[tuple[str, int], tuple[int, ModelExecutePlan]] = field(default_factory=dict)
-    # Optimizer copies read by load_state_dict, applied once the parameters are loaded.
-    loaded_copies: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def weights_version(self) -> tuple[int, int]:
         """Changes whenever the parameters' values may have: with each step (its weights land
@@ -104,27 +93,6 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 # Every live model's runtime: whose parameters are wrapped, and whose calls fork() waits for.
 _runtimes: weakref.WeakSet[_Runtime] = weakref.WeakSet()
 hold_for_fork(lambda: [runtime.lock for runtime in list(_runtimes)])
-
-
-def _checked_shared(model: nn.Module, shared: Any) -> tuple[nn.Parameter, ...]:
-    """``shared_parameters`` validated: parameters of ``model``, each once."""
-    if isinstance(shared, torch.Tensor) or not isinstance(shared, Iterable):
-        raise TypeError(
-            f"shared_parameters must be an iterable of nn.Parameter, got {type(shared).__name__}"
-        )
-    params = tuple(shared)
-    mine = {id(p) for p in model.parameters()}
-    for param in params:
-        if not isinstance(param, nn.Parameter):
-            raise TypeError(
-                f"shared_parameters must hold nn.Parameter objects, got {type(param).__name__}"
-            )
-        if id(param) not in mine:
-            raise ValueError(
-                "shared_parameters holds a parameter that is not one of the model's: list only "
-                "parameters the wrapped model uses"
-            )
-    return tuple({id(p): p for p in params}.values())
 
 
 def _refuse_wrapped_twice(layers: list[nn.Module], shared: frozenset[int]) -> None:
@@ -166,13 +134,7 @@ def serialized(method: _Method) -> _Method:
 
     @functools.wraps(method)
     def run(self: RoundPipe, *args: Any, **kwargs: Any) -> Any:
-        if in_step_job():
-            raise RuntimeError(
-                f"RoundPipe model '{self.name}': {method.__name__}() was called from step_fn, "
-                "which runs on the optimizer thread while the model waits for it; call it after "
-                "step() returns"
-            )
-        with self._runtime.lock:
+        with self._locked(method.__name__):
             return method(self, *args, **kwargs)
 
     return run  # type: ignore[return-value]
@@ -259,7 +221,7 @@ class RoundPipe(ForwardingModule):
             raise ValueError(f"pin_model must be one of {_PIN_MODES}, got {pin_model!r}")
         data_parallel_size = check_group(data_parallel_group)
         check_reduce_mode(data_parallel_reduce)
-        shared = _checked_shared(model, shared_parameters)
+        shared = checked_shared_parameters(model, shared_parameters)
         if shared and data_parallel_size > 1:
             raise ValueError(
                 "shared_parameters cannot be used with data_parallel_group: their gradients "
@@ -274,35 +236,21 @@ class RoundPipe(ForwardingModule):
         name = name if name is not None else _default_name()
         _refuse_wrapped_twice(layers, frozenset(id(p) for p in shared))
         memory = ModelMemory(layers, pin_model, frozenset(id(p) for p in shared))
-        data_parallel = None
-        if data_parallel_size > 1:
-            params = list(model.named_parameters(remove_duplicate=False))
-            pool = devices()
-            reduce_mode = resolve_reduce_mode(data_parallel_reduce, pool)
-            signature = {
-                "world size": data_parallel_size,
-                "layer count": len(layers),
-                "optim_dtype": str(optim_dtype),
-                "pin_model": pin_model,
-                "data_parallel_reduce": reduce_mode,
-                "parameters": [
-                    (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in params
-                ],
-                "buffers": [
-                    (n, tuple(b.shape), str(b.dtype))
-                    for n, b in model.named_buffers(remove_duplicate=False)
-                ],
-            }
-            if reduce_mode == "stage":  # one group per GPU: the ranks need as many
-                signature["GPUs"] = len({d.index for d in pool if d.type == "cuda"})
-            data_parallel = DataParallel(
-                data_parallel_group, memory, name, signature, reduce_mode, pool
-            )
+        data_parallel = replicas_of(
+            data_parallel_group,
+            model,
+            memory,
+            name,
+            {"optim_dtype": str(optim_dtype), "pin_model": pin_model},
+            data_parallel_reduce,
+        )
         timer = ModelTimer(len(layers), [layer.param_bytes for layer in memory.layers], name)
         stage_reduce = data_parallel
         if data_parallel is None or data_parallel.reduce_mode != "stage":
             stage_reduce = None
         param_names = list(model.named_parameters(remove_duplicate=False))
+        gradients = GradientState(memory, name, {id(p): n for n, p in param_names})
+        steps = StepPipeline(memory, optim_dtype, name, data_parallel)
         runtime = _Runtime(
             memory=memory,
             timer=timer,
@@ -314,9 +262,10 @@ class RoundPipe(ForwardingModule):
                 stage_reduce,
                 data_parallel if data_parallel is not None and data_parallel.has_buffers else None,
             ),
-            gradients=GradientState(memory, name, {id(p): n for n, p in param_names}),
-            steps=StepPipeline(memory, optim_dtype, name, data_parallel),
+            gradients=gradients,
+            steps=steps,
             param_names=param_names,
+            state=ModelState(memory, gradients, steps),
             lock=CallLock(name),
         )
         _runtimes.add(runtime)
@@ -413,14 +362,16 @@ class RoundPipe(ForwardingModule):
         args_list, kwargs_list = split_input(
             args, kwargs, config.num_microbatch, config.split_input
         )
-        config, n = _fitted(config, len(args_list))
+        config = config.fitted(len(args_list))
+        n = config.num_microbatch
         inputs = list(zip(args_list, kwargs_list, strict=True))
-        call = self._new_call(config, "train" if config.requires_grad else "infer")
-        call.input_events = packed_events((args, kwargs), n)
+        call = self._new_call(
+            config, "train" if config.requires_grad else "infer", packed_events((args, kwargs), n)
+        )
         if not config.requires_grad:
             with torch.no_grad():
                 outputs, events = call.forward(inputs, config.output_device)
-            return _merge_or_pack(outputs, events, config)
+            return merge_or_pack(outputs, events, config.merge_output)
         runtime.gradients.begin_call()
         # Inputs that require grad become inputs of the autograd node, so their gradients flow.
         input_leaves = [
@@ -438,7 +389,7 @@ class RoundPipe(ForwardingModule):
         )
         flat_outputs = connect(node, runtime.anchor, input_leaves)
         per_microbatch = node.rebuild_outputs(flat_outputs)
-        return _merge_or_pack(per_microbatch, [None] * len(per_microbatch), config)
+        return merge_or_pack(per_microbatch, [None] * len(per_microbatch), config.merge_output)
 
     @serialized
     def forward_backward(
@@ -483,19 +434,19 @@ class RoundPipe(ForwardingModule):
         args_list, kwargs_list = split_input(
             input_args, input_kwargs, config.num_microbatch, config.split_input, batch
         )
-        config, n = _fitted(config, len(args_list))
+        config = config.fitted(len(args_list))
+        n = config.num_microbatch
         labels = split_label(label, n, config.split_label, batch)
         inputs = list(zip(args_list, kwargs_list, strict=True))
-        call = self._new_call(config, "fused")
-        call.input_events = packed_events((input_args, input_kwargs), n)
+        call = self._new_call(config, "fused", packed_events((input_args, input_kwargs), n))
         spec = LossSpec(labels, loss_fn, return_outputs)
 
         def run(policy: GradientPolicy) -> tuple[tuple[Any, Any], GradientOutcome]:
             grads, outcome = call.forward_backward(inputs, spec, config.output_device, policy)
             try:
-                loss = _sum_losses(call.losses)
+                loss = sum_losses(call.losses)
                 outputs = (
-                    _merge_or_pack(call.outputs, call.output_events, config)
+                    merge_or_pack(call.outputs, call.output_events, config.merge_output)
                     if return_outputs
                     else None
                 )
@@ -576,35 +527,6 @@ class RoundPipe(ForwardingModule):
     # -- checkpoints -------------------------------------------------------------------------
 
     @serialized
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's state, plus RoundPipe's own: the optimizer copies
-        (``_roundpipe.optim.<name>``), gradients accumulated but not yet stepped
-        (``_roundpipe.grads``) and, while an asynchronous step is in flight,
-        ``_roundpipe.pending_writeback`` (a bool tensor, True).
-
-        Reading the state never changes the training, as in PyTorch: the step in flight is
-        waited for but not written back, so the parameters are the weights the next iteration
-        uses (one step stale) and the optimizer copies (and the optimizer's own state, read
-        afterwards) are after that step; ``pending_writeback`` records that the copies are one
-        step ahead. Loading such a state restores exactly that: the next ``step()`` applies the
-        pending write-back where the saving run applied it, so a resumed run continues the same
-        trajectory bit for bit. A failed step in flight raises here (nothing is saved) and again
-        at the next ``step()`` or ``synchronize()``.
-
-        Checkpoint recipe (``roundpipe.save_checkpoint`` / ``load_checkpoint`` do this, atomically
-        and checksummed)::
-
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-            torch.save(state, path)
-            ...
-            state = torch.load(path, weights_only=True)
-            model.load_state_dict(state["model"])  # before creating or loading the optimizer
-            optimizer.load_state_dict(state["optimizer"])
-        """
-        self.wait_for_step()
-        return super().state_dict(*args, **kwargs)
-
-    @serialized
     def wait_for_step(self) -> None:
         """Wait for pending gradient transfers, the asynchronous step in flight and the weight
         writes queued so far, without writing that step's weights back (what ``state_dict()``
@@ -624,25 +546,18 @@ class RoundPipe(ForwardingModule):
             ) from error
         runtime.memory.wait_writes()  # the parameters: earlier write-backs landed
 
-    @serialized
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Load a ``state_dict()`` of this (or a plain) model, checked entirely before anything
-        changes; then pending work is drained and the state replaces it, a pending write-back
-        included (see :meth:`state_dict`).
-
-        Without ``_roundpipe.optim.*`` entries (a plain model's checkpoint), existing optimizer
-        copies are refreshed from the loaded parameters. Read checkpoint files with
-        ``torch.load(path, weights_only=True)``: a checkpoint must not be able to run code."""
-        if assign:
-            raise ValueError(
-                "assign=True would replace the parameters that RoundPipe keeps in its host arena; "
-                "load with assign=False"
+    def _locked(self, method: str) -> CallLock:
+        """The model's lock, for ``method`` (see :func:`serialized`)."""
+        if in_step_job():
+            raise RuntimeError(
+                f"RoundPipe model '{self.name}': {method}() was called from step_fn, which runs "
+                "on the optimizer thread while the model waits for it; call it after step() "
+                "returns"
             )
-        self._check_state_dict(state_dict, strict)  # nothing changes unless all of it loads
-        self.drain()
-        result = super().load_state_dict(state_dict, strict=strict)
-        self.refresh_copies()
-        return result
+        return self._runtime.lock
+
+    def _state_lock(self) -> CallLock:
+        return self._locked("state_dict")
 
     @serialized
     def _check_state_dict_only(self, state_dict: Any, strict: bool) -> None:
@@ -654,73 +569,15 @@ class RoundPipe(ForwardingModule):
         """Set the optimizer copies after the parameters were loaded: from the checkpoint's
         ``_roundpipe.optim.*`` entries, or from the loaded parameters (existing copies only,
         unless the checkpoint has some); then restore the checkpoint's pending write-back."""
-        runtime = self._runtime
-        staged, runtime.loaded_copies = runtime.loaded_copies, {}
-        grads = staged.pop("grads", None)  # the checkpoint's gradients not yet stepped
-        if grads is not None:
-            with torch.no_grad():
-                runtime.memory.grads.copy_(grads)
-            runtime.gradients.reach_all()
-        pending = staged.pop("pending_writeback", None)
-        saved_copies = {key.removeprefix("optim."): value for key, value in staged.items()}
-        steps = runtime.steps
-        if saved_copies or steps.has_copies():
-            copies = steps.copies()
-            with torch.no_grad():
-                for name, param in self._trainable_named_parameters():
-                    if id(param) in copies:
-                        saved = saved_copies.get(f"model.{name}")  # shaped as the copy
-                        value = saved if saved is not None else steps.piece_of(param, param)
-                        copies[id(param)].copy_(value)
-            steps.note_agreement()
-        if pending is not None and bool(pending):
-            steps.restore_pending_step()
+        self._runtime.state.apply(list(self._trainable_named_parameters()))
 
     def _own_state(self) -> dict[str, Any]:
-        """The optimizer copies (``optim.<name>``), gradients accumulated but not yet stepped
-        (``grads``) and whether the copies are one step ahead of the parameters
-        (``pending_writeback``, present only then)."""
-        runtime = self._runtime
-        entries: dict[str, Any] = {}
-        if runtime.steps.has_copies():
-            # With data parallelism: this rank's pieces (see data_parallel_shard()).
-            for name, copy in self.optim_named_parameters():
-                entries[f"optim.{name}"] = copy.detach().clone()
-            if runtime.steps.write_back_pending():
-                entries["pending_writeback"] = torch.tensor(True)
-        if runtime.gradients.dirty:
-            entries["grads"] = runtime.memory.grads.clone()
-        return entries
+        return self._runtime.state.entries(self.optim_named_parameters())
 
     def _load_own_state(self, entries: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
-        # Staged as they are ("grads", "optim.<name>", "pending_writeback"), applied by
-        # refresh_copies.
-        runtime = self._runtime
-        # An optimizer copy's entry is shaped as the copy: the parameter, or with data
-        # parallelism this rank's piece of it (a meta tensor stands for its shape and dtype).
-        # A whole copy (a checkpoint of one process) gives a data-parallel rank its piece.
-        steps = runtime.steps
-        known: dict[str, torch.Tensor | None] = {}
-        whole: dict[str, nn.Parameter] = {}
-        for name, trainable in self._trainable_named_parameters():
-            shape = steps.copy_shape(trainable)
-            key = f"optim.model.{name}"
-            known[key] = None if shape is None else trainable.new_empty(shape, device="meta")
-            whole[key] = trainable
-        known["grads"] = runtime.memory.grads
-        known["pending_writeback"] = torch.tensor(True)
-        runtime.loaded_copies = {}
-        for key in [key for key in entries if key in known]:
-            value, param, like = entries.pop(key), whole.get(key), known[key]
-            if param is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
-                self._check_entry(f"{prefix}{key}", value, param, error_msgs)
-                if like is not None:
-                    runtime.loaded_copies[key] = steps.piece_of(param, value)
-            elif like is None:
-                error_msgs.append(f'"{prefix}{key}": this rank holds no piece of that parameter')
-            else:
-                self._check_entry(f"{prefix}{key}", value, like, error_msgs)
-                runtime.loaded_copies[key] = value
+        self._runtime.state.stage(
+            list(self._trainable_named_parameters()), entries, prefix, error_msgs
+        )
 
     def _trainable_named_parameters(
         self, remove_duplicate: bool = True
@@ -832,9 +689,11 @@ class RoundPipe(ForwardingModule):
             [layer.param_bytes + layer.grad_bytes for layer in layers],
         )
 
-    def _new_call(self, config: ResolvedRunConfig, run_type: RunType) -> Call:
-        """A call about to run (arguments validated, plan chosen); shared parameters are
-        refreshed first."""
+    def _new_call(
+        self, config: ResolvedRunConfig, run_type: RunType, input_events: list[list[Any]]
+    ) -> Call:
+        """A call about to run (arguments validated, plan chosen) on inputs whose transfers
+        from an upstream RoundPipe are ``input_events``; shared parameters are refreshed first."""
         self._check_as_wrapped()
         plan = self._plan(config, run_type)
         self._runtime.memory.sync_aliases()
@@ -845,26 +704,8 @@ class RoundPipe(ForwardingModule):
             config.num_microbatch,
             config.recompute_grain,
             config.preserve_rng_state,
+            input_events,
         )
-
-
-def _fitted(config: ResolvedRunConfig, microbatches: int) -> tuple[ResolvedRunConfig, int]:
-    """``config`` for the ``microbatches`` the inputs were split into (fewer than asked for when
-    the batch has fewer rows), and that count."""
-    if microbatches != config.num_microbatch:
-        config = dataclasses.replace(config, num_microbatch=microbatches)
-    return config, microbatches
-
-
-def _merge_or_pack(outputs: list[Any], events: list[Any], config: ResolvedRunConfig) -> Any:
-    """Per-microbatch outputs (on ``output_device``, their copies' events) merged, or packed
-    with the events for a downstream RoundPipe to wait on."""
-    if config.merge_output is False:
-        return pack_output(outputs, events)
-    for event in events:
-        if event is not None:
-            event.synchronize()
-    return merge_output(outputs, config.merge_output)
 
 
 def __getattr__(name: str) -> Any:

@@ -240,6 +240,13 @@ class ResolvedRunConfig:
     merge_output: Any | MergeOutputFn | Literal[False] | None
     execute_plan: ModelExecutePlan | None
 
+    def fitted(self, microbatches: int) -> ResolvedRunConfig:
+        """This configuration for the ``microbatches`` the inputs were split into (fewer than
+        asked for when the batch has fewer rows)."""
+        if microbatches == self.num_microbatch:
+            return self
+        return dataclasses.replace(self, num_microbatch=microbatches)
+
 
 def resolve_run_config(call: RoundPipeRunConfig, model: RoundPipeRunConfig) -> ResolvedRunConfig:
     """Resolve each field from the call's config, else the model's, else its default.

@@ -16,7 +16,7 @@ from typing import Literal, Protocol, get_args
 
 from roundpipe import device
 from roundpipe._native import _C
-from roundpipe.tracing import Trace, predict_trace
+from roundpipe.timeline.tracing import Trace, predict_trace
 
 RunType = Literal["infer", "train", "fused"]
 _RUN_TYPES: tuple[str, ...] = get_args(RunType)
@@ -245,8 +245,8 @@ class ModelExecutePlan:
         upload_bytes_per_second: float | None = None,
     ) -> Trace:
         """The schedule the planner's simulator predicts for this plan: a
-        :class:`roundpipe.tracing.Trace` like a measured one (``.save(path)``,
-        ``roundpipe.plot.plot_trace(measured, out, predicted=...)``, ``.summary()``).
+        :class:`roundpipe.timeline.tracing.Trace` like a measured one (``.save(path)``,
+        ``roundpipe.timeline.plot.plot_trace(measured, out, predicted=...)``, ``.summary()``).
 
         Args:
             model: a RoundPipe model (its current layer estimates are used) or a

@@ -157,6 +157,13 @@ def has_state_dict_hooks(module: nn.Module) -> bool:
     return any(getattr(module, name, True) for name in names)
 
 
+def has_optimizer_load_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a load pre-hook (``register_load_state_dict_pre_hook``) may rewrite the state
+    ``optimizer.load_state_dict`` is given."""
+    # A dict torch renamed counts as hooked: the caller then leaves the state to the optimizer.
+    return bool(getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", True))
+
+
 def _norm_base() -> tuple[type[nn.Module], ...]:
     return tuple(
         cls
@@ -189,6 +196,7 @@ __all__ = [
     "buffer_slots",
     "child_slots",
     "current_graph_task_id",
+    "has_optimizer_load_hooks",
     "has_post_accumulate_grad_hooks",
     "has_state_dict_hooks",
     "loads_state_dict_plainly",

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from roundpipe.checkpoint import load_checkpoint, save_checkpoint
-from roundpipe.grad_scaler import GradScaler
+from roundpipe.checkpoints.checkpoint import load_checkpoint, save_checkpoint
 from roundpipe.integrations.queued_step import (
     Hyperparameters,
     PendingNorm,
@@ -28,7 +27,8 @@ from roundpipe.integrations.queued_step import (
 )
 from roundpipe.models import AutoRoundPipe, merge_summed_loss, wrap_model_to_roundpipe
 from roundpipe.models.presets import find_preset
-from roundpipe.optim import Adam
+from roundpipe.optim.adam import Adam
+from roundpipe.optim.grad_scaler import GradScaler
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 

@@ -10,7 +10,6 @@ own ``forward`` keeps running on the host, gluing them together. The root is the
 
 from __future__ import annotations
 
-import itertools
 import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -23,195 +22,24 @@ from torch import nn
 from roundpipe.context import OptimizerCtx
 from roundpipe.device import device_count
 from roundpipe.forwarding import ForwardingModule
+from roundpipe.models.converter import (
+    Converter,
+    OverrideConfig,
+    Part,
+    SkipModules,
+    override_kwargs,
+    size_bytes,
+)
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 
 logger = logging.getLogger("roundpipe")
 
-SkipModules = Iterable[nn.Module | str | type[nn.Module]]
-OverrideValue = RoundPipeRunConfig | Mapping[str, Any]
-OverrideConfig = Mapping[nn.Module | str, OverrideValue]
-
 # RoundPipe constructor keywords an AutoRoundPipe accepts and ignores (its parts are built).
 _IGNORED_AUTO_KWARGS = frozenset({"pin_model", "model_run_config"})
 
 
-def _size_bytes(module: nn.Module, recurse: bool = True) -> int:
-    """Bytes of ``module``'s parameters and buffers (its own only unless ``recurse``)."""
-    tensors = itertools.chain(module.parameters(recurse), module.buffers(recurse))
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _has_own_forward(module: nn.Module) -> bool:
-    # The bound method, so a forward assigned to the instance counts too.
-    forward = module.forward
-    return getattr(forward, "__func__", forward) is not nn.Module.forward
-
-
-def _derived_config(
-    config: RoundPipeRunConfig | None, chained: bool, single_microbatch: bool
-) -> RoundPipeRunConfig | None:
-    """``config`` adjusted for where the part sits; ``None`` (each part its own default) when
-    nothing changes.
-
-    A chained ModuleList element gets ``merge_output=False`` unless set: its output stays packed
-    per microbatch and goes straight into the next element's pipeline. A module below
-    ``lower_threshold`` runs as one microbatch (splitting it gains nothing)."""
-    if not chained and not single_microbatch:
-        return config
-    base = RoundPipeRunConfig() if config is None else config
-    fields = {name: getattr(base, name) for name in RoundPipeRunConfig.__slots__}
-    if chained and fields["merge_output"] is None:
-        fields["merge_output"] = False
-    if single_microbatch:
-        fields["num_microbatch"] = 1
-    return RoundPipeRunConfig(**fields)
-
-
-def _override_kwargs(key: object, value: object) -> dict[str, Any]:
-    """An ``override_config`` value as RoundPipe keyword arguments."""
-    if isinstance(value, RoundPipeRunConfig):
-        return {"model_run_config": value}
-    if isinstance(value, Mapping):
-        return dict(value)
-    raise TypeError(
-        f"override_config[{key!r}] must be a RoundPipeRunConfig or a dict of RoundPipe keyword "
-        f"arguments, got {type(value).__name__}"
-    )
-
-
-class _Converter:
-    """The recursive strategy of ``wrap_model_to_roundpipe`` (see its docstring)."""
-
-    def __init__(
-        self,
-        lower_threshold: int,
-        upper_threshold: int,
-        skip_modules: list[nn.Module | str | type[nn.Module]],
-        override_config: OverrideConfig,
-        model_run_config: RoundPipeRunConfig | None,
-        name: str,
-        roundpipe_kwargs: dict[str, Any],
-    ) -> None:
-        self.lower, self.upper = lower_threshold, upper_threshold
-        self.skip_ids = {id(s) for s in skip_modules if isinstance(s, nn.Module)}
-        self.skip_names = {s for s in skip_modules if isinstance(s, str)}
-        self.skip_types = tuple(s for s in skip_modules if isinstance(s, type))
-        self.path_overrides = {
-            key: _override_kwargs(key, value)
-            for key, value in override_config.items()
-            if isinstance(key, str)
-        }
-        self.module_overrides = {
-            id(key): (key, _override_kwargs(key, value))
-            for key, value in override_config.items()
-            if isinstance(key, nn.Module)
-        }
-        self.model_run_config = model_run_config
-        self.name = name
-        self.roundpipe_kwargs = roundpipe_kwargs
-        self.unused_paths = set(self.path_overrides)
-        self.unused_modules = set(self.module_overrides)
-        # (parent, attribute name or ModuleList index, child, the part replacing it), in the
-        # order the strategy reached them.
-        self.replacements: list[tuple[nn.Module, str | int, nn.Module, _Part]] = []
-
-    def make(
-        self, module: nn.Module, path: str, chained: bool = False, single_microbatch: bool = False
-    ) -> _Part:
-        """The part ``module`` becomes, checked but not built yet (see :func:`_built`)."""
-        override = self.override_for(module, path)
-        kwargs: dict[str, Any] = {
-            "name": f"{self.name}:{path or '<root>'}",
-            **self.roundpipe_kwargs,
-            **override,
-        }
-        if "model_run_config" not in override:  # an overriding config is used as given
-            kwargs["model_run_config"] = _derived_config(
-                self.model_run_config, chained, single_microbatch
-            )
-        return _Part(module, kwargs)
-
-    def override_for(self, module: nn.Module, path: str) -> dict[str, Any]:
-        entry = self.module_overrides.get(id(module))
-        if entry is not None:
-            self.unused_modules.discard(id(module))
-            return entry[1]
-        self.unused_paths.discard(path)
-        return self.path_overrides.get(path, {})
-
-    def skipped(self, module: nn.Module, path: str) -> bool:
-        return (
-            id(module) in self.skip_ids
-            or path in self.skip_names
-            or isinstance(module, self.skip_types)
-        )
-
-    def convert(self, module: nn.Module, path: str) -> nn.Module | _Part:
-        """``module`` or the part replacing it; the replacements of its children are listed in
-        ``replacements`` (built by :func:`_built`)."""
-        if self.skipped(module, path):
-            return module
-        if path in self.path_overrides:  # our extension: a path override forces one part
-            return self.make(module, path)
-        if isinstance(module, nn.Sequential):
-            return self.make(module, path)
-        total = _size_bytes(module)
-        if _has_own_forward(module) and (
-            _size_bytes(module, recurse=False) >= self.lower or total <= self.upper
-        ):
-            return self.make(module, path, single_microbatch=total < self.lower)
-        if isinstance(module, nn.ModuleList):
-            self.convert_list(module, path)
-            return module
-        for child_name, child in list(module.named_children()):
-            replacement = self.convert(child, f"{path}.{child_name}" if path else child_name)
-            if isinstance(replacement, _Part):
-                self.replacements.append((module, child_name, child, replacement))
-        return module
-
-    def convert_list(self, module: nn.ModuleList, path: str) -> None:
-        """Every element becomes a RoundPipe; all but the last pass packed outputs on to the next
-        one (the parent's forward is expected to feed each element's output into the next).
-        An element without a forward of its own (a container) is converted like any module."""
-        last = len(module) - 1
-        for index, child in enumerate(list(module)):
-            child_path = f"{path}.{index}" if path else str(index)
-            if self.skipped(child, child_path):
-                continue
-            if isinstance(child, nn.Sequential) or _has_own_forward(child):
-                replacement: nn.Module | _Part = self.make(child, child_path, chained=index < last)
-            else:
-                replacement = self.convert(child, child_path)
-            if isinstance(replacement, _Part):
-                self.replacements.append((module, index, child, replacement))
-
-    def check_overrides_used(self) -> None:
-        if self.unused_paths:
-            raise ValueError(
-                f"override_config names {sorted(self.unused_paths)}, "
-                "which the strategy never reached (no such module path, or inside a skipped or "
-                "wrapped module); use paths from model.named_modules()"
-            )
-        for key in self.unused_modules:
-            module = self.module_overrides[key][0]
-            # roundpipe 0.1.1 ignores such an entry silently; say so, without failing.
-            logger.warning(
-                "override_config entry for a %s was not used: that module did not become a "
-                "RoundPipe of its own (it was recursed into, skipped, or is inside a part)",
-                type(module).__name__,
-            )
-
-
-@dataclass
-class _Part:
-    """A module the strategy turns into a RoundPipe, and that RoundPipe's keyword arguments."""
-
-    module: nn.Module
-    kwargs: dict[str, Any]
-
-
-def _built(converter: _Converter, root: nn.Module | _Part, name: str) -> RoundPipe | AutoRoundPipe:
+def _built(converter: Converter, root: nn.Module | Part, name: str) -> RoundPipe | AutoRoundPipe:
     """The parts ``converter`` planned, built and put in place of their modules, then the
     RoundPipe or AutoRoundPipe over the root. If anything fails on the way, every module put
     in place is taken out again: the model is left as it came (its parameters keep their values,
@@ -223,7 +51,7 @@ def _built(converter: _Converter, root: nn.Module | _Part, name: str) -> RoundPi
             borrowed = [p for p in part.module.parameters() if id(p) in shared]
             _put(parent, key, RoundPipe(part.module, **part.kwargs, shared_parameters=borrowed))
             placed.append((parent, key, child))
-        if isinstance(root, _Part):
+        if isinstance(root, Part):
             return RoundPipe(root.module, **root.kwargs)
         optim_dtype = converter.roundpipe_kwargs.get("optim_dtype")
         return AutoRoundPipe(root, name=name, optim_dtype=optim_dtype)
@@ -477,35 +305,27 @@ class AutoRoundPipe(ForwardingModule):
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped model's state (``model.<name>``) with each part's own entries and the
-        glue's optimizer copies (``_roundpipe.glue.<name>``), so a resumed run continues exactly.
-
-        As ``RoundPipe.state_dict``, reading it never changes the training: the step in flight
-        is waited for but not written back (every part's copies and the glue's are after it,
-        the parameters as the next iteration uses them), and ``_roundpipe.glue.pending_writeback``
-        records that the glue's copies are one step ahead; loading restores that."""
+    def wait_for_step(self) -> None:
+        """Wait for every part's step in flight without writing it back (the last part's job
+        runs ``step_fn``: the glue's copies are then final too); ``state_dict()`` does this first,
+        and ``_roundpipe.glue.pending_writeback`` records that the glue's copies are one step
+        ahead."""
         for _, part in self.parts:
-            part.wait_for_step()  # the last part's job runs step_fn: the glue's copies are final
-        return super().state_dict(*args, **kwargs)
+            part.wait_for_step()
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Load a ``state_dict()`` of this model, checked entirely before anything changes; then
-        pending work is drained and the state replaces it, pending write-backs included.
-        Optimizer copies come from the checkpoint, else from the loaded parameters."""
-        if assign:
-            raise ValueError(
-                "assign=True would replace parameters that RoundPipe keeps in its host arenas; "
-                "load with assign=False"
-            )
-        self._check_state_dict(state_dict, strict)  # nothing changes unless all of it loads
+    def drain(self) -> None:
+        """Finish the pending step (every part's and the glue's write-back) and every part's
+        gradient transfers (what ``load_state_dict`` does before it loads)."""
         self._finish_step()
+        for _, part in self.parts:
+            part.drain()
+
+    def refresh_copies(self) -> None:
+        """After a load: every part's optimizer copies and pending write-back, and the glue's
+        copies (from the checkpoint, else from the loaded parameters)."""
         parts = [part for _, part in self.parts]
         for part in parts:
-            part.drain()  # gradient transfers may still be landing in the arenas
-        result = super().load_state_dict(state_dict, strict=strict)
-        for part in parts:
-            part.refresh_copies()  # restores each part's pending write-back
+            part.refresh_copies()
         glue = self._runtime
         saved_copies, glue.loaded = glue.loaded, {}
         pending = saved_copies.pop(_PENDING, None)
@@ -515,7 +335,6 @@ class AutoRoundPipe(ForwardingModule):
             with torch.no_grad():
                 for name, param in glue.params:
                     copies[id(param)].copy_(saved_copies.get(name, param))
-        return result
 
     def _own_state(self) -> dict[str, Any]:
         """The host glue's optimizer copies, by parameter name (the parts save their own)."""
@@ -649,7 +468,7 @@ def _checked_override_config(override_config: OverrideConfig | None) -> Override
             raise TypeError(
                 f"override_config keys must be module instances or module paths, got {key!r}"
             )
-        _override_kwargs(key, value)
+        override_kwargs(key, value)
     return override_config
 
 
@@ -743,8 +562,8 @@ def wrap_model_to_roundpipe(
             )
         return wrapped
     if upper_threshold is None:
-        upper_threshold = _size_bytes(model) // (device_count() + 1)
-    converter = _Converter(
+        upper_threshold = size_bytes(model) // (device_count() + 1)
+    converter = Converter(
         lower_threshold,
         upper_threshold,
         skip_list,

@@ -32,9 +32,9 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam as torch_adam
 
-from roundpipe import optim_state
 from roundpipe._native import _C
-from roundpipe.optimizer_copy import OptimizerCopy, gradient_of
+from roundpipe.optim import adam_state
+from roundpipe.optim.copies import OptimizerCopy, gradient_of
 from roundpipe.torch_internals import version_of
 
 __all__ = ["Adam", "fused_writeback", "get_num_threads", "set_num_threads"]
@@ -164,7 +164,7 @@ class Adam(torch.optim.Optimizer):
     master weights stay float32): ``torch.float32`` (default: torch's state, bit for bit as
     before), ``torch.bfloat16`` (4 bytes per parameter instead of 8, stochastically rounded) or
     ``torch.int8`` (2 bytes plus one float32 scale per 256 elements: block-wise 8-bit codes,
-    stochastically rounded; see :mod:`roundpipe.optim_state`). Compact moments move fewer bytes
+    stochastically rounded; see :mod:`roundpipe.optim.adam_state`). Compact moments move fewer bytes
     per step (the step is memory-bound) and need ``amsgrad=False``. ``load_state_dict`` takes a
     state of any form (torch's included) and converts it into ``state_dtype``; ``state_dict``
     holds this optimizer's own form (for ``torch.int8`` also ``exp_avg_scale``,
@@ -189,7 +189,7 @@ class Adam(torch.optim.Optimizer):
         decoupled_weight_decay: bool = False,
         state_dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.state_dtype = optim_state.check_state_dtype(state_dtype)
+        self.state_dtype = adam_state.check_state_dtype(state_dtype)
         if not 0.0 <= _as_float(lr, "lr"):
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -256,9 +256,9 @@ class Adam(torch.optim.Optimizer):
         optimizer's ``state_dtype`` (a state already in that form is taken bit for bit)."""
         saved = state_dict["state"]
         moment_keys = (
-            *optim_state.MOMENT_KEYS,
-            *optim_state.SCALE_KEYS.values(),
-            optim_state.CODE_KEY,
+            *adam_state.MOMENT_KEYS,
+            *adam_state.SCALE_KEYS.values(),
+            adam_state.CODE_KEY,
         )
         moments = {
             index: {key: value for key, value in entry.items() if key in moment_keys}
@@ -279,7 +279,7 @@ class Adam(torch.optim.Optimizer):
         for index, param in zip(saved_ids, params, strict=True):
             if moments.get(index):
                 form = self.state_dtype if self._takes_compact(param) else torch.float32
-                self.state[param].update(optim_state.convert_moments(moments[index], param, form))
+                self.state[param].update(adam_state.convert_moments(moments[index], param, form))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """As ``torch.optim.Adam.__setstate__`` (which ``load_state_dict`` runs): missing group
@@ -471,7 +471,7 @@ class Adam(torch.optim.Optimizer):
         max_sq = state.get("max_exp_avg_sq")
         return (
             dense
-            and optim_state.in_form(state, param, self.state_dtype)
+            and adam_state.in_form(state, param, self.state_dtype)
             and (max_sq is None or (max_sq.dtype == torch.float32 and max_sq.is_contiguous()))
         )
 
@@ -487,7 +487,7 @@ class Adam(torch.optim.Optimizer):
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
             form = self.state_dtype if self._takes_compact(param) else torch.float32
-            state.update(optim_state.fresh_moments(param, form))
+            state.update(adam_state.fresh_moments(param, form))
             if amsgrad:
                 state["max_exp_avg_sq"] = torch.zeros_like(
                     param, memory_format=torch.preserve_format
@@ -550,7 +550,7 @@ class Adam(torch.optim.Optimizer):
         exp_avg_sqs: list[Tensor] = []
         max_exp_avg_sqs: list[Tensor] = []
         steps: list[Tensor] = []
-        scales: dict[str, list[Tensor]] = {key: [] for key in optim_state.SCALE_KEYS.values()}
+        scales: dict[str, list[Tensor]] = {key: [] for key in adam_state.SCALE_KEYS.values()}
         for param in params:
             state = self._state_of(param, bool(group["amsgrad"]))
             exp_avgs.append(state["exp_avg"])

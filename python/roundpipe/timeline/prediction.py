@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from roundpipe._native import _C
-from roundpipe.trace_events import Trace, TraceEvent
+from roundpipe.timeline.events import Trace, TraceEvent
 
 
 class LayerCosts(Protocol):

@@ -9,12 +9,13 @@ Recording::
 or ``ROUNDPIPE_TRACE=run.json python train.py`` for an unchanged script (the variable is read at
 the first traced event; the trace ends when the process does). The file is written as the run
 goes and is a whole trace at any time, marked cut short (``otherData.cut_short``) until the
-recording ends normally (:class:`Tracer`, :mod:`roundpipe.trace_file`). It opens in Perfetto
+recording ends normally (:class:`Tracer`, :mod:`roundpipe.timeline.file`). It opens in Perfetto
 (ui.perfetto.dev), ``chrome://tracing`` and ``python -m roundpipe.plot run.json``.
 
-The parts: :mod:`roundpipe.trace_events` (the events, :class:`Trace`, its JSON and summary),
-:mod:`roundpipe.tracer` (the recorder and its clocks), :mod:`roundpipe.trace_prediction` (the
-simulator's schedule as a trace); this module re-exports their public names.
+The parts: :mod:`roundpipe.timeline.events` (the events, :class:`Trace`, its JSON and summary),
+:mod:`roundpipe.timeline.tracer` (the recorder and its clocks),
+:mod:`roundpipe.timeline.prediction` (the simulator's schedule as a trace); this module
+re-exports their public names.
 
 Runtime API (what the pipeline calls; cheap when tracing is off)::
 
@@ -29,9 +30,7 @@ Runtime API (what the pipeline calls; cheap when tracing is off)::
 
 from __future__ import annotations
 
-import atexit
 import os
-import signal
 import sys
 import threading
 import warnings
@@ -39,7 +38,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Final, cast
 
-from roundpipe.trace_events import (
+from roundpipe import lifecycle
+from roundpipe.lifecycle import catch_ending_signals, release_ending_signals
+from roundpipe.timeline.events import (
     COMPUTE_PHASES,
     DEVICE_LANES,
     HOST_LANES,
@@ -52,9 +53,9 @@ from roundpipe.trace_events import (
     TraceSummary,
     range_name,
 )
-from roundpipe.trace_file import TraceFileBusy
-from roundpipe.trace_prediction import LayerCosts, predict_trace
-from roundpipe.tracer import FLUSH_EVENTS, FLUSH_SECONDS, Mark, StageTrace, Tracer
+from roundpipe.timeline.file import TraceFileBusy
+from roundpipe.timeline.prediction import LayerCosts, predict_trace
+from roundpipe.timeline.tracer import FLUSH_EVENTS, FLUSH_SECONDS, Mark, StageTrace, Tracer
 
 #: Environment variable naming the file a whole process is traced to.
 ENV_VAR: Final[str] = "ROUNDPIPE_TRACE"
@@ -64,9 +65,6 @@ _UNREAD: Final = object()
 _active: Any = _UNREAD
 _activation_lock = threading.Lock()
 _environment_tracer: Tracer | None = None
-#: Signals that end a process at once by default; while a trace is written (from the main
-#: thread) they first finish its file.
-_ENDING_SIGNALS: Final = (signal.SIGTERM, signal.SIGHUP)
 
 
 def active_tracer() -> Tracer | None:
@@ -90,7 +88,7 @@ def _read_environment_locked() -> None:
     path = os.environ.get(ENV_VAR) or None
     _active = _environment_tracer = None if path is None else _environment_trace(path)
     if _environment_tracer is not None:
-        _catch_ending_signals()
+        catch_ending_signals()
 
 
 def _environment_trace(path: str) -> Tracer | None:
@@ -116,17 +114,14 @@ def _environment_trace(path: str) -> Tracer | None:
     return None
 
 
-@atexit.register
-def _finish_at_exit() -> None:
+def _finish_at_exit(seconds: float | None) -> bool:
     """Finish the trace being recorded (the ``ROUNDPIPE_TRACE`` one, or a block still open) at
-    exit, marked cut short after an uncaught exception (Ctrl-C included). Registered when this
-    module is imported, that is before the step pipeline registers its drain of the native
-    workers, so it runs after that drain (exit handlers run last-registered first) and sees the
-    last optimizer steps; when the drain gives up on work still running, the process leaves at
-    once and the step pipeline calls :func:`end_trace_now` instead."""
+    exit, marked cut short after an uncaught exception (Ctrl-C included). The lifecycle runs it
+    after the drain of the optimizer thread, so it sees the last optimizer steps; when the drain
+    gives up on work still running, the process leaves at once through :func:`end_trace_now`."""
     tracer = _active
     if not isinstance(tracer, Tracer):
-        return
+        return True
     error = getattr(sys, "last_value", None)
     ended_by = None
     if isinstance(error, BaseException):
@@ -134,6 +129,7 @@ def _finish_at_exit() -> None:
     tracer.finish(wait=False, cut_short=ended_by)
     if tracer.error is not None:
         warnings.warn(f"the trace was not finished: {tracer.error}", RuntimeWarning, stacklevel=1)
+    return True
 
 
 def end_trace_now(reason: str) -> None:
@@ -145,32 +141,6 @@ def end_trace_now(reason: str) -> None:
         tracer.end_now(reason)
 
 
-def _catch_ending_signals() -> None:
-    """Have the ending signals finish the trace file first, where their action is still the
-    default and this is the main thread (the only one that may set handlers)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for number in _ENDING_SIGNALS:
-        if signal.getsignal(number) == signal.SIG_DFL:
-            signal.signal(number, _end_on_signal)
-
-
-def _release_ending_signals() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for number in _ENDING_SIGNALS:
-        if signal.getsignal(number) == _end_on_signal:
-            signal.signal(number, signal.SIG_DFL)
-
-
-def _end_on_signal(number: int, frame: Any) -> None:
-    """Finish the trace file, then end the process by the signal's default action, as it would
-    have ended without the trace."""
-    end_trace_now(f"the process was ended by {signal.Signals(number).name}")
-    signal.signal(number, signal.SIG_DFL)
-    os.kill(os.getpid(), number)
-
-
 def _forget_parent_trace() -> None:
     """In a forked child: the parent's trace is the parent's to write, and ``ROUNDPIPE_TRACE``
     traces the parent process only."""
@@ -179,13 +149,18 @@ def _forget_parent_trace() -> None:
     if isinstance(_active, Tracer):
         _active.abandon()
     _active = _environment_tracer = None
-    _release_ending_signals()
+    release_ending_signals()
 
 
-os.register_at_fork(after_in_child=_forget_parent_trace)
+lifecycle.join(
+    "trace",
+    lifecycle.Participant(
+        at_exit=_finish_at_exit, leave_now=end_trace_now, after_fork_in_child=_forget_parent_trace
+    ),
+)
 if os.environ.get(ENV_VAR):
     # Now, on the importing (main) thread: the first traced event may come from another one.
-    _catch_ending_signals()
+    catch_ending_signals()
 
 
 @contextmanager
@@ -220,7 +195,7 @@ def trace(path: str | os.PathLike[str] | None = None) -> Iterator[Tracer]:
         tracer = Tracer(path)
         _active = tracer
     if path is not None:
-        _catch_ending_signals()
+        catch_ending_signals()
     try:
         yield tracer
     except BaseException as error:
@@ -248,7 +223,7 @@ def _end_block(tracer: Tracer) -> OSError | None:
     global _active
     with _activation_lock:
         _active = None
-    _release_ending_signals()
+    release_ending_signals()
     tracer.finish(wait=True, cut_short=None)
     return tracer.error
 

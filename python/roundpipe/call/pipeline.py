@@ -10,12 +10,11 @@ to its device by that device's copy engine. Stage ``s`` of microbatch ``m`` star
 in issue order on one thread, which also keeps the shared CPU generator's draws in forward order,
 so recompute replays them).
 
-The call sequences its stages and runs the forward and fused ones here; the backward stages
-are :mod:`roundpipe.backward_stage`'s, the inputs they recompute from are kept in host memory by
-:mod:`roundpipe.saved_inputs`, and what flows through the call is checked by
-:mod:`roundpipe.call_checks`. Gradients of a stage accumulate in a flat device buffer and go back
-to the host arena in one accumulation per dtype run, asynchronously.
-"""
+The call sequences its stages and runs the forward and fused ones here; the backward stages are
+:mod:`~roundpipe.call.backward_stage`'s, the inputs they recompute from are kept in host memory by
+:mod:`roundpipe.call.saved_inputs`, and what flows through the call is checked by
+:mod:`roundpipe.call.checks`. Gradients of a stage accumulate in a flat device buffer and go back to
+the host arena in one accumulation per dtype run, asynchronously."""
 
 from __future__ import annotations
 
@@ -28,27 +27,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from roundpipe._native import _C
-from roundpipe.backward_stage import BackwardStage, grads_of
-from roundpipe.call_checks import check_loss, check_output, refuse_hidden_gradients
-from roundpipe.context import annotate
-from roundpipe.device import device_at
-from roundpipe.gradients import GradientOutcome, GradientPolicy
-from roundpipe.layer_loop import NO_RANGE, LayerCalls, Phase, draw_call_seed, rng_scope
-from roundpipe.memory import ModelMemory
-from roundpipe.saved_inputs import SavedInputs
-from roundpipe.scheduler import ModelExecutePlan, RunType
-from roundpipe.stage import (
+from roundpipe.call.backward_stage import BackwardStage, grads_of
+from roundpipe.call.checks import check_loss, check_output, refuse_hidden_gradients
+from roundpipe.call.layer_loop import NO_RANGE, LayerCalls, Phase, draw_call_seed, rng_scope
+from roundpipe.call.saved_inputs import SavedInputs
+from roundpipe.call.stage import (
     ParamHooks,
     ResidentStage,
     Stage,
     StageKind,
     Uploads,
     device_guard,
-    marked,
     nvtx_enabled,
 )
-from roundpipe.torch_internals import tree_map
-from roundpipe.transfers import (
+from roundpipe.call.transfers import (
     detach_leaf,
     flatten,
     on_cuda,
@@ -58,6 +50,13 @@ from roundpipe.transfers import (
     unflatten,
     writable,
 )
+from roundpipe.context import locate_error
+from roundpipe.device import device_at
+from roundpipe.gradients import GradientOutcome, GradientPolicy
+from roundpipe.memory import ModelMemory
+from roundpipe.profile import stage_range
+from roundpipe.scheduler import ModelExecutePlan, RunType
+from roundpipe.torch_internals import tree_map
 
 if TYPE_CHECKING:
     from roundpipe.distributed import DataParallel
@@ -105,6 +104,8 @@ class Call:
     num_microbatch: int
     recompute_grain: str
     preserve_rng_state: bool
+    # Transfer events of inputs packed by an upstream RoundPipe, per microbatch (none: [])
+    input_events: list[list[Any]]
     saving: bool = field(init=False)  # keep what backward stages need (grads on)
     # The layer inputs the backward stages recompute from (none for inference).
     saved: SavedInputs | None = field(init=False, default=None)
@@ -113,8 +114,6 @@ class Call:
     rng_seed: int = field(default_factory=lambda: draw_call_seed())
     recompute_store: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)
     pending: list[Any] = field(default_factory=list)
-    # Transfer events of inputs packed by an upstream RoundPipe, per microbatch.
-    input_events: list[list[Any]] = field(default_factory=list)
     losses: list[Any] = field(default_factory=list)
     # The fused stage's outputs (if kept) on the output device, and the events of their copies.
     outputs: list[Any] = field(default_factory=list)
@@ -242,7 +241,7 @@ class Call:
                 replicas.broadcast_buffers()
             except Exception as error:
                 where = f"RoundPipe model '{self.model.name}': data-parallel buffer broadcast"
-                raise annotate(error, where) from error
+                raise locate_error(error, where) from error
         return values
 
     def _run_stage(
@@ -294,10 +293,11 @@ class Call:
     def mark(
         self, kind: str, layers: range, microbatch: int | None = None
     ) -> AbstractContextManager[Any]:
-        """The NVTX range of ``kind`` over ``layers`` (see :func:`marked`) if the call marks."""
+        """The NVTX range of ``kind`` over ``layers`` if the call marks ranges
+        (:func:`roundpipe.profile.stage_range`)."""
         if not self.nvtx:
             return NO_RANGE
-        return marked(self.model.name, kind, layers, microbatch)
+        return stage_range(self.model.name, kind, layers, microbatch)
 
     def _model_input(self, microbatch: int, value: Any, device_index: int) -> Any:
         """Microbatch ``microbatch`` of the call's inputs on the device, once the upstream
@@ -402,7 +402,7 @@ class Call:
                         f"RoundPipe model '{self.model.name}': loss_fn failed on the output "
                         f"of layer {stage.layers.stop - 1} for microbatch {m}"
                     )
-                    raise annotate(error, where) from error
+                    raise locate_error(error, where) from error
                 check_loss(loss, self.model.name, m)
                 start = run.clock.start()
                 try:
@@ -412,7 +412,7 @@ class Call:
                         else:
                             torch.autograd.backward(list(loss))
                 except Exception as error:
-                    raise annotate(error, self.where(stage.layers, "backward", m)) from error
+                    raise locate_error(error, self.where(stage.layers, "backward", m)) from error
                 run.clock.stop(start, stage.layers, "bwd")
                 self.losses.append(tree_map(lambda t: t.detach(), loss))
                 if loss_spec.keep_outputs:
@@ -458,7 +458,7 @@ class Call:
                 f"RoundPipe model '{self.model.name}': layers {stage.layers.start}-"
                 f"{stage.layers.stop - 1} (backward: data-parallel gradient reduce)"
             )
-            raise annotate(error, where) from error
+            raise locate_error(error, where) from error
         if trace is not None and start is not None:
             trace.span("grad_reduce", start)
         return stage.download_grads(own)

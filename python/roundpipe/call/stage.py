@@ -6,12 +6,11 @@ before the current one computes, on devices taken round-robin from the pool
 binds frozen parameters in place on a virtual CPU device), binds the device copies in place of
 the layers' parameters and buffers while the stage computes, runs the parameters' hooks on the
 summed gradients where asked, and downloads its gradients back into the host arena. Its
-transfers are marked as NVTX ranges on CUDA (:func:`marked`).
+transfers are marked as NVTX ranges on CUDA (:func:`roundpipe.profile.stage_range`).
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -21,16 +20,17 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from roundpipe._native import _C
-from roundpipe.context import annotate, run_param_hooks
+from roundpipe.call.transfers import on_cuda
+from roundpipe.context import locate_error, run_param_hooks
 from roundpipe.device import device_at, device_count
+from roundpipe.profile import nvtx_usable, stage_range
+from roundpipe.timeline.tracing import StageTrace, stage_trace
 from roundpipe.torch_internals import (
     backward_hooks,
     buffer_slots,
     has_post_accumulate_grad_hooks,
     share_backward_hooks,
 )
-from roundpipe.tracing import StageTrace, stage_trace
-from roundpipe.transfers import on_cuda
 
 if TYPE_CHECKING:
     from roundpipe.memory import ModelMemory
@@ -54,47 +54,10 @@ def next_device() -> int:
     return next(_round_robin) % device_count()
 
 
-# --------------------------------------------------------------------------------------------
-# NVTX ranges (docs/profiling.md)
-# --------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _nvtx_usable() -> bool:
-    """Whether this torch can emit NVTX ranges (a CUDA build)."""
-    try:
-        torch.cuda.nvtx.range_push("roundpipe")  # type: ignore[no-untyped-call]
-        torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
-    except (RuntimeError, AttributeError):
-        return False
-    return True
-
-
 def nvtx_enabled() -> bool:
     """Whether a call marks NVTX ranges: on CUDA devices, where a profiler may record them (with
     none attached a range costs next to nothing); never on virtual CPU devices."""
-    return on_cuda() and _nvtx_usable()
-
-
-@contextmanager
-def _nvtx_range(name: str) -> Iterator[None]:
-    torch.cuda.nvtx.range_push(name)  # type: ignore[no-untyped-call]
-    try:
-        yield
-    finally:
-        torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
-
-
-def marked(
-    model: str | None, kind: str, layers: range, microbatch: int | None = None
-) -> AbstractContextManager[Any]:
-    """The NVTX range ``roundpipe/<model>/<kind>/L<first>[-<last>][/mb<microbatch>]``; nothing
-    when ``model`` is None (ranges off)."""
-    if model is None:
-        return nullcontext()
-    label = f"L{layers.start}" if len(layers) == 1 else f"L{layers.start}-{layers.stop - 1}"
-    name = f"roundpipe/{model}/{kind}/{label}"
-    return _nvtx_range(name if microbatch is None else f"{name}/mb{microbatch}")
+    return on_cuda() and nvtx_usable()
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,7 +131,7 @@ class ResidentStage:
         # the buffer are never written, so they cost no memory.
         frozen = layout.frozen() if in_host else ()
         fence = memory.fence(layers)
-        with marked(nvtx_model, "upload", layers):
+        with stage_range(nvtx_model, "upload", layers):
             # One native call: the buffers, the copies of the stage's byte runs of the arena (in
             # order on the parameter lane: the last one's event covers the stage), the
             # parameters' views and the gradient views attached to those that train. The views
@@ -276,7 +239,7 @@ class ResidentStage:
                     f"RoundPipe model '{self.model}': a hook of parameter '{name}' of layer "
                     f"{index} ({type(module).__name__})"
                 )
-                raise annotate(error, where) from error
+                raise locate_error(error, where) from error
             if result is not grad:
                 with torch.no_grad():
                     grad.copy_(result)
@@ -434,7 +397,7 @@ class ResidentStage:
         if only is not None:
             clipped = [(max(b, lo), min(e, hi), t) for lo, hi in only for b, e, t in runs]
             runs = sorted((b, e, t) for b, e, t in clipped if b < e)
-        with marked(self.nvtx_model, "download", self.layers):
+        with stage_range(self.nvtx_model, "download", self.layers):
             events = _C.download_grads(
                 device_index=self.device_index,
                 arena=self._grad_arena(),
@@ -525,7 +488,6 @@ __all__ = [
     "StageKind",
     "Uploads",
     "device_guard",
-    "marked",
     "next_device",
     "nvtx_enabled",
 ]

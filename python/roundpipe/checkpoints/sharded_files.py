@@ -1,5 +1,5 @@
 """Sharded checkpoint folders: one file per rank through ``torch.distributed.checkpoint``, made
-crash-safe and checksummed like the single-file checkpoints of ``roundpipe.checkpoint``.
+crash-safe and checksummed like the single-file checkpoints of ``roundpipe.checkpoints.checkpoint``.
 
 Layout of a checkpoint folder::
 

@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from roundpipe._native import _C
-from roundpipe.context import annotate
-from roundpipe.transfers import flatten, to_device, writable
+from roundpipe.call.transfers import flatten, to_device, writable
+from roundpipe.context import locate_error
 
 if TYPE_CHECKING:
+    from roundpipe.call.layer_loop import LayerCalls, Phase
+    from roundpipe.call.saved_inputs import SavedInputs
+    from roundpipe.call.stage import ResidentStage
     from roundpipe.gradients import GradientPolicy
-    from roundpipe.layer_loop import LayerCalls, Phase
-    from roundpipe.saved_inputs import SavedInputs
     from roundpipe.scheduler import RunType
-    from roundpipe.stage import ResidentStage
 
 
 def grads_of(tree: Any) -> list[torch.Tensor | None]:
@@ -59,7 +59,7 @@ def backward(outputs: Any, grads: Sequence[torch.Tensor | None]) -> None:
 
 
 class BackwardCall(Protocol):
-    """What a backward stage reads of its call (``roundpipe.pipeline.Call``)."""
+    """What a backward stage reads of its call (``roundpipe.call.pipeline.Call``)."""
 
     @property
     def recompute_grain(self) -> str: ...
@@ -157,7 +157,7 @@ class BackwardStage:
             with call.mark("backward", layers, microbatch):
                 backward(result, grad)
         except Exception as error:
-            raise annotate(error, call.where(layers, "backward", microbatch)) from error
+            raise locate_error(error, call.where(layers, "backward", microbatch)) from error
         run.clock.stop(start, layers, "bwd")
         if trace is not None:
             trace.span("backward", mark, microbatch, layers)
@@ -231,8 +231,8 @@ class BackwardStage:
         run, where = self.run_layers, self.call.where
         phase, first, stop, microbatch = run.loop.failure
         if phase == "recompute":
-            return annotate(error, where(run.context.layer, "recompute", microbatch))
-        return annotate(error, where(range(first, stop), "backward", microbatch))
+            return locate_error(error, where(run.context.layer, "recompute", microbatch))
+        return locate_error(error, where(range(first, stop), "backward", microbatch))
 
 
 __all__ = ["BackwardCall", "BackwardStage", "backward", "grads_of"]

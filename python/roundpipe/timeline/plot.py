@@ -1,9 +1,9 @@
 """Gantt charts of RoundPipe traces: ``python -m roundpipe.plot run.json -o run.png``.
 
-One row per device lane and host thread, one colour per phase, and beside the chart the summary
-of :meth:`roundpipe.tracing.Trace.summary` (per-device busy and bubble shares, upload time hidden
-behind compute, optimizer time hidden behind the next iteration). ``--predicted pred.json`` (a
-trace from ``ModelExecutePlan.simulate``) draws the prediction above the measurement on a shared
+One row per device lane and host thread, one colour per phase, and beside the chart the summary of
+:meth:`~roundpipe.timeline.events.Trace.summary` (per-device busy and bubble shares, upload time
+hidden behind compute, optimizer time hidden behind the next iteration). ``--predicted pred.json``
+(a trace from ``ModelExecutePlan.simulate``) draws the prediction above the measurement on a shared
 time axis. Needs matplotlib: ``pip install 'roundpipe[plot]'``.
 """
 
@@ -15,7 +15,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from roundpipe.tracing import DEVICE_LANES, HOST_LANES, PHASES, Trace
+from roundpipe.timeline.tracing import DEVICE_LANES, HOST_LANES, PHASES, Trace
 
 #: Colour of each phase (matplotlib's colour-blind friendly tab10/tab20 entries).
 PHASE_COLORS: dict[str, str] = {
@@ -119,7 +119,7 @@ def plot_trace(
     """Draw ``trace`` (and ``predicted`` above it, sharing the time axis) as a Gantt chart.
 
     Args:
-        trace: a :class:`roundpipe.tracing.Trace` or the path of a trace JSON.
+        trace: a :class:`roundpipe.timeline.tracing.Trace` or the path of a trace JSON.
         output: the image file to write; the format follows its suffix (``.png``, ``.svg``, ...).
         predicted: an optional predicted trace (or its path) drawn above the measured one.
         title: the measured chart's title (default: ``"measured"`` or the trace's file name).
@@ -182,7 +182,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         # No matplotlib, an unreadable or malformed trace: one line that says which.
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     print(output)
-
-
-if __name__ == "__main__":
-    main()

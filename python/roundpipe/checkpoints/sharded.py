@@ -1,5 +1,5 @@
 """Checkpoints of data-parallel models: each rank writes its own shard of the optimizer, keyed by
-parameter names, into one checkpoint folder (``roundpipe.sharded_files``), and a load at another
+parameter names, into one checkpoint folder (``checkpoints.sharded_files``), and a load at another
 number of ranks reads each rank's new shard from whatever ranks wrote it.
 
 What a folder holds, by entry name:
@@ -29,20 +29,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from roundpipe.distributed import DataParallelShard, ShardPiece
-from roundpipe.grad_scaler import GradScaler
-from roundpipe.optim import Adam
-from roundpipe.optim_state import elementwise_state
-from roundpipe.optimizer_copy import check_state_dict
-from roundpipe.sharded_files import (
+from roundpipe.checkpoints.sharded_files import (
     CheckpointError,
     Piece,
     load_folder,
     read_saved_entries,
     save_folder,
 )
-from roundpipe.step import drain_optimizer_thread, wait_optimizer_thread
-from roundpipe.torch_internals import tree_flatten
+from roundpipe.distributed import DataParallelShard, ShardPiece
+from roundpipe.optim.adam import Adam
+from roundpipe.optim.adam_state import elementwise_state
+from roundpipe.optim.grad_scaler import GradScaler
+from roundpipe.optim.step_thread import drain_optimizer_thread, wait_optimizer_thread
+from roundpipe.state_dict import check_state_dict
+from roundpipe.torch_internals import has_optimizer_load_hooks, tree_flatten
 
 # The prefix of the optimizer copies' entries in a RoundPipe's state_dict().
 _COPY = "_roundpipe.optim."
@@ -391,9 +391,7 @@ def check_optimizer_state(optimizer: Any, saved: Any, where: str) -> None:
             f"{type(saved).__name__}"
         )
     check_optimizer_groups(optimizer, saved.get("param_groups"), where)
-    if not isinstance(optimizer, (torch.optim.Adam, Adam)) or getattr(
-        optimizer, "_optimizer_load_state_dict_pre_hooks", None
-    ):
+    if not isinstance(optimizer, (torch.optim.Adam, Adam)) or has_optimizer_load_hooks(optimizer):
         return  # a load pre-hook may convert the state
     for group in saved["param_groups"]:
         keys = _ADAM_STATE + (("max_exp_avg_sq",) if group.get("amsgrad") else ())

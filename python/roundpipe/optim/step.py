@@ -3,7 +3,7 @@
 ``RoundPipe.step(step_fn)`` hands the iteration's gradients to the process's optimizer thread and
 swaps in a second gradient arena, so the next iteration accumulates while the optimizer works.
 On that thread every optimizer copy receives its gradient (a pending gradient, see
-``roundpipe.optimizer_copy``: cast into ``.grad`` only if something reads it) and ``step_fn``
+``roundpipe.optim.copies``: cast into ``.grad`` only if something reads it) and ``step_fn``
 runs with ``OptimizerCtx`` active. When the next ``step()`` (or ``synchronize()``) begins, after
 the iteration in between has used the previous weights (bounded staleness 1), the new weights are
 queued into the parameter arena layer by layer on the native weight writer; a stage upload waits
@@ -32,280 +32,28 @@ An exception in ``step_fn`` is re-raised at the next ``step``, ``synchronize`` o
 failed step's weights are not written back. (A synchronous step's fused pass writes them in
 place as it updates the copies, so a failure after that pass leaves them matching the copies.)
 Other asynchronous jobs (``GradScaler.update`` queued from the main thread) report their errors
-the same way (:func:`submit_detached`).
+the same way (:func:`roundpipe.optim.step_thread.submit_detached`).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import os
-import signal
-import sys
-import threading
-import time
 from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from roundpipe._native import _C
-from roundpipe.context import OptimizerCtx, annotate, interrupts_deferred
+from roundpipe.context import OptimizerCtx, locate_error
 from roundpipe.distributed import DataParallel
+from roundpipe.lifecycle import interrupts_deferred
 from roundpipe.memory import ModelMemory, clear_arena
-from roundpipe.optim import fused_writeback
-from roundpipe.optimizer_copy import OptimizerCopy
+from roundpipe.optim import step_thread
+from roundpipe.optim.adam import fused_writeback
+from roundpipe.optim.copies import OptimizerCopy
+from roundpipe.optim.step_thread import raise_detached_errors, submit, wait_for_job
+from roundpipe.timeline.tracing import active_tracer
 from roundpipe.torch_internals import version_of
-from roundpipe.tracing import active_tracer, end_trace_now
-
-# Iterations are counted by the steps submitted in this process. The main thread is in iteration
-# `_submitted`; a job runs on behalf of the iteration that submitted it (see current_iteration).
-_submitted = 0
-# The newest step the program has waited for (finish(), a synchronous step, a drain): what it has
-# done is settled; what a step still in flight does is not, even if it happens to have run.
-_settled: float = -1
-_job = threading.local()
-# Events of asynchronous jobs that no model waits for (GradScaler.update(is_async=True)): their
-# errors are raised by the next step(), synchronize(), forward or GradScaler getter.
-_detached: list[Any] = []
-# Whether this process has queued optimizer work (the fork and exit hooks have nothing to do
-# otherwise, and must not start the optimizer thread).
-_used_optimizer_thread = False
-
-# How long interpreter exit waits for a step in flight after a KeyboardInterrupt (or another
-# uncaught exception) before it leaves without it.
-EXIT_AFTER_ERROR_SECONDS = 2.0
-
-
-def _refuse_model_parameters(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-    """Before any optimizer's step on the optimizer thread: one built over the model's own
-    parameters instead of its optimizer copies would find no gradient on them (they are in the
-    host arena) and silently do nothing; a clear error instead."""
-    stepping: StepPipeline | None = getattr(_job, "stepping", None)
-    if stepping is None:
-        return
-    trained = stepping.trained_ids
-    for group in optimizer.param_groups:
-        if any(id(param) in trained for param in group["params"]):
-            raise RuntimeError(
-                f"{type(optimizer).__name__} in step_fn was built over the model's parameters "
-                "(model.parameters()); RoundPipe hands the gradients to the optimizer copies: "
-                "build it over model.optim_parameters()"
-            )
-
-
-register_optimizer_step_pre_hook(_refuse_model_parameters)
-
-
-def current_iteration() -> int:
-    """The training iteration this thread works for: on the optimizer thread, the iteration whose
-    gradients the running step consumes; elsewhere, the iteration being computed."""
-    iteration = getattr(_job, "iteration", None)
-    return _submitted if iteration is None else iteration
-
-
-def in_step_job() -> bool:
-    """True on the optimizer thread while it runs a step."""
-    return getattr(_job, "iteration", None) is not None
-
-
-def submit(job: Callable[[], None]) -> Any:
-    """Queue ``job`` on the optimizer thread (first in, first out); returns its event."""
-    global _used_optimizer_thread
-    _used_optimizer_thread = True
-    return _C.submit_optimizer_job(job)
-
-
-def submit_detached(job: Callable[[], None]) -> None:
-    """Queue ``job`` on the optimizer thread; its error is raised by :func:`raise_detached_errors`
-    once it has run."""
-    _detached.append(submit(job))
-
-
-def wait_for_job(event: Any) -> BaseException | None:
-    """``event.synchronize()`` for a job on the optimizer thread, telling a Ctrl-C during the
-    wait apart from a job that raised ``KeyboardInterrupt`` itself (user code may).
-
-    Raises the job's own error once it ended with one. A Ctrl-C while the job is still queued or
-    running propagates, the job left as it is (the caller waits for it again next time). A
-    Ctrl-C that came as the job ended successfully is returned, for the caller to raise once it
-    has done what follows a successful job."""
-    try:
-        event.synchronize()
-        return None
-    except KeyboardInterrupt as error:
-        if not event.query():
-            raise  # the job is still queued or running
-        interrupt = error
-    event.synchronize()  # it ended: raises its own error again, if it had one
-    return interrupt
-
-
-def raise_detached_errors(wait: bool = False) -> None:
-    """Re-raise the first error of the detached jobs (with its own type and ``__cause__``): of
-    those that have run, or, with ``wait``, of all queued so far."""
-    while _detached and (wait or _detached[0].query()):
-        try:
-            interrupt = wait_for_job(_detached[0])
-        except KeyboardInterrupt:
-            if not _detached[0].query():
-                raise  # the job is still queued or running: it stays listed
-            _detached.pop(0)  # the job's own KeyboardInterrupt
-            raise
-        except BaseException:
-            _detached.pop(0)
-            raise
-        _detached.pop(0)
-        if interrupt is not None:
-            raise interrupt
-
-
-def settled_iteration() -> float:
-    """The newest step iteration the program has waited for (-1: none). State changed by steps up
-    to it is what the next iteration may use, whatever the timing of the steps after it."""
-    return _settled
-
-
-def _settle(iteration: float) -> None:
-    global _settled
-    _settled = max(_settled, iteration)
-
-
-def restored_iteration() -> float:
-    """The iteration that stands for the step a loaded checkpoint had in flight: between the
-    iterations before the load and those after it (so never settled yet). The loaded model's
-    pending write-back settles it at the next ``step()``, where the saving run settled the real
-    step, and state keyed by it (a loaded scaler's pending scale) follows."""
-    return _submitted - 0.5
-
-
-def drain_optimizer_thread() -> None:
-    """Wait until every step submitted so far has run (the thread is first in, first out), then
-    raise the errors of detached jobs."""
-    if not in_step_job():
-        submitted = _submitted
-        submit(lambda: None).synchronize()
-        _settle(submitted - 1)
-        raise_detached_errors()
-
-
-def wait_optimizer_thread() -> None:
-    """Wait until every job submitted so far has run, then raise the errors of detached jobs;
-    unlike :func:`drain_optimizer_thread` nothing is settled, so what the steps in flight did
-    stays unseen by the iterations, as if nobody had waited (a checkpoint must not change the
-    training)."""
-    if not in_step_job():
-        submit(lambda: None).synchronize()
-        raise_detached_errors()
-
-
-def _wait_for_optimizer_thread(seconds: float | None) -> bool:
-    """Wait (interruptibly) until the jobs queued so far have run, at most ``seconds`` (None: no
-    bound). True if they have."""
-    marker = submit(lambda: None)
-    if seconds is None:
-        marker.synchronize()
-        return True
-    deadline = time.monotonic() + seconds
-    while not marker.query():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def _exiting_after_error() -> bool:
-    """Whether the interpreter is exiting because of an uncaught exception (Ctrl-C included):
-    the exception was printed and kept in ``sys.last_value``."""
-    return isinstance(getattr(sys, "last_value", None), BaseException)
-
-
-def _leave_now() -> None:
-    """Exit at once, without waiting for a step that still runs on the optimizer thread: a
-    normal interpreter shutdown would stop that thread mid-Python when it next takes the GIL
-    (which aborts the process) or wait for it forever. Output is flushed first; the exit status
-    is what an uncaught KeyboardInterrupt gives (killed by SIGINT), 1 for another error. The
-    trace being recorded keeps what it holds (the exit handler that would finish it is skipped)."""
-    ended_by = type(getattr(sys, "last_value", None)).__name__
-    end_trace_now(
-        f"the process ended with an uncaught {ended_by} while optimizer work still ran (left "
-        f"after {EXIT_AFTER_ERROR_SECONDS:g} s): spans not finished by then are missing"
-    )
-    if "logging" in sys.modules:
-        sys.modules["logging"].shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-        os._exit(130)  # SIGINT is ignored or blocked: the shell's code for it
-    os._exit(1)
-
-
-@atexit.register
-def _drain_native_workers() -> None:
-    """Finish every queued native job (optimizer steps included) while the interpreter is still
-    alive: jobs may hold tensors that own Python objects, which must not be released during
-    shutdown. Errors of unfinished steps stay with their events, unreported at exit.
-
-    Queued work is waited for on a normal exit (a Ctrl-C during that wait gives it up); after an
-    uncaught exception (a Ctrl-C) at most ``EXIT_AFTER_ERROR_SECONDS`` in all, a step in flight
-    and the copies still queued together. Work given up is left unfinished (a copy waiting on a
-    hung GPU, say): the process exits at once, skipping the rest of the exit handlers."""
-    bound = EXIT_AFTER_ERROR_SECONDS if _exiting_after_error() else None
-    deadline = None if bound is None else time.monotonic() + bound
-    try:
-        finished = not _used_optimizer_thread or _wait_for_optimizer_thread(bound)
-        if finished:
-            # Then the copy engines and the weight writer.
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            finished = _C.drain_workers(left)
-    except KeyboardInterrupt:
-        sys.last_value = KeyboardInterrupt()
-        finished = False
-    if not finished:
-        _leave_now()
-
-
-def interrupted_before_fork() -> None:
-    """Note a Ctrl-C that came during a wait before ``fork()``: the waits left are skipped, and
-    the parent raises it once ``fork()`` returned (an exception in a fork hook is only printed,
-    and the fork goes ahead)."""
-    _C.note_fork_interrupt(True)
-
-
-def fork_interrupted() -> bool:
-    """Whether a wait before the ``fork()`` under way was interrupted by Ctrl-C."""
-    return _C.fork_interrupted()
-
-
-def _drain_before_fork() -> None:
-    """Let the optimizer thread finish its queued steps before ``fork()``, so the child inherits
-    finished steps and consistent optimizer copies instead of a step it cannot complete (native
-    threads do not survive fork; the child's waits for them raise). Skipped inside a step (the
-    thread would wait for itself)."""
-    if fork_interrupted() or not _used_optimizer_thread or in_step_job():
-        return
-    try:
-        _wait_for_optimizer_thread(None)
-        _C.drain_workers()
-    except KeyboardInterrupt:
-        interrupted_before_fork()
-
-
-def _forget_parent_jobs() -> None:
-    """In a forked child: the parent's detached jobs are not the child's to report, nor its
-    Ctrl-C."""
-    _C.note_fork_interrupt(False)
-    _detached.clear()
-
-
-os.register_at_fork(before=_drain_before_fork, after_in_child=_forget_parent_jobs)
-
 
 _NATIVE_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -482,8 +230,7 @@ class StepPipeline:
             self._spare_grads = self.memory.new_grad_arena()
         self.memory.grads, self._spare_grads = self._spare_grads, handed_over
         slots = self._trained
-        global _submitted
-        iteration, _submitted = _submitted, _submitted + 1
+        iteration = step_thread.next_iteration()
         self.submitted += 1
         self._job_iteration = iteration
 
@@ -523,7 +270,7 @@ class StepPipeline:
                 fused = {copy for copy, version in in_place.items() if version_of(copy) == version}
                 self._fused = fused
             except Exception as error:
-                raise annotate(error, f"{self.where} (step_fn)") from error
+                raise locate_error(error, f"{self.where} (step_fn)") from error
             finally:
                 # Pending gradients that step_fn neither consumed nor dropped become real ones
                 # before their arena is reused.
@@ -536,14 +283,11 @@ class StepPipeline:
         tracer = active_tracer()
 
         def job() -> None:
-            _job.iteration = iteration
-            _job.stepping = self
             start = tracer.mark() if tracer is not None else None
             try:
-                run_step()
+                with step_thread.running_job(iteration, self.trained_ids):
+                    run_step()
             finally:
-                _job.iteration = None
-                _job.stepping = None
                 if tracer is not None:
                     tracer.record(
                         "optimizer_step",
@@ -570,7 +314,7 @@ class StepPipeline:
             dp.reduce_gradients(handed_over)
         except Exception as error:
             handed_over.zero_()
-            raise annotate(error, f"{self.where} (data-parallel gradient reduce)") from error
+            raise locate_error(error, f"{self.where} (data-parallel gradient reduce)") from error
         return [(copies[id(piece.slot.param)], dp.grad_of(piece)) for piece in dp.slices]
 
     def _gather_weights(
@@ -586,7 +330,7 @@ class StepPipeline:
                         dp.target_of(piece).copy_(copy.detach())
             dp.gather_weights()
         except Exception as error:
-            raise annotate(error, f"{self.where} (weight all-gather)") from error
+            raise locate_error(error, f"{self.where} (weight all-gather)") from error
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """Scale the optimizer copies' gradients so that their norm over the whole model (every
@@ -616,13 +360,13 @@ class StepPipeline:
                 if isinstance(error, KeyboardInterrupt) and not job.query():
                     raise  # the step is still running: the next finish() waits for it again
                 self._job = None
-                _settle(self._job_iteration)
+                step_thread.settle(self._job_iteration)
                 raise
             # A Ctrl-C half-way would leave some layers without the step's weights, the step
             # counted as done: held until the write-back is queued.
             with interrupts_deferred():
                 self._job = None
-                _settle(self._job_iteration)
+                step_thread.settle(self._job_iteration)
                 self._written = self._write_back(skip=self.take_edits())
             if interrupt is not None:
                 raise interrupt  # Ctrl-C came as the step ended: its write-back is queued
@@ -667,7 +411,7 @@ class StepPipeline:
         else:
             copies = self.copies()
             self._job = submit(lambda: self._gather_weights(dp, copies, set()))
-        self._job_iteration = restored_iteration()
+        self._job_iteration = step_thread.restored_iteration()
         self._fused = set()
 
     def _fused_targets(

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from roundpipe.call_lock import CallLock
+from roundpipe.call.lock import CallLock
+from roundpipe.call.pipeline import Call
 from roundpipe.gradients import GradientOutcome, GradientPolicy, GradientState
-from roundpipe.pipeline import Call
 from roundpipe.torch_internals import tree_flatten, tree_unflatten, will_engine_execute_node
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from roundpipe._native import _C
-from roundpipe.transfers import flatten, unshared
+from roundpipe.call.transfers import flatten, unshared
 
 
 class SavedInputs:

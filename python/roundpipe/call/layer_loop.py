@@ -20,10 +20,10 @@ import torch
 
 from roundpipe import context
 from roundpipe._native import _C
-from roundpipe.context import annotate
+from roundpipe.call.transfers import on_cuda
+from roundpipe.context import locate_error
 from roundpipe.device import device_at, devices
 from roundpipe.torch_internals import tree_map
-from roundpipe.transfers import on_cuda
 
 if TYPE_CHECKING:
     from torch import nn
@@ -34,7 +34,7 @@ Phase = Literal["forward", "recompute", "backward", "loss"]
 
 
 class LoopModel(Protocol):
-    """What the layer loop reads of the model a call runs (``roundpipe.pipeline.CallModel``)."""
+    """What the layer loop reads of the model a call runs (``call.pipeline.CallModel``)."""
 
     @property
     def layers(self) -> list[nn.Module]: ...
@@ -43,7 +43,7 @@ class LoopModel(Protocol):
 
 
 class LoopOwner(Protocol):
-    """What the layer loop reads of the call it runs layers for (``roundpipe.pipeline.Call``)."""
+    """What the layer loop reads of the call it runs layers for (``call.pipeline.Call``)."""
 
     @property
     def model(self) -> LoopModel: ...
@@ -220,7 +220,7 @@ class LayerCalls:
                 return self.loop.run(layers.start, layers.stop, microbatch, value)
         except Exception as error:
             where = self.call.where(self.context.layer, self.phase, microbatch)
-            raise annotate(error, where) from error
+            raise locate_error(error, where) from error
 
     def keeping(
         self,
@@ -249,7 +249,7 @@ class LayerCalls:
         except Exception as error:
             context = self.context
             where = self.call.where(context.layer, self.phase, context.microbatch)
-            raise annotate(error, where) from error
+            raise locate_error(error, where) from error
 
 
 def _mark_layer(call: LoopOwner, phase: Phase, layer: int, microbatch: int) -> Any:

@@ -1,116 +1,26 @@
-"""Optimizer copies whose gradients arrive lazily.
+"""The state-dict protocol of ``RoundPipe`` and ``AutoRoundPipe``: their model's entries plus the
+runtime's own (optimizer copies, gradients not yet stepped, a pending write-back) under a prefix
+of their own, read without changing the training and loaded all or nothing.
 
-``RoundPipe.step()`` hands each optimizer copy the iteration's gradient as a *pending* gradient: a
-view of the model's gradient arena, in the model's dtype. Reading ``.grad`` turns it into a real
-gradient (cast to the copy's dtype, added to a gradient already there), so every reader sees the
-same values as if it had been moved eagerly. ``roundpipe.optim.Adam`` reads pending gradients
-without that cast (:func:`gradient_of`) and ``Adam.zero_grad()`` drops them, so a step through
-our Adam moves every gradient byte once: from the arena straight into the fused update pass.
-
-A pending gradient lives only while the step that handed it over runs; the step pipeline
-resolves what is left when ``step_fn`` returns (:meth:`OptimizerCopy.resolve_grad`).
-
-:class:`OptimizerCopiesView` is how a model shows its optimizer copies: as its parameters inside
-``OptimizerCtx``, and in its ``state_dict``.
+``state_dict()`` first waits for the step in flight without writing it back (``wait_for_step``),
+so the parameters are the weights the next iteration uses and the optimizer copies are after that
+step. ``load_state_dict()`` checks every entry (``_check_state_dict``) before it drains pending
+work (``drain``), loads the model's entries, then applies the own ones it staged
+(``refresh_copies``). The runtime's own entries are ``_own_state`` / ``_load_own_state`` of each
+class; :func:`check_state_dict` runs the same checks for any module, changing nothing.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Collection, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from roundpipe.context import optimizer_context_active
-from roundpipe.torch_internals import (
-    NORM_CLASSES,
-    loads_state_dict_plainly,
-    set_slot_grad,
-    slot_grad,
-)
-
-
-class OptimizerCopy(nn.Parameter):
-    """An optimizer copy (in ``optim_dtype``) of one model parameter.
-
-    Behaves as an ``nn.Parameter``; only ``.grad`` may be backed by a pending gradient."""
-
-    _pending_grad: Tensor | None = None
-
-    def hand_over_grad(self, grad: Tensor) -> None:
-        """Make ``grad`` (any floating dtype, same shape) this copy's pending gradient; the copy
-        must hold no gradient yet."""
-        assert self._pending_grad is None and slot_grad(self) is None
-        self._pending_grad = grad
-
-    def resolve_grad(self) -> None:
-        """Turn a pending gradient into ``.grad``: cast, or added to a gradient set meanwhile
-        (for example by autograd, which writes the slot directly)."""
-        pending, self._pending_grad = self._pending_grad, None
-        if pending is None:
-            return
-        current = slot_grad(self)
-        with torch.no_grad():
-            if current is None:
-                set_slot_grad(self, pending.to(self.dtype, copy=True))
-            else:
-                current.add_(pending)
-
-    def drop_grad(self) -> None:
-        """``.grad = None`` without casting a pending gradient first."""
-        self._pending_grad = None
-        set_slot_grad(self, None)
-
-    @property
-    def grad(self) -> Tensor | None:
-        self.resolve_grad()
-        return slot_grad(self)
-
-    @grad.setter
-    def grad(self, value: Tensor | None) -> None:
-        self._pending_grad = None
-        set_slot_grad(self, value)
-
-    @grad.deleter
-    def grad(self) -> None:
-        self.drop_grad()
-
-
-# The dtypes in which roundpipe.optim.Adam's native pass reads gradients, casting them to float32
-# exactly as .grad would be cast.
-_READ_AS_IS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def gradient_of(param: Tensor) -> Tensor | None:
-    """``param.grad``, except that a pending gradient is returned as it is (in the model's dtype,
-    not cast) when that reads the same as the cast: it is in the copy's dtype, or in one that
-    ``roundpipe.optim.Adam``'s native pass reads (fp32, bf16, fp16) and casts as ``.grad``
-    would be. Others (an fp64 model's gradients for fp32 copies) are cast into ``.grad``, so
-    that a step on them takes the same path, with the same bits, as one after reading
-    ``.grad``."""
-    if isinstance(param, OptimizerCopy):
-        pending = param._pending_grad
-        if (
-            pending is not None
-            and slot_grad(param) is None
-            and (pending.dtype in _READ_AS_IS or pending.dtype == param.dtype)
-        ):
-            return pending
-    return param.grad
-
-
-def grad_dtype(param: Tensor) -> torch.dtype | None:
-    """The dtype of ``param.grad`` (``None`` without a gradient), without casting a pending
-    gradient into it."""
-    if isinstance(param, OptimizerCopy) and param._pending_grad is not None:
-        current = slot_grad(param)
-        return param.dtype if current is None else current.dtype
-    grad = param.grad
-    return None if grad is None else grad.dtype
-
+from roundpipe.torch_internals import NORM_CLASSES, loads_state_dict_plainly
 
 _saving = threading.local()
 
@@ -136,12 +46,12 @@ def _load_error(module: nn.Module, error_msgs: list[str]) -> RuntimeError:
     )
 
 
-def _views(module: nn.Module) -> list[tuple[str, OptimizerCopiesView]]:
-    """(prefix of its own entries, view) of every OptimizerCopiesView in ``module``."""
+def _views(module: nn.Module) -> list[tuple[str, RuntimeState]]:
+    """(prefix of its own entries, view) of every RuntimeState in ``module``."""
     return [
         (f"{path}.{view._own_state_prefix}" if path else view._own_state_prefix, view)
         for path, view in module.named_modules(remove_duplicate=False)
-        if isinstance(view, OptimizerCopiesView)
+        if isinstance(view, RuntimeState)
     ]
 
 
@@ -158,7 +68,7 @@ def _check_entries(
     same_kind: bool,
     optional: Collection[str] = (),
 ) -> None:
-    """The checks of :meth:`OptimizerCopiesView._check_state_dict`, for any module: with
+    """The checks of :meth:`RuntimeState._check_state_dict`, for any module: with
     ``same_kind`` an entry's dtype must be of its tensor's kind (see ``_check_entry``), else any
     tensor-like value of the right shape passes, as in ``nn.Module.load_state_dict`` (whose
     exceptions it keeps too: a 1-element entry for a 0-dim tensor, lazy parameters). Keys in
@@ -173,7 +83,7 @@ def _check_entries(
         if key not in state_dict or not isinstance(like, Tensor):
             continue
         if same_kind:
-            OptimizerCopiesView._check_entry(key, state_dict[key], like, error_msgs)
+            RuntimeState._check_entry(key, state_dict[key], like, error_msgs)
         elif key.rpartition(".")[2] != "_extra_state":  # set_extra_state takes any object
             _check_torch_entry(key, state_dict[key], like, error_msgs)
     unexpected = [key for key in state_dict if key not in expected]
@@ -224,7 +134,7 @@ def check_state_dict(module: nn.Module, state_dict: Any, strict: bool) -> None:
     A RoundPipe or AutoRoundPipe runs its own check (its own entries and dtypes included). A
     plain module is held to ``nn.Module``'s rules, and not checked at all (its load decides)
     where hooks or a custom ``_load_from_state_dict`` may rewrite the entries."""
-    if isinstance(module, OptimizerCopiesView):
+    if isinstance(module, RuntimeState):
         module._check_state_dict_only(state_dict, strict)
         return
     modules = [m for _, m in module.named_modules(remove_duplicate=False)]
@@ -238,16 +148,17 @@ def check_state_dict(module: nn.Module, state_dict: Any, strict: bool) -> None:
     _check_entries(module, state_dict, strict, same_kind=False, optional=optional)
 
 
-class OptimizerCopiesView(nn.Module):
-    """``parameters()`` / ``named_parameters()`` that return the optimizer copies inside
-    :class:`OptimizerCtx` and the model's parameters otherwise, and ``state_dict`` entries of the
-    runtime's own (the copies, for instance) under ``_own_state_prefix``. Subclasses define
-    ``optim_named_parameters(prefix, remove_duplicate)``, ``_own_state`` and
-    ``_load_own_state``.
+class RuntimeState(nn.Module):
+    """A module whose ``state_dict`` holds the runtime's own entries beside the model's, under
+    ``_own_state_prefix``, read without changing the training and loaded all or nothing.
+
+    Subclasses define ``_own_state`` and ``_load_own_state`` (the own entries), and
+    ``wait_for_step``, ``drain`` and ``refresh_copies`` (what a read waits for, what a load
+    drains first and applies last); ``_state_lock`` is held around reads and loads.
 
     Loading is all or nothing: ``_check_state_dict`` validates every entry before anything
-    changes, and ``_load_own_state`` only checks and stages the own entries (the subclass applies
-    them once the parameters are loaded)."""
+    changes, and ``_load_own_state`` only checks and stages the own entries (``refresh_copies``
+    applies them once the parameters are loaded)."""
 
     _own_state_prefix = "_roundpipe."
 
@@ -328,29 +239,69 @@ class OptimizerCopiesView(nn.Module):
         self._load_own_state(entries, own, error_msgs)
         unexpected_keys.extend(f"{own}{key}" for key in entries)
 
-    def optim_named_parameters(
-        self, prefix: str = "", remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
+    def _state_lock(self) -> AbstractContextManager[Any]:
+        """Held while the state is read or loaded (the model's call lock, if it has one)."""
+        return nullcontext()
+
+    def wait_for_step(self) -> None:
+        """Wait for the step in flight without writing its weights back."""
         raise NotImplementedError
 
-    def optim_parameters(self) -> Iterator[nn.Parameter]:
-        """The optimizer copies of every parameter that requires grad."""
-        for _, param in self.optim_named_parameters():
-            yield param
+    def drain(self) -> None:
+        """Finish pending work (transfers, the step in flight and its write-back)."""
+        raise NotImplementedError
 
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Named optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
-        if optimizer_context_active():
-            yield from self.optim_named_parameters(prefix, remove_duplicate)
-        else:
-            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+    def refresh_copies(self) -> None:
+        """Apply the own entries staged by the load (or refresh the optimizer copies from the
+        loaded parameters)."""
+        raise NotImplementedError
 
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """Optimizer copies inside ``OptimizerCtx``, the model's parameters otherwise."""
-        for _, param in self.named_parameters(recurse=recurse):
-            yield param
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's state, plus RoundPipe's own: the optimizer copies, gradients accumulated
+        but not yet stepped and, while an asynchronous step is in flight, a pending write-back
+        flag (a bool tensor, True).
+
+        Reading the state never changes the training, as in PyTorch: the step in flight is
+        waited for but not written back, so the parameters are the weights the next iteration
+        uses (one step stale) and the optimizer copies (and the optimizer's own state, read
+        afterwards) are after that step; the pending write-back records that the copies are one
+        step ahead. Loading such a state restores exactly that: the next ``step()`` applies the
+        pending write-back where the saving run applied it, so a resumed run continues the same
+        trajectory bit for bit. A failed step in flight raises here (nothing is saved) and again
+        at the next ``step()`` or ``synchronize()``.
+
+        Checkpoint recipe (``roundpipe.save_checkpoint`` / ``load_checkpoint`` do this, atomically
+        and checksummed)::
+
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            torch.save(state, path)
+            ...
+            state = torch.load(path, weights_only=True)
+            model.load_state_dict(state["model"])  # before creating or loading the optimizer
+            optimizer.load_state_dict(state["optimizer"])
+        """
+        with self._state_lock():
+            self.wait_for_step()
+            return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a ``state_dict()`` of this (or a plain) model, checked entirely before anything
+        changes; then pending work is drained and the state replaces it, pending write-backs
+        included (see :meth:`state_dict`). Without the own optimizer-copy entries (a plain
+        model's checkpoint) existing optimizer copies are refreshed from the loaded parameters.
+        Read checkpoint files with ``torch.load(path, weights_only=True)``: a checkpoint must not
+        be able to run code."""
+        if assign:
+            raise ValueError(
+                "assign=True would replace the parameters that RoundPipe keeps in its host "
+                "arenas; load with assign=False"
+            )
+        with self._state_lock():
+            self._check_state_dict(state_dict, strict)  # nothing changes unless all of it loads
+            self.drain()
+            result = super().load_state_dict(state_dict, strict=strict)
+            self.refresh_copies()
+            return result
 
 
-__all__ = ["OptimizerCopiesView", "OptimizerCopy", "check_state_dict", "grad_dtype", "gradient_of"]
+__all__ = ["RuntimeState", "check_state_dict"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from roundpipe._native import _C
-from roundpipe.trace_events import (
+from roundpipe.timeline.events import (
     DEVICE_LANES,
     HOST_LANES,
     PHASES,
@@ -34,7 +34,7 @@ from roundpipe.trace_events import (
     chrome_event,
     lane_names,
 )
-from roundpipe.trace_file import TraceFile
+from roundpipe.timeline.file import TraceFile
 
 #: A timestamp: host ``perf_counter_ns``, or a CUDA event recorded on a device stream.
 Mark = Any
@@ -69,11 +69,11 @@ _END_NOW_SECONDS: Final[float] = 1.0
 
 class Tracer:
     """Collects the events of a trace; thread-safe. Obtain it with
-    :func:`roundpipe.tracing.active_tracer`.
+    :func:`roundpipe.timeline.tracing.active_tracer`.
 
     With a path, the events are streamed to the file as the run goes (a writer thread, every
     ``FLUSH_SECONDS`` or ``FLUSH_EVENTS`` events), so memory stays bounded and the file is a
-    valid trace at any time (see :mod:`roundpipe.trace_file`). Without one, they stay in memory
+    valid trace at any time (see :mod:`roundpipe.timeline.file`). Without one, they stay in memory
     until :meth:`close`.
 
     ``error`` is the ``OSError`` that stopped the file from being written (None while fine):
@@ -409,7 +409,7 @@ class Tracer:
 class StageTrace:
     """The events of one stage on one device, sharing model, stage index, layers and device:
     what the pipeline holds while a trace is recorded (see
-    :func:`roundpipe.tracing.stage_trace`)."""
+    :func:`roundpipe.timeline.tracing.stage_trace`)."""
 
     def __init__(self, tracer: Tracer, model: str, device: int, stage: int, layers: range) -> None:
         self.tracer, self.model, self.device = tracer, model, device

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from roundpipe._native import BUILD_INFO
-from roundpipe.checkpoint_sharded import (
+from roundpipe.checkpoints.sharded import (
     check_parts,
     checks_on_every_rank,
     drain_for_load,
@@ -54,9 +54,9 @@ from roundpipe.checkpoint_sharded import (
     load_sharded,
     save_sharded,
 )
-from roundpipe.sharded_files import CheckpointError
+from roundpipe.checkpoints.sharded_files import CheckpointError
 
-FORMAT = "roundpipe.checkpoint"
+FORMAT = "roundpipe.checkpoints.checkpoint"
 FORMAT_VERSION = 1
 CHUNK_BYTES = 64 << 20
 MAGIC = b"RPCKPT01"
@@ -85,7 +85,7 @@ def save_checkpoint(
     *folder* instead, and every rank of its group must call this with its own replica and
     optimizer: each writes its shard of the optimizer, keyed by parameter names, through
     ``torch.distributed.checkpoint``, and a manifest naming the files and their checksums is
-    replaced atomically once all are on disk (``roundpipe.checkpoint_sharded``).
+    replaced atomically once all are on disk (``roundpipe.checkpoints.sharded``).
 
     Args:
         path: the checkpoint file (its folder must exist), or for a data-parallel model the

@@ -120,7 +120,7 @@ class TraceSummary:
 
 class Trace:
     """A timeline: measured (from :func:`roundpipe.trace`) or predicted (from
-    :func:`roundpipe.tracing.predict_trace`).
+    :func:`roundpipe.timeline.tracing.predict_trace`).
 
     ``cut_short`` is None for a whole recording, else why it ended early (the process ended
     while recording, or left without waiting for the work still in flight).

@@ -19,9 +19,9 @@ import torch
 
 from roundpipe._native import _C
 from roundpipe.distributed import any_rank
-from roundpipe.optim import Adam
-from roundpipe.optimizer_copy import grad_dtype, gradient_of
-from roundpipe.step import (
+from roundpipe.optim.adam import Adam
+from roundpipe.optim.copies import grad_dtype, gradient_of
+from roundpipe.optim.step_thread import (
     current_iteration,
     drain_optimizer_thread,
     in_step_job,

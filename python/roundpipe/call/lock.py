@@ -11,8 +11,11 @@ naming both models, the call unwinds, and the other thread goes on.
 
 from __future__ import annotations
 
-import os
 import threading
+from collections.abc import Callable, Iterable
+
+from roundpipe import lifecycle
+from roundpipe.optim.step_thread import in_step_job
 
 
 class _Waits:
@@ -24,15 +27,6 @@ class _Waits:
 
 
 _waits = _Waits()
-
-
-def _reset_after_fork() -> None:
-    # The child has only the forking thread: no waits, and no lock a vanished thread held.
-    global _waits
-    _waits = _Waits()
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 class CallLock:
@@ -105,4 +99,53 @@ class CallLock:
                 chain.append(lock)
 
 
-__all__ = ["CallLock"]
+# fork() while models are in use: the child inherits every model between two calls. Before
+# fork() the calls in flight on other threads end first (every live model's lock is taken, in one
+# order, and held until fork() returned), then the optimizer thread drains (the lifecycle's order).
+# A child then never inherits a lock held by a thread it does not have (its first call would wait
+# for ever), nor a stage's device copies bound in place of the parameters.
+_held: list[CallLock] = []
+_live: list[Callable[[], Iterable[CallLock]]] = []
+
+
+def hold_for_fork(locks: Callable[[], Iterable[CallLock]]) -> None:
+    """Have ``fork()`` hold the call locks ``locks()`` gives (the live models')."""
+    _live.append(locks)
+
+
+def _hold() -> None:
+    """Wait for the calls in flight on other threads, holding every model's lock until fork()
+    returned. Skipped on the optimizer thread (the main thread may be waiting there for the
+    step, holding its model's lock); a Ctrl-C gives up the wait."""
+    if in_step_job() or lifecycle.fork_interrupted():
+        return
+    try:
+        locks = [lock for source in _live for lock in source()]
+        for lock in sorted(locks, key=id):  # one order: two forking threads cannot cross
+            lock.acquire(refuse_endless=False)  # a hook of fork() cannot raise
+            _held.append(lock)
+    except KeyboardInterrupt:
+        _release()
+        lifecycle.interrupted_before_fork()
+
+
+def _release() -> None:
+    while _held:
+        _held.pop().release()
+
+
+def _release_in_child() -> None:
+    # The child has only the forking thread: no waits, and no lock a vanished thread held.
+    global _waits
+    _waits = _Waits()
+    _release()
+
+
+lifecycle.join(
+    "call locks",
+    lifecycle.Participant(
+        before_fork=_hold, after_fork_in_parent=_release, after_fork_in_child=_release_in_child
+    ),
+)
+
+__all__ = ["CallLock", "hold_for_fork"]
