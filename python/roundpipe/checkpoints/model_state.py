@@ -59,11 +59,11 @@ class ModelState:
         steps = self.steps
         known: dict[str, torch.Tensor | None] = {}
         whole: dict[str, nn.Parameter] = {}
-        for name, param in trainable:
-            shape = steps.copy_shape(param)
+        for name, trained in trainable:
+            shape = steps.copy_shape(trained)
             key = f"optim.model.{name}"
-            known[key] = None if shape is None else param.new_empty(shape, device="meta")
-            whole[key] = param
+            known[key] = None if shape is None else trained.new_empty(shape, device="meta")
+            whole[key] = trained
         known["grads"] = self.memory.grads
         known["pending_writeback"] = torch.tensor(True)
         self.staged = {}
