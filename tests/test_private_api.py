@@ -69,6 +69,51 @@ def _private_uses(path: Path) -> list[str]:
     return found
 
 
+def _torch_private_names() -> set[str]:
+    """The underscored attribute names of torch's common objects (a module, a tensor, an
+    optimizer, the ``torch`` namespaces): what a string passed to ``getattr`` could reach."""
+    owners = [
+        nn.Linear(1, 1),
+        torch.zeros(1, requires_grad=True),
+        torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1),
+        torch,
+        torch.autograd,
+        torch.nn.functional,
+        torch.optim.Optimizer,
+        torch.utils,
+    ]
+    ours = {"_C"}  # roundpipe's compiled core has the name of torch's
+    return {
+        name
+        for owner in owners
+        for name in dir(owner)
+        if name.startswith("_") and not name.startswith("__") and name not in ours
+    }
+
+
+def _private_strings(path: Path, private: set[str]) -> list[str]:
+    """Where ``path`` holds one of torch's underscored names in a string literal (a name handed
+    to ``getattr``/``hasattr``/``setattr`` reaches the private API as surely as an attribute)."""
+    return [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.value!r}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in private
+    ]
+
+
+def test_only_the_door_names_torch_private_attributes_in_strings() -> None:
+    private = _torch_private_names()
+    assert "_forward_hooks" in private  # the names were read
+    assert "_optimizer_load_state_dict_pre_hooks" in private
+    found = [
+        use
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "torch_internals.py"
+        for use in _private_strings(path, private)
+    ]
+    assert not found, "\n".join(sorted(set(found)))
+
+
 def test_only_the_door_touches_private_torch_api() -> None:
     found = [
         use
