@@ -10,9 +10,9 @@ own ``forward`` keeps running on the host, gluing them together. The root is the
 
 from __future__ import annotations
 
-import itertools
 import logging
 import sys
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +23,7 @@ from torch import nn
 from roundpipe.context import OptimizerCtx
 from roundpipe.device import device_count
 from roundpipe.forwarding import ForwardingModule
+from roundpipe.memory import module_bytes
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 
@@ -34,12 +35,6 @@ OverrideConfig = Mapping[nn.Module | str, OverrideValue]
 
 # RoundPipe constructor keywords an AutoRoundPipe accepts and ignores (its parts are built).
 _IGNORED_AUTO_KWARGS = frozenset({"pin_model", "model_run_config"})
-
-
-def _size_bytes(module: nn.Module, recurse: bool = True) -> int:
-    """Bytes of ``module``'s parameters and buffers (its own only unless ``recurse``)."""
-    tensors = itertools.chain(module.parameters(recurse), module.buffers(recurse))
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _has_own_forward(module: nn.Module) -> bool:
@@ -156,9 +151,9 @@ class _Converter:
             return self.make(module, path)
         if isinstance(module, nn.Sequential):
             return self.make(module, path)
-        total = _size_bytes(module)
+        total = module_bytes(module)
         if _has_own_forward(module) and (
-            _size_bytes(module, recurse=False) >= self.lower or total <= self.upper
+            module_bytes(module, recurse=False) >= self.lower or total <= self.upper
         ):
             return self.make(module, path, single_microbatch=total < self.lower)
         if isinstance(module, nn.ModuleList):
@@ -570,18 +565,23 @@ class AutoRoundPipe(ForwardingModule):
                 param.copy_(copies[id(param)])
 
 
-def wrap_model(model: nn.Module, **roundpipe_kwargs: Any) -> RoundPipe:
+def wrap_model(model: nn.Module | types.FunctionType, **roundpipe_kwargs: Any) -> RoundPipe:
     """``model`` as one RoundPipe through its sequential preset (roundpipe 0.1.1's preset
     dispatcher; :func:`wrap_model_to_roundpipe` tries it first).
 
     Args:
-        model: a Hugging Face causal LM with a preset (or a PEFT wrapper around one).
+        model: a Hugging Face causal LM with a preset (or a PEFT wrapper around one), or a
+            Python function (0.1.1's ``"function"`` preset: ``roundpipe.models.function``).
         **roundpipe_kwargs: ``RoundPipe`` arguments (``model_run_config``, ``name``,
             ``optim_dtype``, ``pin_model``) and the presets' ``loss_chunk_size``.
 
     Raises:
         NotImplementedError: no preset handles ``type(model)``.
     """
+    if isinstance(model, types.FunctionType):
+        from roundpipe.models import function
+
+        return function.wrap_model(model, **roundpipe_kwargs)
     from roundpipe.models.presets import find_preset
 
     preset = find_preset(model)
@@ -743,7 +743,7 @@ def wrap_model_to_roundpipe(
             )
         return wrapped
     if upper_threshold is None:
-        upper_threshold = _size_bytes(model) // (device_count() + 1)
+        upper_threshold = module_bytes(model) // (device_count() + 1)
     converter = _Converter(
         lower_threshold,
         upper_threshold,
