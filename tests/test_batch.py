@@ -200,18 +200,21 @@ def test_auto_split_kwargs_follow_the_batch_size() -> None:
         assert k["bias"] is bias and k["s"] is scalar and k["b"] is one_row and k["flag"] is True
 
 
-def test_auto_split_kwargs_only_call_takes_the_batch_from_kwargs() -> None:
+def test_auto_split_kwargs_only_call_cuts_every_tensor_on_its_own() -> None:
+    """Without a batch from the args, seed 000's rule: every tensor with ndim > 0 is cut along
+    dim 0 into num_microbatch chunks of its own (3 rows beside 7: one each); the first one is
+    the batch the label follows."""
     input_ids, attention_mask = torch.arange(14).reshape(7, 2), torch.ones(7, 2)
-    table = torch.randn(3, 2)
-    args_list, kwargs_list = split_input(
-        (), {"input_ids": input_ids, "attention_mask": attention_mask, "table": table}, 3, None
-    )
+    table, scalar = torch.randn(3, 2), torch.tensor(2.0)
+    batch = BatchRows()
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "table": table, "s": scalar}
+    args_list, kwargs_list = split_input((), kwargs, 3, None, batch)
     assert args_list == [(), (), ()]
-    _assert_tensor_lists_equal([k["input_ids"] for k in kwargs_list], _chunks(input_ids, 3))
-    _assert_tensor_lists_equal(
-        [k["attention_mask"] for k in kwargs_list], _chunks(attention_mask, 3)
-    )
-    assert all(k["table"] is table for k in kwargs_list)
+    for name in ("input_ids", "attention_mask", "table"):
+        _assert_tensor_lists_equal([k[name] for k in kwargs_list], _chunks(kwargs[name], 3))
+    assert all(k["s"] is scalar for k in kwargs_list)
+    labels = split_label(input_ids * 10, 3, None, batch)
+    _assert_tensor_lists_equal(labels, [k["input_ids"] * 10 for k in kwargs_list])
 
 
 def test_auto_split_cuts_a_flattened_label_along_the_samples() -> None:

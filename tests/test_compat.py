@@ -6,6 +6,10 @@ from __future__ import annotations
 import copy
 import importlib
 import itertools
+import os
+import subprocess
+import sys
+import types
 from typing import Any
 
 import pytest
@@ -243,7 +247,7 @@ MODULE_NAMES = {
         "ModelTimer",
         "__version__",
     ],
-    "roundpipe.roundpipe": ["RoundPipe", "AutoRoundPipe"],
+    "roundpipe.roundpipe": ["RoundPipe", "AutoRoundPipe", "RoundPipeBase"],
     "roundpipe.run_config": ["RoundPipeRunConfig"],
     "roundpipe.scheduler": ["ModelExecutePlan"],
     "roundpipe.context": [
@@ -259,7 +263,9 @@ MODULE_NAMES = {
     "roundpipe.profile": ["annotate", "PROFILER_TYPE"],
     "roundpipe.models": ["AutoRoundPipe", "wrap_model", "wrap_model_to_roundpipe"],
     "roundpipe.wrapper": ["wrap_model_to_roundpipe", "AutoRoundPipe", "RoundPipe"],
-    "roundpipe.batch": ["RoundPipePackedData"],
+    "roundpipe.batch": ["RoundPipePackedData", "guess_split_spec", "AvgReducer", "avg_reducer"],
+    "roundpipe.device": ["get_num_devices", "get_min_gpu_memory", "get_next_device", "gc_collect"],
+    "roundpipe.models.function": ["EXPECTED_MODEL_CLASS", "wrap_model", "CompileForCausalLMLoss"],
 }
 
 
@@ -272,6 +278,23 @@ def test_documented_module_paths_expose_their_names(module: str) -> None:
     wrapper = importlib.import_module("roundpipe.wrapper")
     assert roundpipe.roundpipe.RoundPipe is wrapper.RoundPipe is RoundPipe
     assert roundpipe.ModelTimer.VERBOSE is False  # documented default
+
+
+def test_a_bare_import_exposes_the_documented_submodules() -> None:
+    # 0.1.1's `import roundpipe` made roundpipe.profile and roundpipe.wrapper attributes; the
+    # averaging reducer still loads torch.distributed.pipelining only when it is asked for.
+    code = (
+        "import sys, roundpipe\n"
+        "assert callable(roundpipe.profile.annotate), 'profile'\n"
+        "assert roundpipe.wrapper.wrap_model_to_roundpipe is roundpipe.wrap_model_to_roundpipe\n"
+        "assert 'torch.distributed.pipelining.microbatch' not in sys.modules, 'pipelining'\n"
+        "from roundpipe.batch import AvgReducer, avg_reducer\n"
+        "assert isinstance(avg_reducer, AvgReducer)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr
 
 
 def test_annotate_is_a_no_op_context_manager_and_decorator_without_cuda() -> None:
@@ -515,6 +538,32 @@ def test_wrap_model_without_a_preset_raises_not_implemented() -> None:
 
     with pytest.raises(NotImplementedError, match="preset"):
         wrap_model(TwoBranch())
+
+
+def per_row_mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((prediction - target) ** 2).mean(dim=1)
+
+
+def test_wrap_model_runs_a_function_as_a_roundpipe(num_devices: int) -> None:
+    # Contract: SUPPORTED_MODELS["function"] is the module of the "function" preset:
+    # wrap_model(function) is a RoundPipe running the function, microbatch by microbatch.
+    from roundpipe.models import SUPPORTED_MODELS, function, wrap_model
+
+    module = importlib.import_module(SUPPORTED_MODELS["function"], "roundpipe.models")
+    assert module is function and function.EXPECTED_MODEL_CLASS is types.FunctionType
+    wrapped = wrap_model(per_row_mse)
+    assert isinstance(wrapped, RoundPipe) and wrapped.name == "per_row_mse"
+    torch.manual_seed(0)
+    prediction, target = torch.randn(6, 3, requires_grad=True), torch.randn(6, 3)
+    reference = prediction.detach().clone().requires_grad_()
+    out = wrapped(prediction, target, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=3))
+    expected = per_row_mse(reference, target)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(prediction.grad, reference.grad)
+    with pytest.raises(NotImplementedError, match="FunctionType"):
+        function.wrap_model(nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
 def test_preset_lookup_with_none_prints_a_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -767,3 +816,99 @@ def test_run_configs_and_plans_are_snapshots(num_devices: int) -> None:
     with_plan = RoundPipeRunConfig(execute_plan=plan)
     plan.bwd_plan = [range(0, 2)]
     assert with_plan.execute_plan is not None and with_plan.execute_plan.bwd_plan == [range(0, 1)]
+
+
+# --------------------------------------------------------------------------------------------
+# Internal APIs 0.1.1 documents (docs/Developer/internal_apis)
+
+
+def test_roundpipe_reports_its_layers_and_timer(num_devices: int) -> None:
+    # Contract: num_layers, layer_size (each layer's parameters and buffers in GB of 10**9
+    # bytes), model_timer (the per-layer timings); both wrappers derive from RoundPipeBase.
+    layers = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    model = RoundPipe(copy.deepcopy(layers))
+    assert model.num_layers == 4
+    sizes = [
+        sum(t.numel() * t.element_size() for t in layer.state_dict().values()) / 1e9
+        for layer in layers
+    ]
+    assert model.layer_size == pytest.approx(sizes) and sizes[1] > 0 and sizes[2] == 0
+    assert isinstance(model.model_timer, roundpipe.timer.ModelTimer)
+    assert model.model_timer.estimate(0, "fwd") is None
+    model.forward_backward(input_args=(torch.randn(16, 4),), loss_fn=lambda out, _: out.sum())
+    assert all(model.model_timer.estimate(i, "fwd") is not None for i in range(4))
+    with pytest.raises(NotImplementedError, match="synchronize"):
+        model.layer_attrs  # noqa: B018
+    base = roundpipe.roundpipe.RoundPipeBase
+    assert isinstance(model, base) and issubclass(base, nn.Module)
+    assert isinstance(roundpipe.roundpipe.AutoRoundPipe(nn.Sequential(model)), base)
+
+
+def test_sync_optim_param_writes_the_step_into_the_model(num_devices: int) -> None:
+    # Contract: sync_optim_param() copies the optimizer's results into the parameters (here
+    # after an asynchronous step), without publishing gradients.
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    model = RoundPipe(copy.deepcopy(reference))
+    optimizer = Adam(model.optim_parameters(), lr=0.1)
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=0.1)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=mse_sum)
+    model.step(lambda: optimizer.step(), is_async=True)
+    mse_sum(reference(x), y).backward()
+    reference_optimizer.step()
+    model.sync_optim_param()
+    for got, want in zip(model.model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+        assert got.grad is None
+    # It waits for the step, so step_fn (on the optimizer thread) cannot call it.
+    with pytest.raises(RuntimeError, match="called from step_fn"):
+        model.step(model.sync_optim_param, is_async=False)
+
+
+def test_device_helpers_of_0_1_1(num_devices: int) -> None:
+    # get_min_gpu_memory(): the smallest device memory in GB (2**30 bytes), 60% of which is
+    # ModelExecutePlan.auto's default model_memory_limit; virtual CPU devices share the host's.
+    from roundpipe import device
+
+    if roundpipe.device_kind() == "cuda":
+        indices = {d.index for d in roundpipe.devices()}
+        smallest = min(torch.cuda.get_device_properties(i).total_memory for i in indices)
+    else:
+        smallest = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / num_devices
+    assert device.get_min_gpu_memory() == pytest.approx(smallest / 2**30)
+    limit = roundpipe.scheduler.default_model_memory_limit()
+    assert limit == pytest.approx(0.6 * device.get_min_gpu_memory())
+    assert device.gc_collect() is None
+    # 0.1.1's per-GPU device managers do not exist here: a clear error naming what to use.
+    with pytest.raises(NotImplementedError, match=r"roundpipe\.devices\(\)"):
+        device.get_next_device()
+    for name in ("device_list", "cur_device"):
+        with pytest.raises(NotImplementedError, match=rf"{name}: .*device_count"):
+            getattr(device, name)
+    with pytest.raises(AttributeError):
+        device.no_such_name  # noqa: B018
+
+
+def test_grad_scaler_enabled_is_a_read_only_attribute() -> None:
+    assert roundpipe.GradScaler().enabled is True
+    scaler = roundpipe.GradScaler(enabled=False)
+    loss = torch.tensor(3.0)
+    assert scaler.enabled is False and scaler.scale(loss) is loss  # disabled: a no-op
+    with pytest.raises(AttributeError):
+        scaler.enabled = True  # type: ignore[misc]
+
+
+def test_check_valid_takes_the_documented_plans() -> None:
+    # The user guide's plans for a 4-layer model: forward(), then forward_backward().
+    plan = ModelExecutePlan()
+    plan.fwd_plan = [range(0, 2), range(2, 4)]
+    plan.bwd_plan = [range(3, 4), range(2, 3), range(1, 2), range(0, 1)]
+    plan.check_valid(4, "train")
+    plan.check_valid(4, "infer")
+    with pytest.raises(ValueError, match="fused"):
+        plan.check_valid(4, "fused")
+    plan.fwd_plan = [range(0, 3)]
+    plan.check_valid(4, "fused")
+    with pytest.raises(ValueError, match="cover"):
+        plan.check_valid(4, "train")

@@ -169,6 +169,31 @@ def test_chunked_head_and_cross_entropy_match_without_logits(
     assert_same_grads(reference, wrapped)
 
 
+def test_position_ids_of_one_row_go_whole_to_every_microbatch(num_devices: int) -> None:
+    # A keyword-only call: the token tensor is the batch; position_ids of a batch dimension of 1
+    # (broadcast by Hugging Face) is passed whole, so the call still runs 2 microbatches.
+    reference, wrapped = make_pair("llama")
+    batch = make_batch(padding=False)
+    position_ids = torch.arange(9).unsqueeze(0) + 3
+    calls: list[int] = []
+
+    def loss_fn(out: Any, _: Any) -> torch.Tensor:
+        calls.append(1)
+        return out.loss / 2
+
+    loss = wrapped.forward_backward(
+        input_kwargs={**batch, "position_ids": position_ids},
+        loss_fn=loss_fn,
+        run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
+    assert len(calls) == 2
+    parts = microbatches(batch, 2)
+    expected = sum(reference(**part, position_ids=position_ids).loss / 2 for part in parts)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    assert_same_grads(reference, wrapped)
+
+
 def test_inference_without_labels_returns_logits() -> None:
     reference, wrapped = make_pair("qwen3")
     batch = make_batch(padding=True)

@@ -7,7 +7,7 @@ runs asynchronously on the host. Importing this package touches no device and st
 
 from __future__ import annotations
 
-from roundpipe import optim
+from roundpipe import optim, profile, wrapper
 from roundpipe._native import BUILD_INFO
 from roundpipe.batch import RoundPipePackedData
 from roundpipe.checkpoints.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -46,8 +46,10 @@ __all__ = [
     "get_recompute_data",
     "load_checkpoint",
     "optim",
+    "profile",
     "save_checkpoint",
     "save_for_recompute",
     "trace",
     "wrap_model_to_roundpipe",
+    "wrapper",
 ]

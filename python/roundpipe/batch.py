@@ -10,13 +10,14 @@ Automatic split (spec ``None``):
 * args and labels: every tensor with ``ndim > 0`` is chunked along dim 0 with
   ``torch.tensor_split`` semantics (uneven sizes give the first chunks one extra row); 0-d tensors
   and non-tensors are replicated.
-* kwargs: only tensors whose dim-0 size equals the *batch size* are chunked, into the same row
-  counts as the batch; every other kwarg is replicated. The batch is the first leaf of ``args``
-  that is chunked along dim 0 (or a packed leaf of such tensors). When ``args`` has none, it is
-  the first such leaf of ``kwargs`` (an automatic tensor with ``ndim > 0``, a tensor chunked
-  along dim 0 by the spec, or a packed leaf), so keyword-only calls such as
-  ``model(input_ids=..., attention_mask=...)`` split as expected. When neither has one there is
-  nothing to split and every microbatch receives the whole input.
+* kwargs, when ``args`` sets the *batch* (its first leaf chunked along dim 0, or a packed leaf
+  of such tensors): only tensors whose dim-0 size equals the batch size are chunked, into the
+  same row counts as the batch; every other kwarg is replicated.
+* kwargs, when ``args`` sets none (keyword-only calls such as
+  ``model(input_ids=..., attention_mask=...)``): every tensor with ``ndim > 0`` is chunked along
+  dim 0 on its own, as seed 000 (and roundpipe 0.1.1) cut every tensor: 3 rows beside 8 give 2
+  and 1 rows to 2 microbatches. The first such leaf is the batch the label follows. When neither
+  has one there is nothing to split and every microbatch receives the whole input.
 
 Specs are trees shaped like the value (or a prefix of it) whose leaves are
 ``torch.distributed.pipelining.microbatch`` markers: ``TensorChunkSpec(dim)`` (chunk / concatenate
@@ -35,7 +36,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from typing_extensions import TypeIs
@@ -52,6 +53,13 @@ SplitInputFn = Callable[
 ]
 SplitLabelFn = Callable[[Any, int], list[Any]]
 MergeOutputFn = Callable[[list[Any]], Any]
+#: How an automatically split tensor leaf is cut: ``"batch"`` (args and labels) along the batch,
+#: which the first one sets (a whole multiple of the batch size: with its samples; any other
+#: size: ``ValueError``); ``"matching"`` (kwargs, when the args set the batch) only when its
+#: size is the batch's, else replicated; ``"each"`` (kwargs, when the args set none) into
+#: ``num_microbatch`` chunks of its own, as seed 000 cuts every tensor, the first one setting the
+#: batch the label follows.
+SplitRule = Literal["batch", "matching", "each"]
 
 
 class Event(Protocol):
@@ -257,6 +265,36 @@ def check_spec(spec: Any, field: str, allow_reduce: bool) -> None:
             raise TypeError(f"{path}: {leaf!r} is not a spec; use {allowed} or None (automatic)")
 
 
+def guess_split_spec(data: Any, expected_batchsize: int | None = None) -> tuple[Any, int | None]:
+    """roundpipe 0.1.1's guess of a split spec, kept as compatibility surface: the automatic
+    kwargs rule of :func:`split_input` written out as a spec.
+
+    Returns ``(spec, batch_size)``: ``spec`` is shaped like ``data``, ``TensorChunkSpec(0)`` for
+    every tensor with ``ndim > 0`` whose dim 0 is ``expected_batchsize`` (any size when it is
+    ``None``) and ``_Replicate`` for every other leaf; ``batch_size`` is the dim-0 size those
+    tensors agree on (a :class:`RoundPipePackedData` of such tensors counts with its total
+    rows), or ``None`` when there are none or they disagree. (Importing the markers costs over a
+    second the first time.)
+    """
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+    leaves, treespec = tree_flatten(data)
+    spec: list[Any] = []
+    sizes: list[int] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            if expected_batchsize is None or leaf.size(0) == expected_batchsize:
+                spec.append(TensorChunkSpec(0))  # type: ignore[no-untyped-call]
+                sizes.append(leaf.size(0))
+                continue
+        rows = _packed_rows(leaf) if isinstance(leaf, RoundPipePackedData) else None
+        if rows is not None:
+            sizes.append(sum(rows))
+        spec.append(_Replicate)
+    agreed = sizes[0] if sizes and all(size == sizes[0] for size in sizes) else None
+    return tree_unflatten(spec, treespec), agreed
+
+
 # ----------------------------------------------------------------------------------------------
 # Splitting
 
@@ -333,7 +371,7 @@ def _unpack(packed: RoundPipePackedData, n: int, path: str, batch: BatchRows) ->
 
 
 def _split_leaf(
-    value: Any, spec: Any, n: int, path: str, batch: BatchRows, batch_only: bool
+    value: Any, spec: Any, n: int, path: str, batch: BatchRows, rule: SplitRule
 ) -> list[Any]:
     kind = marker_kind(spec)
     is_tensor = isinstance(value, torch.Tensor)
@@ -358,10 +396,14 @@ def _split_leaf(
         raise ValueError(f"{path}: _CustomReducer only applies to merge_output")
     if kind == "replicate" or n == 1 or not is_tensor or value.dim() == 0:
         return [value] * n
+    if rule == "each":
+        chunks = _split_dim_chunks(value, 0, n, path)
+        batch.set([c.size(0) for c in chunks], path)
+        return chunks
     if batch.rows is not None and batch.matches(value):
         return list(torch.split(value, batch.rows, 0))
     if batch.rows is not None:
-        if batch_only:
+        if rule == "matching":
             return [value] * n
         per_row = batch.per_row(value)
         if per_row is not None:
@@ -384,13 +426,10 @@ def _split_leaf(
 
 
 def _split_tree(
-    value: Any, spec: Any, n: int, path: str, batch: BatchRows, batch_only: bool
+    value: Any, spec: Any, n: int, path: str, batch: BatchRows, rule: SplitRule
 ) -> list[Any]:
-    """Split ``value`` into ``n`` values following ``spec`` (``None``, a marker or a tree).
-
-    ``batch_only`` selects the kwargs rule: once the batch is known, automatic leaves are chunked
-    only when they match it; before that, the first one becomes the batch.
-    """
+    """Split ``value`` into ``n`` values following ``spec`` (``None``, a marker or a tree), its
+    automatic leaves by ``rule`` (see :data:`SplitRule`)."""
     if isinstance(value, RoundPipePackedData):
         return _unpack(value, n, path, batch)
     node = _expand(value)
@@ -402,11 +441,11 @@ def _split_tree(
             )
         child_specs = _align(node, spec, path, "the spec", "the input")
     elif node is None:
-        return _split_leaf(value, spec, n, path, batch, batch_only)
+        return _split_leaf(value, spec, n, path, batch, rule)
     else:
         child_specs = [spec] * len(node.children)
     parts = [
-        _split_tree(child, child_spec, n, path + label, batch, batch_only)
+        _split_tree(child, child_spec, n, path + label, batch, rule)
         for child, child_spec, label in zip(node.children, child_specs, node.labels, strict=True)
     ]
     return [node.rebuild([part[m] for part in parts]) for m in range(n)]
@@ -504,9 +543,10 @@ def split_input(
     while True:
         try:
             with _naming("split_input"):
-                args_list = _split_tree(args, args_spec, num_microbatch, "args", batch, False)
+                args_list = _split_tree(args, args_spec, num_microbatch, "args", batch, "batch")
+                rule: SplitRule = "each" if batch.rows is None else "matching"
                 kwargs_list = _split_tree(
-                    kwargs, kwargs_spec, num_microbatch, "kwargs", batch, True
+                    kwargs, kwargs_spec, num_microbatch, "kwargs", batch, rule
                 )
             return args_list, kwargs_list
         except _FewerMicrobatches as fewer:
@@ -538,7 +578,7 @@ def split_label(
     batch = BatchRows() if batch is None else batch
     try:
         with _naming("split_label"):
-            return _split_tree(label, spec, num_microbatch, "label", batch, batch_only=False)
+            return _split_tree(label, spec, num_microbatch, "label", batch, "batch")
     except _FewerMicrobatches as fewer:
         raise ValueError(
             f"{fewer.path} holds {fewer.count} rows (or packed microbatches), fewer than the "
@@ -837,13 +877,29 @@ def sum_losses(losses: list[Any]) -> Any:
     return [sum_losses([loss[i] for loss in losses]) for i in range(len(losses[0]))]
 
 
+if TYPE_CHECKING:
+    from roundpipe.reducers import AvgReducer, avg_reducer
+else:
+
+    def __getattr__(name: str) -> Any:
+        # roundpipe 0.1.1's AvgReducer / avg_reducer, imported on first use (see reducers.py).
+        if name in ("AvgReducer", "avg_reducer"):
+            from roundpipe import reducers
+
+            return getattr(reducers, name)
+        raise AttributeError(f"module 'roundpipe.batch' has no attribute {name!r}")
+
+
 __all__ = [
+    "AvgReducer",
     "Batch",
     "BatchRows",
     "Event",
     "RoundPipePackedData",
     "SplitMergeConfig",
+    "avg_reducer",
     "check_spec",
+    "guess_split_spec",
     "is_user_function",
     "marker_kind",
     "merge_or_pack",

@@ -25,7 +25,7 @@ packed data, runs on CPU devices unchanged. A torch with CUDA keeps its own clas
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 
@@ -89,6 +89,7 @@ def devices() -> list[torch.device]:
 
 
 _CPU = torch.device("cpu")
+_GIB = 1 << 30
 
 
 def device_at(index: int) -> torch.device:
@@ -113,6 +114,43 @@ def min_device_memory() -> int:
 def get_num_devices() -> int:
     """roundpipe 0.1.1's name for :func:`device_count`."""
     return device_count()
+
+
+def get_min_gpu_memory() -> float:
+    """roundpipe 0.1.1's smallest device memory, in GB (2**30 bytes): what
+    ``ModelExecutePlan.auto``'s default ``model_memory_limit`` is 60% of. The smallest GPU's
+    memory on CUDA; on virtual CPU devices, which share the host's memory, each one's share."""
+    if device_kind() == "cuda":
+        return min_device_memory() / _GIB
+    return device_total_memory(0) / device_count() / _GIB
+
+
+_NO_DEVICE_MANAGERS = (
+    "roundpipe 0.1.1 drove each GPU from a Python DeviceManager thread, handed out round-robin; "
+    "this runtime dispatches stages from its native scheduler and has no device managers. Use "
+    "roundpipe.devices() (the devices), roundpipe.device_count() (how many) or "
+    "roundpipe.configure_devices() (which and how many)"
+)
+
+
+def get_next_device() -> NoReturn:
+    """roundpipe 0.1.1's round-robin over its per-GPU device managers, which this runtime does
+    not have: raises ``NotImplementedError`` saying what to use instead."""
+    raise NotImplementedError(f"get_next_device(): {_NO_DEVICE_MANAGERS}")
+
+
+def gc_collect() -> None:
+    """roundpipe 0.1.1's release of the tensors its copy streams still held back for later
+    freeing. Here a tensor used on several streams is recorded on them with torch's caching
+    allocator, which reuses its memory once that work completed: nothing waits for this call,
+    so it returns at once."""
+
+
+def __getattr__(name: str) -> NoReturn:
+    # roundpipe 0.1.1's device_list / cur_device: its device managers and their cursor.
+    if name in ("device_list", "cur_device"):
+        raise NotImplementedError(f"roundpipe.device.{name}: {_NO_DEVICE_MANAGERS}")
+    raise AttributeError(f"module 'roundpipe.device' has no attribute {name!r}")
 
 
 class HostEvent:
@@ -158,6 +196,9 @@ __all__ = [
     "device_kind",
     "device_total_memory",
     "devices",
+    "gc_collect",
+    "get_min_gpu_memory",
+    "get_next_device",
     "get_num_devices",
     "min_device_memory",
     "num_cuda_devices",

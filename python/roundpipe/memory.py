@@ -32,6 +32,7 @@ wrapping never holds the weights twice.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -99,6 +100,12 @@ class LayerMemory:
     @property
     def grad_bytes(self) -> int:
         return self.grad_end - self.grad_begin
+
+
+def module_bytes(module: nn.Module, recurse: bool = True) -> int:
+    """Bytes of ``module``'s parameters and buffers (its own only unless ``recurse``)."""
+    tensors = itertools.chain(module.parameters(recurse), module.buffers(recurse))
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def clear_arena(arena: torch.Tensor) -> None:
@@ -575,5 +582,6 @@ __all__ = [
     "StageLayout",
     "checked_shared_parameters",
     "clear_arena",
+    "module_bytes",
     "typed_view",
 ]

@@ -10,7 +10,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ from roundpipe.distributed import (
 )
 from roundpipe.forwarding import ForwardingModule
 from roundpipe.gradients import GradientOutcome, GradientPolicy, GradientState
-from roundpipe.memory import ModelMemory, checked_shared_parameters
+from roundpipe.memory import ModelMemory, checked_shared_parameters, module_bytes
 from roundpipe.optim.step import StepPipeline
 from roundpipe.optim.step_thread import in_step_job
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, resolve_run_config
@@ -89,6 +89,7 @@ class _Runtime:
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+RoundPipeBase = ForwardingModule  # roundpipe 0.1.1's base class of RoundPipe and AutoRoundPipe
 
 # Every live model's runtime: whose parameters are wrapped, and whose calls fork() waits for.
 _runtimes: weakref.WeakSet[_Runtime] = weakref.WeakSet()
@@ -184,6 +185,9 @@ class RoundPipe(ForwardingModule):
     pin_model: str
     layers: list[nn.Module]
     shared_parameters: tuple[nn.Parameter, ...]
+    num_layers: int  # roundpipe 0.1.1's attributes: the number of layers,
+    layer_size: list[float]  # each layer's parameters and buffers in GB (10**9 bytes),
+    model_timer: ModelTimer  # and the layer timings the automatic plans use
     _runtime: _Runtime
 
     def __init__(
@@ -277,6 +281,9 @@ class RoundPipe(ForwardingModule):
             pin_model=pin_model,
             layers=layers,
             shared_parameters=shared,
+            num_layers=len(layers),
+            layer_size=[module_bytes(layer) / 1e9 for layer in layers],
+            model_timer=timer,
             _runtime=runtime,
         )
 
@@ -523,6 +530,18 @@ class RoundPipe(ForwardingModule):
         runtime.gradients.wait_pending()
         runtime.steps.finish()
         runtime.memory.wait_writes()
+
+    def sync_optim_param(self) -> None:
+        """roundpipe 0.1.1's name for :meth:`drain` (the step's new weights in the model)."""
+        self.drain()
+
+    @property
+    def layer_attrs(self) -> NoReturn:
+        """roundpipe 0.1.1's per-layer transfer events; the runtime orders transfers natively."""
+        raise NotImplementedError(
+            f"'{self.name}': layer_attrs (0.1.1's per-layer transfer events) does not exist here; "
+            "use synchronize() or sync_optim_param(), model_timer, layer_size"
+        )
 
     # -- checkpoints -------------------------------------------------------------------------
 

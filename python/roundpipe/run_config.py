@@ -295,14 +295,18 @@ def resolve_run_config(call: RoundPipeRunConfig, model: RoundPipeRunConfig) -> R
 
 class FullRoundPipeRunConfig(ResolvedRunConfig):
     """roundpipe 0.1.1's name for a resolved configuration, kept as compatibility surface:
-    ``FullRoundPipeRunConfig(call_config, model_config)`` is
-    ``resolve_run_config(call_config, model_config)`` (``merge_output=False`` stays ``False``,
-    automatic choices stay ``None``)."""
+    ``FullRoundPipeRunConfig(function_run_config, model_run_config)`` (0.1.1's parameter names
+    and order: the call's configuration, then the model's) is
+    ``resolve_run_config(function_run_config, model_run_config)`` (``merge_output=False`` stays
+    ``False``, automatic choices stay ``None``). ``model_run_config`` may be left out (an empty
+    ``RoundPipeRunConfig()``)."""
 
     def __init__(
-        self, call_config: RoundPipeRunConfig, model_config: RoundPipeRunConfig | None = None
+        self,
+        function_run_config: RoundPipeRunConfig,
+        model_run_config: RoundPipeRunConfig | None = None,
     ) -> None:
-        resolved = resolve_run_config(call_config, model_config or RoundPipeRunConfig())
+        resolved = resolve_run_config(function_run_config, model_run_config or RoundPipeRunConfig())
         super().__init__(
             **{item.name: getattr(resolved, item.name) for item in dataclasses.fields(resolved)}
         )

@@ -139,6 +139,10 @@ class ModelExecutePlan:
         if run_type == "train" or self.bwd_plan:
             _check_descending(self.bwd_plan, num_layers, first_index=0)
 
+    def check_valid(self, num_layers: int, run_type: RunType) -> None:
+        """roundpipe 0.1.1's name for :meth:`validate`."""
+        self.validate(num_layers, run_type)
+
     @classmethod
     def auto(
         cls,
@@ -336,9 +340,7 @@ def default_model_memory_limit() -> float:
     CUDA: ``DEFAULT_MEMORY_FRACTION`` of the smallest device's memory. Virtual CPU devices share
     the host's memory, so each gets ``DEFAULT_MEMORY_FRACTION`` of it divided by their count.
     """
-    if device.device_kind() == "cuda":
-        return DEFAULT_MEMORY_FRACTION * device.min_device_memory() / GIB
-    return DEFAULT_MEMORY_FRACTION * device.device_total_memory(0) / device.device_count() / GIB
+    return DEFAULT_MEMORY_FRACTION * device.get_min_gpu_memory()
 
 
 def _check_run_type(run_type: object) -> None:

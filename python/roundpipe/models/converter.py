@@ -8,7 +8,6 @@ top-down and records the replacements; ``roundpipe.models.wrap`` builds them.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from roundpipe.memory import module_bytes
 from roundpipe.run_config import RoundPipeRunConfig
 
 logger = logging.getLogger("roundpipe")
@@ -23,12 +23,6 @@ logger = logging.getLogger("roundpipe")
 SkipModules = Iterable[nn.Module | str | type[nn.Module]]
 OverrideValue = RoundPipeRunConfig | Mapping[str, Any]
 OverrideConfig = Mapping[nn.Module | str, OverrideValue]
-
-
-def size_bytes(module: nn.Module, recurse: bool = True) -> int:
-    """Bytes of ``module``'s parameters and buffers (its own only unless ``recurse``)."""
-    tensors = itertools.chain(module.parameters(recurse), module.buffers(recurse))
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _has_own_forward(module: nn.Module) -> bool:
@@ -145,9 +139,9 @@ class Converter:
             return self.make(module, path)
         if isinstance(module, nn.Sequential):
             return self.make(module, path)
-        total = size_bytes(module)
+        total = module_bytes(module)
         if _has_own_forward(module) and (
-            size_bytes(module, recurse=False) >= self.lower or total <= self.upper
+            module_bytes(module, recurse=False) >= self.lower or total <= self.upper
         ):
             return self.make(module, path, single_microbatch=total < self.lower)
         if isinstance(module, nn.ModuleList):
@@ -207,5 +201,4 @@ __all__ = [
     "Part",
     "SkipModules",
     "override_kwargs",
-    "size_bytes",
 ]

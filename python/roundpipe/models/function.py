@@ -1,4 +1,6 @@
-"""roundpipe 0.1.1's loss functions for causal LMs, at their 0.1.1 module path.
+"""roundpipe 0.1.1's ``"function"`` preset module: its loss functions for causal LMs and
+``wrap_model(function)``, which runs a plain function as a RoundPipe (``EXPECTED_MODEL_CLASS`` is
+``types.FunctionType``; ``roundpipe.models.wrap_model`` sends functions here).
 
 Both compute Hugging Face's causal LM loss (``ForCausalLMLoss``): token ``t`` predicts token
 ``t + 1``, positions labelled ``ignore_index`` count for nothing, the logits are upcast to
@@ -9,6 +11,8 @@ the targets. 0.1.1 ran them under ``torch.compile``; these run eagerly (same val
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +24,9 @@ from roundpipe.models.presets._decoder import (
     IGNORE_INDEX,
     chunked_linear_cross_entropy,
 )
+from roundpipe.roundpipe import RoundPipe
+
+EXPECTED_MODEL_CLASS = types.FunctionType
 
 
 def _targets(
@@ -71,4 +78,39 @@ def ChunkedCompileLinearForCausalLMLoss(
     )
 
 
-__all__ = ["ChunkedCompileLinearForCausalLMLoss", "CompileForCausalLMLoss"]
+class FunctionModule(nn.Module):
+    """A function as a module without parameters: its forward calls the function."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+
+def wrap_model(func: types.FunctionType, **roundpipe_kwargs: Any) -> RoundPipe:
+    """``func`` as a one-layer RoundPipe: each microbatch runs ``func`` on a device (a loss
+    function, say, over the microbatch's logits and labels). ``roundpipe_kwargs`` go to
+    ``RoundPipe`` (``name`` defaults to the function's name).
+
+    Raises:
+        NotImplementedError: ``func`` is not a Python function.
+    """
+    if not isinstance(func, EXPECTED_MODEL_CLASS):
+        raise NotImplementedError(
+            f"{type(func).__name__} is not an instance of the expected class types.FunctionType: "
+            "roundpipe.models.function.wrap_model wraps Python functions; wrap a module with "
+            "RoundPipe(module) or wrap_model_to_roundpipe(module)"
+        )
+    roundpipe_kwargs.setdefault("name", func.__qualname__)
+    return RoundPipe(FunctionModule(func), **roundpipe_kwargs)
+
+
+__all__ = [
+    "EXPECTED_MODEL_CLASS",
+    "ChunkedCompileLinearForCausalLMLoss",
+    "CompileForCausalLMLoss",
+    "FunctionModule",
+    "wrap_model",
+]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,13 +23,13 @@ from torch import nn
 from roundpipe.context import OptimizerCtx
 from roundpipe.device import device_count
 from roundpipe.forwarding import ForwardingModule
+from roundpipe.memory import module_bytes
 from roundpipe.models.converter import (
     Converter,
     OverrideConfig,
     Part,
     SkipModules,
     override_kwargs,
-    size_bytes,
 )
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
@@ -389,18 +390,23 @@ class AutoRoundPipe(ForwardingModule):
                 param.copy_(copies[id(param)])
 
 
-def wrap_model(model: nn.Module, **roundpipe_kwargs: Any) -> RoundPipe:
+def wrap_model(model: nn.Module | types.FunctionType, **roundpipe_kwargs: Any) -> RoundPipe:
     """``model`` as one RoundPipe through its sequential preset (roundpipe 0.1.1's preset
     dispatcher; :func:`wrap_model_to_roundpipe` tries it first).
 
     Args:
-        model: a Hugging Face causal LM with a preset (or a PEFT wrapper around one).
+        model: a Hugging Face causal LM with a preset (or a PEFT wrapper around one), or a
+            Python function (0.1.1's ``"function"`` preset: ``roundpipe.models.function``).
         **roundpipe_kwargs: ``RoundPipe`` arguments (``model_run_config``, ``name``,
             ``optim_dtype``, ``pin_model``) and the presets' ``loss_chunk_size``.
 
     Raises:
         NotImplementedError: no preset handles ``type(model)``.
     """
+    if isinstance(model, types.FunctionType):
+        from roundpipe.models import function
+
+        return function.wrap_model(model, **roundpipe_kwargs)
     from roundpipe.models.presets import find_preset
 
     preset = find_preset(model)
@@ -562,7 +568,7 @@ def wrap_model_to_roundpipe(
             )
         return wrapped
     if upper_threshold is None:
-        upper_threshold = size_bytes(model) // (device_count() + 1)
+        upper_threshold = module_bytes(model) // (device_count() + 1)
     converter = Converter(
         lower_threshold,
         upper_threshold,

@@ -119,6 +119,11 @@ class GradScaler:
     def is_enabled(self) -> bool:
         return self._enabled
 
+    @property
+    def enabled(self) -> bool:
+        """Whether scaling is on (roundpipe 0.1.1's read-only attribute; ``is_enabled()``)."""
+        return self._enabled
+
     # -- main thread ---------------------------------------------------------------------------
 
     def scale(self, outputs: Any) -> Any:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from roundpipe.batch import merge_output, split_input
+from roundpipe.batch import guess_split_spec, merge_output, split_input
 from roundpipe.context import doing_recompute, get_recompute_data, save_for_recompute
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
@@ -441,11 +441,14 @@ def chunked_linear_cross_entropy(
 def _split_tokens_first(
     args: tuple[Any, ...], kwargs: dict[str, Any], num_microbatch: int
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
-    """The automatic split with the token tensor first: the automatic kwargs rule takes the
-    first batched tensor as the batch, and ``position_ids`` may have a batch dimension of 1."""
-    leading = ("input_ids", "inputs_embeds")
-    ordered = {key: kwargs[key] for key in sorted(kwargs, key=lambda key: key not in leading)}
-    return split_input(args, ordered, num_microbatch, None)
+    """The automatic split with the token tensor as the batch: the kwargs of its size are split
+    with it, the others (``position_ids`` of a batch dimension of 1) passed whole."""
+    tokens = [kwargs.get(key) for key in ("input_ids", "inputs_embeds")]
+    batched = [t for t in tokens if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if args or not batched:
+        return split_input(args, kwargs, num_microbatch, None)
+    kwargs_spec, _ = guess_split_spec(kwargs, batched[0].size(0))
+    return split_input(args, kwargs, num_microbatch, (None, kwargs_spec))
 
 
 def _merged(outputs: list[MicrobatchOutput], summed: bool) -> Any:
