@@ -1,7 +1,7 @@
 """roundpipe 0.1.1's split/merge surface as its code uses it: ``Batch``,
 ``FullRoundPipeRunConfig``, ``RoundPipePackedData(data, transfer_event)`` with event pairs,
 ``guess_split_spec``, ``AvgReducer`` / ``avg_reducer``, the automatic split of keyword-only calls
-and merge functions with one microbatch (seed 000's rules), and ``torch.cuda.Event()`` on a torch
+one microbatch neither split nor merged (the contract's rule), and ``torch.cuda.Event()`` on a torch
 built without CUDA (an event of the virtual CPU devices)."""
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def test_guess_split_spec_marks_what_0_1_1_marks() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Merging: AvgReducer, and merge functions with one microbatch
+# Merging: AvgReducer, merge functions, and one microbatch
 
 
 class WithLoss(nn.Module):
@@ -210,14 +210,47 @@ class Logits(nn.Module):
         return {"logits": self.linear(x), "rows": torch.tensor(float(len(x)))}
 
 
-@pytest.mark.parametrize("num_microbatch", [1, 3])
-def test_merge_functions_and_reducers_apply_to_one_microbatch_too(
+def test_one_microbatch_is_neither_split_nor_merged(num_devices: int) -> None:
+    # The contract (and 0.1.1): num_microbatch == 1 means no split and no merge. Split and
+    # merge functions and reducers are not called; the layer's own output comes back as it is.
+    torch.manual_seed(0)
+    reference = Logits()
+    model = roundpipe.RoundPipe(copy.deepcopy(reference))
+    x = torch.randn(6, 3)
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("a split or merge function ran for one microbatch")
+
+    one = RoundPipeRunConfig(
+        num_microbatch=1,
+        split_input=refuse,
+        merge_output={"logits": None, "rows": _CustomReducer(0, refuse)},
+    )
+    with torch.no_grad():
+        out = model(x, roundpipe_run_config=one)
+        plain = model(
+            x, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=1, merge_output=refuse)
+        )
+    expected = reference(x)
+    assert out.keys() == expected.keys() and plain.keys() == expected.keys()
+    assert_close(out["logits"], expected["logits"])
+    assert_close(plain["logits"], expected["logits"])
+    assert out["rows"] == plain["rows"] == 6  # the whole batch in its one microbatch
+    loss = model.forward_backward(
+        (x,),
+        label=torch.ones(6, 5),
+        loss_fn=lambda out, label: ((out["logits"] - label) ** 2).mean(),
+        run_config=RoundPipeRunConfig(num_microbatch=1, split_input=refuse, split_label=refuse),
+    )
+    assert_close(loss, ((expected["logits"] - 1) ** 2).mean().detach())
+
+
+@pytest.mark.parametrize("num_microbatch", [2, 3])
+def test_merge_functions_and_reducers_merge_several_microbatches(
     num_devices: int, num_microbatch: int
 ) -> None:
     # Seed 000: a merge function receives the list of microbatch outputs and returns the merged
-    # output; a _CustomReducer folds them from its initial value. Neither has an exception for
-    # one microbatch, so the output's form does not depend on num_microbatch (0.1.1 returned
-    # the microbatch's raw output when there was one).
+    # output; a _CustomReducer folds them from its initial value.
     torch.manual_seed(0)
     reference = Logits()
     model = roundpipe.RoundPipe(copy.deepcopy(reference))

@@ -504,12 +504,15 @@ def split_input(
 
     ``spec`` is ``None`` (automatic), ``(args_spec, kwargs_spec)`` (either part ``None`` for
     automatic) or a function ``fn(args, kwargs, n) -> (args_list, kwargs_list)``. With one
-    microbatch nothing is split (packed leaves still yield their element 0). ``batch`` receives
-    the batch the automatic rules found, for :func:`split_label`.
+    microbatch nothing is split and a split function is not called (packed leaves still yield
+    their element 0). ``batch`` receives the batch the automatic rules found, for
+    :func:`split_label`.
     """
     _check_count(num_microbatch)
     args, kwargs = tuple(args), dict(kwargs)
     _refuse_caches(args, kwargs)
+    if is_user_function(spec) and num_microbatch == 1:
+        spec = None  # one microbatch: no split
     if is_user_function(spec):
         result = spec(args, kwargs, num_microbatch)
         if not isinstance(result, (list, tuple)) or len(result) != 2:
@@ -571,8 +574,11 @@ def split_label(
     """Split a label into ``num_microbatch`` labels (automatic, a spec, or ``fn(label, n)``).
 
     Automatically split leaves must have the size of ``batch`` (the inputs' batch), if known, or
-    a whole multiple of it (cut with its samples)."""
+    a whole multiple of it (cut with its samples). With one microbatch nothing is split and a
+    split function is not called."""
     _check_count(num_microbatch)
+    if is_user_function(spec) and num_microbatch == 1:
+        spec = None  # one microbatch: no split
     if is_user_function(spec):
         return _check_list(spec(label, num_microbatch), num_microbatch, "split_label's result")
     batch = BatchRows() if batch is None else batch
@@ -857,13 +863,14 @@ def pack_output(outputs: list[Any], events: Sequence[Event | None]) -> Any:
 def merge_or_pack(outputs: list[Any], events: list[Any], spec: Any) -> Any:
     """Per-microbatch outputs (their copies' events beside them) merged by ``spec`` (see
     :func:`merge_output`), or with ``spec=False`` packed with the events for a downstream
-    RoundPipe to wait on."""
+    RoundPipe to wait on. One microbatch's output is returned as it is: no merge function or
+    reducer runs (as in roundpipe 0.1.1)."""
     if spec is False:
         return pack_output(outputs, events)
     for event in events:
         if event is not None:
             event.synchronize()
-    return merge_output(outputs, spec)
+    return outputs[0] if len(outputs) == 1 else merge_output(outputs, spec)
 
 
 def sum_losses(losses: list[Any]) -> Any:
