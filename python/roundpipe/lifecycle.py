@@ -49,10 +49,11 @@ class Participant:
     """What one part does at each event (None: nothing).
 
     ``at_exit(seconds)`` finishes the part's work within ``seconds`` (None: no bound) and returns
-    whether it did; False makes the process leave at once. ``leave_now(reason)`` keeps what it can
-    when the process ends at once, for ``reason``."""
+    whether it did; False makes the process leave at once (``unfinished`` names what it left).
+    ``leave_now(reason)`` keeps what it can when the process ends at once, for ``reason``."""
 
     at_exit: Callable[[float | None], bool] | None = None
+    unfinished: str = "work"
     leave_now: Callable[[str], None] | None = None
     before_fork: Callable[[], None] | None = None
     after_fork_in_parent: Callable[[], None] | None = None
@@ -97,8 +98,9 @@ def _at_exit() -> None:
         if not finished:
             ended_by = type(getattr(sys, "last_value", None)).__name__
             _leave_now(
-                f"the process ended with an uncaught {ended_by} while work still ran (left "
-                f"after {EXIT_AFTER_ERROR_SECONDS:g} s): spans not finished by then are missing"
+                f"the process ended with an uncaught {ended_by} while {participant.unfinished} "
+                f"still ran (left after {EXIT_AFTER_ERROR_SECONDS:g} s): spans not finished by "
+                "then are missing"
             )
 
 

@@ -230,6 +230,7 @@ lifecycle.join(
     "optimizer thread",
     lifecycle.Participant(
         at_exit=_drain_at_exit,
+        unfinished="optimizer work",
         before_fork=_drain_before_fork,
         after_fork_in_child=_forget_parent_jobs,
     ),
