@@ -22,7 +22,6 @@ from roundpipe.batch import (
     packed_events,
     split_input,
     split_label,
-    sum_losses,
 )
 from roundpipe.call.autograd import NodeState, backward_into_inputs, connect
 from roundpipe.call.lock import CallLock, hold_for_fork
@@ -451,7 +450,7 @@ class RoundPipe(ForwardingModule):
         def run(policy: GradientPolicy) -> tuple[tuple[Any, Any], GradientOutcome]:
             grads, outcome = call.forward_backward(inputs, spec, config.output_device, policy)
             try:
-                loss = sum_losses(call.losses)
+                loss = call.summed_losses()
                 outputs = (
                     merge_or_pack(call.outputs, call.output_events, config.merge_output)
                     if return_outputs

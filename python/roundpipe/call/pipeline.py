@@ -171,6 +171,11 @@ class Call:
         stages = [Stage("backward", layers) for layers in self.plan.bwd_plan]
         return self.run(stages, grads), self._outcome()
 
+    def summed_losses(self) -> Any:
+        """The element-wise sum of the fused stage's microbatch losses, as detached CPU tensors
+        (a list when ``loss_fn`` returns a sequence)."""
+        return _sum(self.losses)
+
     def forward_backward(
         self, inputs: list[Any], loss: LossSpec, output_device: torch.device, policy: GradientPolicy
     ) -> tuple[list[Any], GradientOutcome]:
@@ -494,6 +499,15 @@ class Call:
                     leaf.requires_grad_(True)
             fresh.append(leaf)
         return unflatten(fresh, spec)
+
+
+def _sum(losses: list[Any]) -> Any:
+    if isinstance(losses[0], torch.Tensor):
+        total = losses[0]
+        for loss in losses[1:]:
+            total = total + loss.to(total.device)
+        return total.detach().cpu()
+    return [_sum([loss[i] for loss in losses]) for i in range(len(losses[0]))]
 
 
 __all__ = ["Call", "CallModel", "LossSpec"]
