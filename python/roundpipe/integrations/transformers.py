@@ -20,6 +20,7 @@ from transformers import Trainer, TrainingArguments
 
 from roundpipe.checkpoint import load_checkpoint, save_checkpoint
 from roundpipe.grad_scaler import GradScaler
+from roundpipe.integrations.model_files import newest_weights, state_with, unwrapped
 from roundpipe.integrations.queued_step import (
     Hyperparameters,
     PendingNorm,
@@ -198,16 +199,35 @@ class RoundPipeTrainer(Trainer):
         return super().predict(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save the model as ``Trainer`` does (``save_pretrained``), with the newest weights.
+        """Save the model as ``Trainer`` does (``save_pretrained``: the unwrapped model's names
+        and tied weights, safetensors), with the newest weights.
 
-        A checkpoint (``_internal_call`` during training) writes no model files: its
-        ``roundpipe_state`` holds the model with the optimizer, consistently with the step in
-        flight, and waiting for that step here would change the training."""
+        Outside training the step in flight is written back first. A checkpoint's model files
+        (``_internal_call`` during training) are written without that, since writing the step
+        back here would change the training: they take its weights from the optimizer copies
+        (:func:`roundpipe.integrations.model_files.newest_weights`)."""
         if _internal_call and self.is_in_train:
+            # Every rank writes its part of the checkpoint's roundpipe_state into the folder.
             os.makedirs(output_dir or str(self.args.output_dir), exist_ok=True)
-            return
-        self.roundpipe_model.synchronize()
+        else:
+            self.roundpipe_model.synchronize()
         super().save_model(output_dir, _internal_call)
+
+    def _save(
+        self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None
+    ) -> None:
+        """``Trainer._save`` on the model as it was before RoundPipe converted parts of it."""
+        newest = None
+        if state_dict is None and self.is_in_train and self.async_step:
+            # The parameters are one step behind the optimizer copies; with data parallelism
+            # every rank takes part in assembling the copies.
+            newest = newest_weights(self.roundpipe_model)
+        model = self.model
+        assert isinstance(model, nn.Module)  # the trainer's model from its constructor on
+        with unwrapped(model):
+            if newest is not None and self.args.should_save:
+                state_dict = state_with(model, newest)
+            super()._save(output_dir, state_dict)
 
     # -- optimizer and schedule --------------------------------------------------------------
 
