@@ -468,6 +468,63 @@ def test_a_subclass_compute_loss_is_what_trains(tmp_path: Path) -> None:
     assert_logs_match(step_logs(trainer), step_logs(reference))
 
 
+class ModelLoss:
+    """A subclass's ``compute_loss`` that returns the model's own loss, as the Hugging Face
+    docs write one."""
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        outputs = model(**inputs)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+class ModelLossOverItems:
+    """The same, normalised over the accumulation window's target tokens."""
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+@pytest.mark.parametrize("logic", [ModelLoss, ModelLossOverItems], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("kind", ["qwen3", "gpt2"])
+def test_a_subclass_returning_the_models_loss_matches_trainer(
+    tmp_path: Path, logic: type, kind: str
+) -> None:
+    # The two microbatches of a batch hold unequal numbers of target tokens (dataset() masks a
+    # random prefix of each row): the loss the subclass sees must be the whole batch's, as the
+    # unwrapped model computes it in plain Trainer, not an average of the microbatches' own.
+    plain_cls = type("Plain", (logic, Trainer), {})
+    ours_cls = type("Ours", (logic, RoundPipeTrainer), {})
+    make = MODELS[kind]
+    reference = plain_cls(model=make(), args=arguments(tmp_path / "ref"), train_dataset=dataset())
+    reference.train()
+    trainer = ours_cls(
+        make(),
+        arguments(tmp_path / "ours"),
+        train_dataset=dataset(),
+        run_config=RoundPipeRunConfig(num_microbatch=2),
+        async_step=False,
+    )
+    trainer.train()
+    ours, theirs = step_logs(trainer), step_logs(reference)
+    assert [entry["step"] for entry in ours] == [entry["step"] for entry in theirs]
+    for mine, ref in zip(ours, theirs, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert mine[key] == pytest.approx(ref[key], rel=2e-7), (key, mine, ref)
+
+
 def test_several_gpus_are_one_device_pool(
     tmp_path: Path, reference: list[dict[str, float]]
 ) -> None:

@@ -11,6 +11,7 @@ own consistent state (``save_checkpoint``). See ``docs/guide.md``, "Hugging Face
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -27,7 +28,8 @@ from roundpipe.integrations.queued_step import (
     QueuedOptimizer,
     apply_hyperparameters,
 )
-from roundpipe.models import AutoRoundPipe, merge_summed_loss, wrap_model_to_roundpipe
+from roundpipe.integrations.whole_batch_loss import whole_batch_losses
+from roundpipe.models import AutoRoundPipe, wrap_model_to_roundpipe
 from roundpipe.models.presets import find_preset
 from roundpipe.optim import Adam
 from roundpipe.roundpipe import RoundPipe
@@ -367,7 +369,7 @@ class RoundPipeTrainer(Trainer):
         wrapped.train()
         inputs = dict(inputs)
         scaler = self.scaler
-        if type(self).compute_loss is not RoundPipeTrainer.compute_loss:
+        if type(self).compute_loss is not Trainer.compute_loss:
             return self._custom_loss_step(inputs, num_items_in_batch)
         exact = self.model_accepts_loss_kwargs and num_items_in_batch is not None
         if exact:
@@ -389,8 +391,9 @@ class RoundPipeTrainer(Trainer):
             wrapped.forward_backward(input_kwargs=inputs, loss_fn=loss_fn)
             total = torch.stack([loss.float().cpu() for loss in reported]).sum()
         else:
-            # forward() + backward(): the merged loss averages the microbatches' losses.
-            outputs = wrapped(**inputs)
+            # forward() + backward(), with the whole batch's loss as compute_loss would see it.
+            with self.compute_loss_context_manager():
+                outputs = wrapped(**inputs)
             loss = (outputs["loss"] if isinstance(outputs, dict) else outputs[0]) * factor
             (scaler.scale(loss) if scaler is not None else loss).backward()
             total = loss.detach().float().cpu()
@@ -403,8 +406,13 @@ class RoundPipeTrainer(Trainer):
         scaled for gradient accumulation as ``Trainer.training_step`` scales it, goes through
         ``.backward()`` (the pipelined backward of the ``forward()`` it called)."""
         with self.compute_loss_context_manager():
-            loss: torch.Tensor = self.compute_loss(
+            loss = self.compute_loss(
                 self.roundpipe_model, inputs, num_items_in_batch=num_items_in_batch
+            )
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"{type(self).__name__}.compute_loss returned a {type(loss).__name__}; with "
+                "return_outputs=False it must return the loss tensor"
             )
         scaled = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled is None:
@@ -414,19 +422,17 @@ class RoundPipeTrainer(Trainer):
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return loss.detach().float().cpu().to(self.args.device)
 
-    def compute_loss(
-        self,
-        model: nn.Module,
-        inputs: dict[str, Any],
-        return_outputs: bool = False,
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ) -> Any:
-        """``Trainer.compute_loss`` (evaluation); a preset's microbatch losses are shares of
-        ``num_items_in_batch``, so they are added up rather than averaged."""
-        if num_items_in_batch is not None and self._sums_losses:
-            config = RoundPipeRunConfig(merge_output=merge_summed_loss)
-            inputs = {**inputs, "roundpipe_run_config": config}
-        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+    def compute_loss_context_manager(self) -> contextlib.ExitStack:
+        """``Trainer``'s, in which (around every ``compute_loss``, the trainer's or a
+        subclass's, in training and evaluation) a preset's call with ``labels`` returns the
+        whole batch's loss, as the unwrapped model would: token-weighted over the
+        microbatches, ``num_items_in_batch`` respected (see
+        :func:`roundpipe.integrations.whole_batch_loss.whole_batch_losses`)."""
+        stack = super().compute_loss_context_manager()
+        wrapped = self.roundpipe_model
+        if self._sums_losses and isinstance(wrapped, RoundPipe):
+            stack.enter_context(whole_batch_losses(wrapped))
+        return stack
 
     # -- checkpoints: one RoundPipe state per checkpoint-N/ ----------------------------------
 
