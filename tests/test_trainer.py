@@ -278,14 +278,25 @@ def test_save_model_writes_what_trainer_writes(tmp_path: Path, kind: str) -> Non
     assert_weights_equal(load_saved(kind, tmp_path / "ours"), params)
 
 
-@pytest.mark.parametrize("kind", ["gpt2_tied", "qwen3", "gpt2_lora"])
-def test_checkpoint_model_files_hold_the_steps_weights(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "precision"),
+    [("gpt2_tied", {}), ("qwen3", {}), ("gpt2_lora", {}), ("qwen3", {"bf16": True})],
+    ids=["gpt2_tied", "qwen3", "gpt2_lora", "qwen3_bf16"],
+)
+def test_checkpoint_model_files_hold_the_steps_weights(
+    tmp_path: Path, kind: str, precision: dict[str, bool]
+) -> None:
     # Asynchronous steps: when checkpoint-3 is written, step 3 is still to be written back. Its
-    # model files hold the weights after step 3 all the same (those of a 3-step run), and
-    # writing them changes nothing of the training (the run goes on as one without checkpoints).
+    # model files hold the weights after step 3 all the same (those of a 3-step run; with bf16,
+    # the fp32 optimizer copies cast as the write-back casts them), and writing them changes
+    # nothing of the training (the run goes on as one without checkpoints).
     def run(out: Path, steps: int, **overrides: Any) -> RoundPipeTrainer:
         args = arguments(
-            out, max_steps=steps, lr_scheduler_type="constant_with_warmup", **overrides
+            out,
+            max_steps=steps,
+            lr_scheduler_type="constant_with_warmup",
+            **precision,
+            **overrides,
         )
         trainer = RoundPipeTrainer(MODELS[kind](), args, train_dataset=dataset(48))
         trainer.train()
@@ -298,9 +309,10 @@ def test_checkpoint_model_files_hold_the_steps_weights(tmp_path: Path, kind: str
     assert step_logs(saving) == step_logs(plain)
     assert_weights_equal(saving.model, list(plain.model.named_parameters()))
     short.save_model(str(tmp_path / "short_files"))
-    Trainer(model=MODELS[kind](), args=arguments(tmp_path / "ref")).save_model(
-        str(tmp_path / "ref")
-    )
+    # RoundPipeTrainer trains a bf16 model (Trainer an fp32 one under autocast): the reference
+    # is plain Trainer's files of the model in the dtype that trains.
+    reference = MODELS[kind]().to(torch.bfloat16 if precision else torch.float32)
+    Trainer(model=reference, args=arguments(tmp_path / "ref")).save_model(str(tmp_path / "ref"))
     model_files = {name: keys for name, keys in saved_files(tmp_path / "ref").items() if keys}
     assert {name: keys for name, keys in saved_files(checkpoint).items() if keys} == model_files
     from safetensors.torch import load_file

@@ -5,8 +5,9 @@ evaluation, checkpoint folders, resuming) and replaces what touches the model an
 the model is wrapped once (``wrap_model_to_roundpipe``) and stays in host memory, a training
 batch is one ``forward_backward`` (microbatched by the ``RoundPipeRunConfig`` given), and the
 optimizer step, gradient clipping, loss-scale update and learning-rate hyperparameters run on
-RoundPipe's optimizer thread (asynchronous by default: staleness 1). Checkpoints hold RoundPipe's
-own consistent state (``save_checkpoint``). See ``docs/guide.md``, "Hugging Face Trainer".
+RoundPipe's optimizer thread (asynchronous by default: staleness 1). Saved models are the files
+``Trainer`` writes for the unwrapped model; checkpoints hold them and RoundPipe's own consistent
+state (``save_checkpoint``). See ``docs/guide.md``, "Hugging Face Trainer".
 """
 
 from __future__ import annotations
