@@ -45,6 +45,16 @@ def tiny_qwen3(seed: int = 0) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(config)
 
 
+def tiny_gpt2(tied: bool = False, seed: int = 0) -> torch.nn.Module:
+    """GPT-2 has no preset: RoundPipe converts it in place into an AutoRoundPipe's parts."""
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
 def dataset(count: int = STEPS * ACCUMULATION * BATCH) -> list[dict[str, torch.Tensor]]:
     """Counting sequences; some targets masked so that batches have unequal token counts."""
     generator = torch.Generator().manual_seed(1)
@@ -191,14 +201,125 @@ def test_peft_trains_adapters_only(tmp_path: Path) -> None:
     assert any(not torch.equal(after[name], before) for name, before in adapters.items())
 
 
-def test_save_model_writes_the_trained_weights(tmp_path: Path) -> None:
-    model = tiny_qwen3()
-    trainer = RoundPipeTrainer(model, arguments(tmp_path, max_steps=2), train_dataset=dataset(16))
+def with_lora(model: torch.nn.Module, targets: list[str]) -> torch.nn.Module:
+    peft = pytest.importorskip("peft")
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
+
+
+# The models whose saved files are compared with plain Trainer's: without a preset (converted in
+# place), with tied embeddings, with a preset, and LoRA adapters around either.
+MODELS = {
+    "gpt2": lambda: tiny_gpt2(tied=False),
+    "gpt2_tied": lambda: tiny_gpt2(tied=True),
+    "qwen3": tiny_qwen3,
+    "gpt2_lora": lambda: with_lora(tiny_gpt2(tied=True), ["c_attn"]),
+    "qwen3_lora": lambda: with_lora(tiny_qwen3(), ["q_proj", "v_proj"]),
+}
+
+
+def saved_files(folder: Path) -> dict[str, Any]:
+    """Each file of a saved model; for a safetensors file, its tensors' names, dtypes, shapes."""
+    from safetensors import safe_open
+
+    files: dict[str, Any] = {}
+    for path in sorted(folder.iterdir()):
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), "pt") as handle:
+                files[path.name] = {
+                    key: (handle.get_slice(key).get_dtype(), handle.get_slice(key).get_shape())
+                    for key in handle.keys()
+                }
+        elif path.is_file():
+            files[path.name] = None
+    return files
+
+
+def load_saved(kind: str, folder: Path) -> torch.nn.Module:
+    """``from_pretrained`` of a saved folder (a PEFT adapter onto a fresh base), refusing any
+    weight the files lack or do not fit."""
+    if kind.endswith("_lora"):
+        import warnings
+
+        peft = pytest.importorskip("peft")
+        base = MODELS[kind.removesuffix("_lora")]()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            adapted = peft.PeftModel.from_pretrained(base, str(folder))
+        assert not [w for w in caught if "missing adapter keys" in str(w.message)]
+        return adapted  # type: ignore[no-any-return]
+    cls = type(MODELS[kind]())
+    loaded, info = cls.from_pretrained(str(folder), output_loading_info=True)
+    assert not any(info.values()), info  # nothing missing, unexpected or newly initialized
+    return loaded  # type: ignore[no-any-return]
+
+
+def assert_weights_equal(loaded: torch.nn.Module, params: list[tuple[str, torch.Tensor]]) -> None:
+    for name, param in params:
+        assert torch.equal(loaded.get_parameter(name), param), name
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_save_model_writes_what_trainer_writes(tmp_path: Path, kind: str) -> None:
+    # The files, their tensors' names (tied weights once, as transformers keeps them) and the
+    # trained weights, bit for bit, whether or not RoundPipe converted the model in place.
+    model = MODELS[kind]()
+    params = list(model.named_parameters())  # the unwrapped names, on the tensors that train
+    initial = {name: param.detach().clone() for name, param in params}
+    trainer = RoundPipeTrainer(
+        model, arguments(tmp_path / "run", max_steps=3), train_dataset=dataset(24)
+    )
     trainer.train()
-    trainer.save_model(str(tmp_path / "final"))
-    loaded = Qwen3ForCausalLM.from_pretrained(str(tmp_path / "final"))
-    for name, param in loaded.named_parameters():
-        torch.testing.assert_close(param, dict(model.named_parameters())[name])
+    assert any(not torch.equal(param, initial[name]) for name, param in params)
+    trainer.save_model(str(tmp_path / "ours"))
+    Trainer(model=MODELS[kind](), args=arguments(tmp_path / "ref")).save_model(
+        str(tmp_path / "theirs")
+    )
+    assert saved_files(tmp_path / "ours") == saved_files(tmp_path / "theirs")
+    assert_weights_equal(load_saved(kind, tmp_path / "ours"), params)
+
+
+@pytest.mark.parametrize(
+    ("kind", "precision"),
+    [("gpt2_tied", {}), ("qwen3", {}), ("gpt2_lora", {}), ("qwen3", {"bf16": True})],
+    ids=["gpt2_tied", "qwen3", "gpt2_lora", "qwen3_bf16"],
+)
+def test_checkpoint_model_files_hold_the_steps_weights(
+    tmp_path: Path, kind: str, precision: dict[str, bool]
+) -> None:
+    # Asynchronous steps: when checkpoint-3 is written, step 3 is still to be written back. Its
+    # model files hold the weights after step 3 all the same (those of a 3-step run; with bf16,
+    # the fp32 optimizer copies cast as the write-back casts them), and writing them changes
+    # nothing of the training (the run goes on as one without checkpoints).
+    def run(out: Path, steps: int, **overrides: Any) -> RoundPipeTrainer:
+        args = arguments(
+            out,
+            max_steps=steps,
+            lr_scheduler_type="constant_with_warmup",
+            **precision,
+            **overrides,
+        )
+        trainer = RoundPipeTrainer(MODELS[kind](), args, train_dataset=dataset(48))
+        trainer.train()
+        return trainer
+
+    saving = run(tmp_path / "saving", 6, save_strategy="steps", save_steps=3)
+    checkpoint = tmp_path / "saving" / "checkpoint-3"
+    short = run(tmp_path / "short", 3)
+    plain = run(tmp_path / "plain", 6)
+    assert step_logs(saving) == step_logs(plain)
+    assert_weights_equal(saving.model, list(plain.model.named_parameters()))
+    short.save_model(str(tmp_path / "short_files"))
+    # RoundPipeTrainer trains a bf16 model (Trainer an fp32 one under autocast): the reference
+    # is plain Trainer's files of the model in the dtype that trains.
+    reference = MODELS[kind]().to(torch.bfloat16 if precision else torch.float32)
+    Trainer(model=reference, args=arguments(tmp_path / "ref")).save_model(str(tmp_path / "ref"))
+    model_files = {name: keys for name, keys in saved_files(tmp_path / "ref").items() if keys}
+    assert {name: keys for name, keys in saved_files(checkpoint).items() if keys} == model_files
+    from safetensors.torch import load_file
+
+    for name in model_files:
+        ours, after_three = load_file(checkpoint / name), load_file(tmp_path / "short_files" / name)
+        assert all(torch.equal(ours[key], after_three[key]) for key in after_three), name
 
 
 @pytest.mark.parametrize(
@@ -241,26 +362,44 @@ def test_bad_arguments(tmp_path: Path) -> None:
         RoundPipeTrainer(copy.deepcopy(torch.nn.Linear(2, 2)).__class__, args)  # type: ignore[arg-type]
 
 
-def test_torchrun_ranks_match_trainer_under_ddp(tmp_path: Path) -> None:
-    # 2 ranks under torchrun (gloo): RoundPipeTrainer takes the data-parallel group (replicas,
-    # sharded host optimizer) and logs what plain Trainer logs under DistributedDataParallel.
-    import json
+def run_ranks(out: Path, which: str) -> None:
+    """tests/trainer_ranks.py on 2 ranks under torchrun (gloo)."""
     import os
     import subprocess
     import sys
 
     script = Path(__file__).with_name("trainer_ranks.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(script), str(out), which]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env=os.environ.copy()
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_torchrun_ranks_match_trainer_under_ddp(tmp_path: Path) -> None:
+    # 2 ranks under torchrun (gloo): RoundPipeTrainer takes the data-parallel group (replicas,
+    # sharded host optimizer) and logs what plain Trainer logs under DistributedDataParallel.
+    import json
+
     logs = {}
     for which in ("trainer", "roundpipe"):
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        command += ["--nproc-per-node", "2", str(script), str(tmp_path), which]
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=300, env=os.environ.copy()
-        )
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        run_ranks(tmp_path, which)
         logs[which] = json.loads((tmp_path / f"{which}.json").read_text())
     assert len(logs["trainer"]) == STEPS
     assert_logs_match(logs["roundpipe"], logs["trainer"])
+
+
+def test_torchrun_checkpoint_model_files_hold_the_steps_weights(tmp_path: Path) -> None:
+    # With data parallelism each rank steps a piece of every weight: checkpoint-3, written while
+    # step 3 is in flight, still holds the whole weights after step 3 (a 3-step run's).
+    from safetensors.torch import load_file
+
+    run_ranks(tmp_path, "checkpoint")
+    ours = load_file(tmp_path / "saving" / "checkpoint-3" / "model.safetensors")
+    after_three = load_file(tmp_path / "short_files" / "model.safetensors")
+    assert ours.keys() == after_three.keys()
+    assert all(torch.equal(ours[key], after_three[key]) for key in after_three)
 
 
 def test_fp16_trains_an_fp16_model_with_fp32_copies_and_a_scaler(
@@ -286,18 +425,12 @@ def test_fp16_trains_an_fp16_model_with_fp32_copies_and_a_scaler(
 def test_weight_decay_reaches_a_model_without_preset(tmp_path: Path) -> None:
     # GPT-2 has no preset: wrapped as an AutoRoundPipe, whose optimizer copies are named after
     # the model it holds. Trainer's weight-decay groups must still find them.
-    def gpt2() -> torch.nn.Module:
-        torch.manual_seed(0)
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        )  # fmt: skip
-        return transformers.GPT2LMHeadModel(config)
-
-    reference = Trainer(model=gpt2(), args=arguments(tmp_path / "ref"), train_dataset=dataset())
+    reference = Trainer(
+        model=tiny_gpt2(), args=arguments(tmp_path / "ref"), train_dataset=dataset()
+    )
     reference.train()
     trainer = RoundPipeTrainer(
-        gpt2(), arguments(tmp_path / "ours"), train_dataset=dataset(), async_step=False
+        tiny_gpt2(), arguments(tmp_path / "ours"), train_dataset=dataset(), async_step=False
     )
     trainer.train()
     optimizer = trainer.optimizer.optimizer  # type: ignore[union-attr]
@@ -345,6 +478,63 @@ def test_a_subclass_compute_loss_is_what_trains(tmp_path: Path) -> None:
     )
     trainer.train()
     assert_logs_match(step_logs(trainer), step_logs(reference))
+
+
+class ModelLoss:
+    """A subclass's ``compute_loss`` that returns the model's own loss, as the Hugging Face
+    docs write one."""
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        outputs = model(**inputs)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+class ModelLossOverItems:
+    """The same, normalised over the accumulation window's target tokens."""
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+@pytest.mark.parametrize("logic", [ModelLoss, ModelLossOverItems], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("kind", ["qwen3", "gpt2"])
+def test_a_subclass_returning_the_models_loss_matches_trainer(
+    tmp_path: Path, logic: type, kind: str
+) -> None:
+    # The two microbatches of a batch hold unequal numbers of target tokens (dataset() masks a
+    # random prefix of each row): the loss the subclass sees must be the whole batch's, as the
+    # unwrapped model computes it in plain Trainer, not an average of the microbatches' own.
+    plain_cls = type("Plain", (logic, Trainer), {})
+    ours_cls = type("Ours", (logic, RoundPipeTrainer), {})
+    make = MODELS[kind]
+    reference = plain_cls(model=make(), args=arguments(tmp_path / "ref"), train_dataset=dataset())
+    reference.train()
+    trainer = ours_cls(
+        make(),
+        arguments(tmp_path / "ours"),
+        train_dataset=dataset(),
+        run_config=RoundPipeRunConfig(num_microbatch=2),
+        async_step=False,
+    )
+    trainer.train()
+    ours, theirs = step_logs(trainer), step_logs(reference)
+    assert [entry["step"] for entry in ours] == [entry["step"] for entry in theirs]
+    for mine, ref in zip(ours, theirs, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert mine[key] == pytest.approx(ref[key], rel=2e-7), (key, mine, ref)
 
 
 def test_several_gpus_are_one_device_pool(

@@ -5,12 +5,14 @@ evaluation, checkpoint folders, resuming) and replaces what touches the model an
 the model is wrapped once (``wrap_model_to_roundpipe``) and stays in host memory, a training
 batch is one ``forward_backward`` (microbatched by the ``RoundPipeRunConfig`` given), and the
 optimizer step, gradient clipping, loss-scale update and learning-rate hyperparameters run on
-RoundPipe's optimizer thread (asynchronous by default: staleness 1). Checkpoints hold RoundPipe's
-own consistent state (``save_checkpoint``). See ``docs/guide.md``, "Hugging Face Trainer".
+RoundPipe's optimizer thread (asynchronous by default: staleness 1). Saved models are the files
+``Trainer`` writes for the unwrapped model; checkpoints hold them and RoundPipe's own consistent
+state (``save_checkpoint``). See ``docs/guide.md``, "Hugging Face Trainer".
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -19,13 +21,15 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from roundpipe.checkpoints.checkpoint import load_checkpoint, save_checkpoint
+from roundpipe.integrations.model_files import newest_weights, state_with, unwrapped
 from roundpipe.integrations.queued_step import (
     Hyperparameters,
     PendingNorm,
     QueuedOptimizer,
     apply_hyperparameters,
 )
-from roundpipe.models import AutoRoundPipe, merge_summed_loss, wrap_model_to_roundpipe
+from roundpipe.integrations.whole_batch_loss import whole_batch_losses
+from roundpipe.models import AutoRoundPipe, wrap_model_to_roundpipe
 from roundpipe.models.presets import find_preset
 from roundpipe.optim.adam import Adam
 from roundpipe.optim.grad_scaler import GradScaler
@@ -198,16 +202,35 @@ class RoundPipeTrainer(Trainer):
         return super().predict(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save the model as ``Trainer`` does (``save_pretrained``), with the newest weights.
+        """Save the model as ``Trainer`` does (``save_pretrained``: the unwrapped model's names
+        and tied weights, safetensors), with the newest weights.
 
-        A checkpoint (``_internal_call`` during training) writes no model files: its
-        ``roundpipe_state`` holds the model with the optimizer, consistently with the step in
-        flight, and waiting for that step here would change the training."""
+        Outside training the step in flight is written back first. A checkpoint's model files
+        (``_internal_call`` during training) are written without that, since writing the step
+        back here would change the training: they take its weights from the optimizer copies
+        (:func:`roundpipe.integrations.model_files.newest_weights`)."""
         if _internal_call and self.is_in_train:
+            # Every rank writes its part of the checkpoint's roundpipe_state into the folder.
             os.makedirs(output_dir or str(self.args.output_dir), exist_ok=True)
-            return
-        self.roundpipe_model.synchronize()
+        else:
+            self.roundpipe_model.synchronize()
         super().save_model(output_dir, _internal_call)
+
+    def _save(
+        self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None
+    ) -> None:
+        """``Trainer._save`` on the model as it was before RoundPipe converted parts of it."""
+        newest = None
+        if state_dict is None and self.is_in_train and self.async_step:
+            # The parameters are one step behind the optimizer copies; with data parallelism
+            # every rank takes part in assembling the copies.
+            newest = newest_weights(self.roundpipe_model)
+        model = self.model
+        assert isinstance(model, nn.Module)  # the trainer's model from its constructor on
+        with unwrapped(model):
+            if newest is not None and self.args.should_save:
+                state_dict = state_with(model, newest)
+            super()._save(output_dir, state_dict)
 
     # -- optimizer and schedule --------------------------------------------------------------
 
@@ -347,7 +370,7 @@ class RoundPipeTrainer(Trainer):
         wrapped.train()
         inputs = dict(inputs)
         scaler = self.scaler
-        if type(self).compute_loss is not RoundPipeTrainer.compute_loss:
+        if type(self).compute_loss is not Trainer.compute_loss:
             return self._custom_loss_step(inputs, num_items_in_batch)
         exact = self.model_accepts_loss_kwargs and num_items_in_batch is not None
         if exact:
@@ -369,8 +392,9 @@ class RoundPipeTrainer(Trainer):
             wrapped.forward_backward(input_kwargs=inputs, loss_fn=loss_fn)
             total = torch.stack([loss.float().cpu() for loss in reported]).sum()
         else:
-            # forward() + backward(): the merged loss averages the microbatches' losses.
-            outputs = wrapped(**inputs)
+            # forward() + backward(), with the whole batch's loss as compute_loss would see it.
+            with self.compute_loss_context_manager():
+                outputs = wrapped(**inputs)
             loss = (outputs["loss"] if isinstance(outputs, dict) else outputs[0]) * factor
             (scaler.scale(loss) if scaler is not None else loss).backward()
             total = loss.detach().float().cpu()
@@ -383,8 +407,13 @@ class RoundPipeTrainer(Trainer):
         scaled for gradient accumulation as ``Trainer.training_step`` scales it, goes through
         ``.backward()`` (the pipelined backward of the ``forward()`` it called)."""
         with self.compute_loss_context_manager():
-            loss: torch.Tensor = self.compute_loss(
+            loss = self.compute_loss(
                 self.roundpipe_model, inputs, num_items_in_batch=num_items_in_batch
+            )
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"{type(self).__name__}.compute_loss returned a {type(loss).__name__}; with "
+                "return_outputs=False it must return the loss tensor"
             )
         scaled = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled is None:
@@ -394,19 +423,17 @@ class RoundPipeTrainer(Trainer):
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return loss.detach().float().cpu().to(self.args.device)
 
-    def compute_loss(
-        self,
-        model: nn.Module,
-        inputs: dict[str, Any],
-        return_outputs: bool = False,
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ) -> Any:
-        """``Trainer.compute_loss`` (evaluation); a preset's microbatch losses are shares of
-        ``num_items_in_batch``, so they are added up rather than averaged."""
-        if num_items_in_batch is not None and self._sums_losses:
-            config = RoundPipeRunConfig(merge_output=merge_summed_loss)
-            inputs = {**inputs, "roundpipe_run_config": config}
-        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+    def compute_loss_context_manager(self) -> contextlib.ExitStack:
+        """``Trainer``'s, in which (around every ``compute_loss``, the trainer's or a
+        subclass's, in training and evaluation) a preset's call with ``labels`` returns the
+        whole batch's loss, as the unwrapped model would: token-weighted over the
+        microbatches, ``num_items_in_batch`` respected (see
+        :func:`roundpipe.integrations.whole_batch_loss.whole_batch_losses`)."""
+        stack = super().compute_loss_context_manager()
+        wrapped = self.roundpipe_model
+        if self._sums_losses and isinstance(wrapped, RoundPipe):
+            stack.enter_context(whole_batch_losses(wrapped))
+        return stack
 
     # -- checkpoints: one RoundPipe state per checkpoint-N/ ----------------------------------
 
