@@ -1,4 +1,4 @@
-#include "bindings/typed_views.h"
+#include "gradients/gradients.h"
 
 #include <torch/csrc/utils/pybind.h>
 

@@ -1,4 +1,4 @@
-#include "bindings/call_state.h"
+#include "call/saved_inputs.h"
 
 #include <torch/csrc/utils/pybind.h>
 

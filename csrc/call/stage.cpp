@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "bindings/bindings.h"
-#include "bindings/typed_views.h"
+#include "gradients/gradients.h"
 #include "executor/copy_engine.h"
 #include "executor/event.h"
 #include "memory/host_arena.h"

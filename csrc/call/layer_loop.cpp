@@ -21,9 +21,9 @@
 #include <vector>
 
 #include "bindings/bindings.h"
-#include "bindings/call_state.h"
-#include "bindings/module_call.h"
-#include "bindings/transfers.h"
+#include "call/saved_inputs.h"
+#include "call/module_call.h"
+#include "call/transfers.h"
 #include "torch_internals/torch_internals.h"
 
 namespace py = pybind11;

@@ -1,4 +1,4 @@
-#include "bindings/transfers.h"
+#include "call/transfers.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/strides.h>

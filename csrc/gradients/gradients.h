@@ -1,5 +1,5 @@
 // Typed views of a stage's flat uint8 buffers and the .grad of the tensors cut from them: the
-// native side of roundpipe/gradients.py, and what a stage's upload (stage_io.cpp) cuts its
+// native side of roundpipe/gradients.py, and what a stage's upload (call/stage.cpp) cuts its
 // parameter and gradient views with.
 #pragma once
 
