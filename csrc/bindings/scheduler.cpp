@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "bindings/bindings.h"
-#include "scheduler/timer.h"
 #include "scheduler/scheduler.h"
 #include "scheduler/simulator.h"
+#include "scheduler/timer.h"
 
 namespace py = pybind11;
 
@@ -40,7 +40,7 @@ py::dict plan_stages(const std::string& run_type, std::vector<ProfileTuple> prof
                       std::move(forward_bytes), std::move(backward_bytes)});
   }
   const scheduler::PlanOptions options{min_stages,  upper_threshold,  stage_memory_cap,
-                                     num_devices, num_microbatches, upload_bytes_per_second};
+                                       num_devices, num_microbatches, upload_bytes_per_second};
   scheduler::PlanResult result;
   {
     py::gil_scoped_release release;
@@ -96,7 +96,7 @@ std::pair<double, std::vector<std::tuple<int, int, int, double, double>>> simula
 
 }  // namespace
 
-void bind_planner(py::module_& m) {
+void bind_scheduler(py::module_& m) {
   using scheduler::LayerTimings;
   py::class_<LayerTimings>(m, "LayerTimings",
                            "Smoothed per-layer, per-action timings (see "

@@ -16,7 +16,7 @@
 
 #include "torch_internals/torch_internals.h"
 
-namespace roundpipe::bindings {
+namespace roundpipe::call {
 
 // Hidden, as pybind11's own types are: it holds Python objects.
 class __attribute__((visibility("hidden"))) ModuleCall {
@@ -96,4 +96,4 @@ class __attribute__((visibility("hidden"))) ModuleCall {
       pybind11::str("_forward_hooks"), pybind11::str("_forward_pre_hooks")};
 };
 
-}  // namespace roundpipe::bindings
+}  // namespace roundpipe::call

@@ -1,42 +1,43 @@
 #include "call/saved_inputs.h"
 
-#include <torch/csrc/utils/pybind.h>
+#include <pybind11/pybind11.h>
 
-#include <memory>
-#include <optional>
+#include <string>
+#include <utility>
 
-#include "bindings/bindings.h"
+namespace roundpipe::call {
 
-namespace py = pybind11;
-
-namespace roundpipe::bindings {
-
-void bind_call_state(py::module_& m) {
-  py::class_<RngStates, std::shared_ptr<RngStates>>(
-      m, "RngStates",
-      "The CPU generator states a call's forward layers were seeded with, kept for their "
-      "recompute (at most 4096).")
-      .def(py::init<std::int64_t, std::int64_t>(), py::arg("layers"), py::arg("microbatches"))
-      .def_property_readonly("kept", &RngStates::kept, "How many states are kept.");
-  py::class_<KeptInputs, std::shared_ptr<KeptInputs>>(
-      m, "KeptInputs",
-      "The lone-tensor layer inputs a call's forward stages keep for its recompute, per (layer, "
-      "microbatch).")
-      .def(py::init<std::int64_t, std::int64_t>(), py::arg("layers"), py::arg("microbatches"))
-      .def(
-          "find",
-          [](const KeptInputs& kept, std::int64_t layer,
-             std::int64_t microbatch) -> std::optional<at::Tensor> {
-            const at::Tensor& input = kept.find(layer, microbatch);
-            if (!input.defined()) return std::nullopt;
-            return input;
-          },
-          py::arg("layer"), py::arg("microbatch"),
-          "The input kept for (layer, microbatch), or None.")
-      .def("covers", &KeptInputs::covers, py::arg("first"), py::arg("stop"),
-           py::arg("microbatches"), py::arg("per_layer"),
-           "Whether the inputs of layers [first, stop)'s segments (the first layer's, or with "
-           "per_layer each layer's) are kept for each of `microbatches`.");
+void RngStates::keep(std::int64_t layer, std::int64_t microbatch,
+                     const torch_internals::CpuRngState& state) {
+  std::uint32_t* slot = slots_.find(layer, microbatch);
+  if (slot == nullptr) return;
+  if (*slot != 0) {
+    states_[*slot - 1] = state;
+    return;
+  }
+  if (states_.size() >= kMaxStates) return;
+  states_.push_back(state);
+  *slot = static_cast<std::uint32_t>(states_.size());
 }
 
-}  // namespace roundpipe::bindings
+void KeptInputs::keep(std::int64_t layer, std::int64_t microbatch, at::Tensor input) {
+  at::Tensor* slot = inputs_.find(layer, microbatch);
+  if (slot == nullptr) {
+    throw pybind11::index_error("KeptInputs: the call has no layer " + std::to_string(layer) +
+                                " x microbatch " + std::to_string(microbatch));
+  }
+  *slot = std::move(input);
+}
+
+bool KeptInputs::covers(std::int64_t first, std::int64_t stop,
+                        const std::vector<std::int64_t>& microbatches, bool per_layer) const {
+  const std::int64_t last = per_layer ? stop : std::min(first + 1, stop);
+  for (const std::int64_t microbatch : microbatches) {
+    for (std::int64_t layer = first; layer < last; ++layer) {
+      if (!find(layer, microbatch).defined()) return false;
+    }
+  }
+  return first < stop;
+}
+
+}  // namespace roundpipe::call

@@ -1,10 +1,6 @@
-// A stage's buffers on its device, from upload to gradient download: the native side of
-// roundpipe/stage.py (ResidentStage). Each piece in Python would cost more than the work behind it:
-// the upload from the arena with the parameter and gradient views, the binding of the copies in
-// place of the layers' parameters and back, the check for copies changed in place, which trained
-// copies a backward reached (GradReach), and the gradients' download into the arena.
+#include "call/stage.h"
+
 #include <ATen/ATen.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
 #include <cstring>
@@ -15,49 +11,16 @@
 #include <utility>
 #include <vector>
 
-#include "bindings/bindings.h"
-#include "gradients/gradients.h"
 #include "executor/copy_engine.h"
 #include "executor/event.h"
+#include "gradients/gradients.h"
 #include "memory/host_arena.h"
 #include "torch_internals/torch_internals.h"
 
 namespace py = pybind11;
 
-namespace roundpipe::bindings {
+namespace roundpipe::call {
 namespace {
-
-// Which of a stage's trained parameter copies received a gradient. A parameter that no backward
-// reaches (an expert no token was routed to, a head the loss ignores) keeps .grad None in plain
-// PyTorch, and optimizers skip it; the stage's gradient buffer cannot tell such a parameter from
-// one whose gradient is zero, so each copy's AccumulateGrad node, made here and held for the
-// stage's lifetime (every microbatch's graph then uses the same one), flags its copy when it runs.
-class GradReach {
- public:
-  explicit GradReach(const std::vector<at::Tensor>& tensors) : reached_(tensors.size(), 0) {
-    accumulators_.reserve(tensors.size());
-    for (std::size_t i = 0; i < tensors.size(); ++i) {
-      std::shared_ptr<void> accumulator =
-          torch_internals::flag_accumulation(tensors[i], &reached_[i]);
-      if (accumulator) accumulators_.push_back(std::move(accumulator));
-    }
-  }
-
-  // Indices into the tensors of those an AccumulateGrad ran for.
-  std::vector<std::int64_t> reached() const {
-    std::vector<std::int64_t> indices;
-    for (std::size_t i = 0; i < reached_.size(); ++i) {
-      if (reached_[i] != 0) indices.push_back(static_cast<std::int64_t>(i));
-    }
-    return indices;
-  }
-
- private:
-  // Written by the thread that runs the backward passes (the caller's, or the engine's), read
-  // once they are done.
-  std::vector<std::uint8_t> reached_;
-  std::vector<std::shared_ptr<void>> accumulators_;
-};
 
 // Below this size a virtual CPU device's stage buffer comes from the C heap: a mapping of its own
 // would cost two system calls and a page fault per page for memory the heap reuses at once.
@@ -80,32 +43,35 @@ at::Tensor stage_buffer(std::int64_t bytes, c10::Device device, bool zero) {
   return buffer;
 }
 
-// What roundpipe.stage.ResidentStage makes of a stage, in one call (per stage, each piece in
-// Python costs more than the work behind it):
-//   - the parameter buffer, bytes [param_begin, param_end) of the parameter arena's layout; with
-//     the `arena` given, its byte `runs` copied in on device `device_index`'s parameter lane once
-//     `fence` completed (`uploaded`: the last copy's event, which covers them all; a recorded
-//     event when there are none). Without it (parameters in storages of their own) the caller
-//     copies them in and `uploaded` is None;
-//   - the views of `params` in it at byte `offsets` (typed_views, requiring grad as they do);
-//   - with `with_grads`, the gradient buffer of bytes [grad_begin, grad_end), whose views at
-//     `grad_offsets` become the .grad of the views of params[trained]: zeroed, or with
-//     `grad_arena` given, a copy of those bytes of it, made on the parameter lane after the
-//     parameters' (the gradients that earlier calls accumulated: the stage's layers add theirs
-//     to them one microbatch after the other, as plain PyTorch adds each backward's into .grad;
-//     `uploaded` then covers the copy too). On CUDA the pageable arena is copied through the
-//     engine's page-locked bounce buffers. The GradReach of those views tells which of them a
-//     backward reached.
-// Returns (buffer, uploaded, views, grad buffer or None, GradReach or None).
-py::tuple upload_stage(int device_index, c10::Device device, const std::optional<at::Tensor>& arena,
-                       std::int64_t param_begin, std::int64_t param_end,
-                       const std::vector<std::pair<std::int64_t, std::int64_t>>& runs,
-                       const executor::EventPtr& fence, const std::vector<std::int64_t>& offsets,
-                       const std::vector<at::Tensor>& params, bool with_grads,
-                       std::int64_t grad_begin, std::int64_t grad_end,
-                       const std::vector<std::int64_t>& grad_offsets,
-                       const std::vector<std::int64_t>& trained,
-                       const std::optional<at::Tensor>& grad_arena) {
+}  // namespace
+
+GradReach::GradReach(const std::vector<at::Tensor>& tensors) : reached_(tensors.size(), 0) {
+  accumulators_.reserve(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    std::shared_ptr<void> accumulator =
+        torch_internals::flag_accumulation(tensors[i], &reached_[i]);
+    if (accumulator) accumulators_.push_back(std::move(accumulator));
+  }
+}
+
+std::vector<std::int64_t> GradReach::reached() const {
+  std::vector<std::int64_t> indices;
+  for (std::size_t i = 0; i < reached_.size(); ++i) {
+    if (reached_[i] != 0) indices.push_back(static_cast<std::int64_t>(i));
+  }
+  return indices;
+}
+
+StageBuffers upload_stage(int device_index, c10::Device device,
+                          const std::optional<at::Tensor>& arena, std::int64_t param_begin,
+                          std::int64_t param_end,
+                          const std::vector<std::pair<std::int64_t, std::int64_t>>& runs,
+                          const executor::EventPtr& fence, const std::vector<std::int64_t>& offsets,
+                          const std::vector<at::Tensor>& params, bool with_grads,
+                          std::int64_t grad_begin, std::int64_t grad_end,
+                          const std::vector<std::int64_t>& grad_offsets,
+                          const std::vector<std::int64_t>& trained,
+                          const std::optional<at::Tensor>& grad_arena) {
   TORCH_CHECK(
       0 <= param_begin && param_begin <= param_end && (!arena || param_end <= arena->numel()),
       "upload_stage: bytes [", param_begin, ", ", param_end, ") are not within the arena of ",
@@ -136,9 +102,9 @@ py::tuple upload_stage(int device_index, c10::Device device, const std::optional
     if (!uploaded) uploaded = executor::record_event(device_index);
   }
   std::vector<at::Tensor> views =
-      cut_typed(buffer, param_begin, offsets, params, Cut::kOwnLikeGrad);
-  py::object grad_buffer = py::none();
-  py::object reach = py::none();
+      gradients::cut_typed(buffer, param_begin, offsets, params, gradients::Cut::kOwnLikeGrad);
+  std::optional<at::Tensor> grad_buffer;
+  std::shared_ptr<GradReach> reach;
   if (with_grads) {
     at::Tensor grads = stage_buffer(grad_end - grad_begin, device, /*zero=*/!grad_arena);
     std::vector<at::Tensor> likes;
@@ -152,8 +118,9 @@ py::tuple upload_stage(int device_index, c10::Device device, const std::optional
       likes.push_back(params[static_cast<std::size_t>(i)]);
       targets.push_back(views[static_cast<std::size_t>(i)]);
     }
-    set_grads(targets, cut_typed(grads, grad_begin, grad_offsets, likes, Cut::kOwn));
-    reach = py::cast(std::make_shared<GradReach>(targets));
+    gradients::set_grads(targets, gradients::cut_typed(grads, grad_begin, grad_offsets, likes,
+                                                       gradients::Cut::kOwn));
+    reach = std::make_shared<GradReach>(targets);
     if (grad_arena && grads.numel() > 0) {
       const at::Tensor source = grad_arena->slice(0, grad_begin, grad_end);
       py::gil_scoped_release no_gil;
@@ -165,17 +132,12 @@ py::tuple upload_stage(int device_index, c10::Device device, const std::optional
       // and their event covers it.
       if (arena) uploaded = std::move(copied);
     }
-    grad_buffer = py::cast(grads);
+    grad_buffer = std::move(grads);
   }
-  return py::make_tuple(buffer, uploaded, views, grad_buffer, reach);
+  return {std::move(buffer), std::move(uploaded), std::move(views), std::move(grad_buffer),
+          std::move(reach)};
 }
 
-// owner._parameters[name] = tensor for each (owner, name, tensor) of `owners`, `names` and
-// `tensors`: what roundpipe.stage.ResidentStage.bound does to put a stage's device copies in
-// place of its layers' parameters and back (a Python loop costs more than the stores). Returns what
-// each entry held before, in order, for the binding back. On an error (a module without that
-// parameter: KeyError; one whose _parameters is no mapping: TypeError) the entries already
-// replaced are put back first.
 py::list rebind_parameters(const py::sequence& owners, const py::sequence& names,
                            const py::sequence& tensors) {
   const std::size_t size = owners.size();
@@ -215,8 +177,6 @@ py::list rebind_parameters(const py::sequence& owners, const py::sequence& names
   return result;
 }
 
-// Indices of the `tensors` whose version counter moved off 0: changed in place since they were
-// made (roundpipe.stage.ResidentStage checks a stage's parameter copies with it).
 std::vector<std::int64_t> changed_in_place(const std::vector<at::Tensor>& tensors) {
   std::vector<std::int64_t> changed;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
@@ -225,12 +185,6 @@ std::vector<std::int64_t> changed_in_place(const std::vector<at::Tensor>& tensor
   return changed;
 }
 
-// What roundpipe.stage.ResidentStage.download_grads issues: for each byte run
-// (begin, end, dtype) of the gradient arena `arena`, the stage's gradients at those bytes of its
-// buffer `grads` (which starts at arena byte `first_byte`) accumulated into the arena, as `dtype`
-// (or with `replace`, copied over what is there: the buffer started from it), on device
-// `device_index`'s copy engine once the work issued to the device so far completed; through the
-// same bytes of `staging` when given (CUDA). Returns the events, one per run.
 std::vector<executor::EventPtr> download_grads(
     int device_index, const at::Tensor& arena, const at::Tensor& grads, std::int64_t first_byte,
     const std::vector<std::tuple<std::int64_t, std::int64_t, at::ScalarType>>& runs,
@@ -258,35 +212,4 @@ std::vector<executor::EventPtr> download_grads(
   return events;
 }
 
-}  // namespace
-
-void bind_stage_io(py::module_& m) {
-  py::class_<GradReach, std::shared_ptr<GradReach>>(
-      m, "GradReach", "Flags which of `tensors` (leaves) an AccumulateGrad node ran for.")
-      .def(py::init<const std::vector<at::Tensor>&>(), py::arg("tensors"))
-      .def("reached", &GradReach::reached,
-           "Indices of the tensors that received a gradient since construction.");
-  m.def("upload_stage", &upload_stage, py::arg("device_index"), py::arg("device"), py::arg("arena"),
-        py::arg("param_begin"), py::arg("param_end"), py::arg("runs"), py::arg("fence"),
-        py::arg("offsets"), py::arg("params"), py::arg("with_grads"), py::arg("grad_begin"),
-        py::arg("grad_end"), py::arg("grad_offsets"), py::arg("trained"),
-        py::arg("grad_arena") = py::none(),
-        "A stage's buffers, filled from the parameter arena when given: (buffer, uploaded event "
-        "or None, parameter views, gradient buffer or None, GradReach of the trained views or "
-        "None); the gradient views become the trained views' .grad, and start from grad_arena's "
-        "bytes when given (else zero).");
-  m.def("rebind_parameters", &rebind_parameters, py::arg("owners"), py::arg("names"),
-        py::arg("tensors"),
-        "owner._parameters[name] = tensor per binding; returns what each held before (on an "
-        "error the entries already replaced are put back).");
-  m.def("changed_in_place", &changed_in_place, py::arg("tensors"),
-        "Indices of the tensors whose version counter is no longer 0.");
-  m.def("download_grads", &download_grads, py::arg("device_index"), py::arg("arena"),
-        py::arg("grads"), py::arg("first_byte"), py::arg("runs"), py::arg("staging"),
-        py::arg("replace") = false,
-        "Accumulate a stage's gradient buffer into the gradient arena (with replace: copy it "
-        "over), one (begin, end, dtype) byte run at a time on the device's copy engine; returns "
-        "the events.");
-}
-
-}  // namespace roundpipe::bindings
+}  // namespace roundpipe::call

@@ -1,28 +1,19 @@
-// Tensor-level entry points of the host optimizer kernels (csrc/optim): validation, then the
-// kernels on raw pointers with the GIL released.
-#include <pybind11/stl.h>
-#include <torch/csrc/utils/pybind.h>
+#include "optim/host_ops.h"
 
-#include <optional>
+#include <c10/util/Exception.h>
+
 #include <stdexcept>
 #include <string>
-#include <vector>
+#include <utility>
 
-#include "bindings/bindings.h"
 #include "common/cpu_features.h"
 #include "common/host_threads.h"
 #include "common/thread_pool.h"
 #include "optim/adam.h"
 #include "torch_internals/torch_internals.h"
 
-namespace py = pybind11;
-
-namespace roundpipe::bindings {
+namespace roundpipe::optim::host_ops {
 namespace {
-
-using optim::DType;
-using TensorList = std::vector<at::Tensor>;
-using OptionalTensorList = std::vector<std::optional<at::Tensor>>;
 
 std::string item_name(const char* list, std::size_t index) {
   return std::string(list) + "[" + std::to_string(index) + "]";
@@ -75,14 +66,6 @@ void check_length(std::size_t length, const char* name, std::size_t expected,
                     " has ", expected, "; pass one per tensor of ", expected_name);
 }
 
-int default_threads() {
-  try {
-    return optimizer_threads();
-  } catch (const std::invalid_argument& error) {
-    C10_THROW_ERROR(ValueError, error.what());
-  }
-}
-
 int resolve_threads(std::optional<int> num_threads) {
   const int threads = num_threads ? *num_threads : default_threads();
   TORCH_CHECK_VALUE(threads >= 1, "num_threads must be at least 1, got ", threads);
@@ -91,10 +74,10 @@ int resolve_threads(std::optional<int> num_threads) {
 
 // The form of one tensor's moments, from its exp_avg, after checking both moments (and the
 // scales of 8-bit ones) against it.
-optim::StateDType check_moments(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                                const std::optional<TensorList>& exp_avg_scales,
-                                const std::optional<TensorList>& exp_avg_sq_scales, std::size_t k,
-                                const at::Tensor& param, const std::string& param_name) {
+StateDType check_moments(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                         const std::optional<TensorList>& exp_avg_scales,
+                         const std::optional<TensorList>& exp_avg_sq_scales, std::size_t k,
+                         const at::Tensor& param, const std::string& param_name) {
   const std::string exp_avg_name = item_name("exp_avgs", k);
   const std::string exp_avg_sq_name = item_name("exp_avg_sqs", k);
   for (const auto& [tensor, name] :
@@ -109,11 +92,10 @@ optim::StateDType check_moments(const at::Tensor& exp_avg, const at::Tensor& exp
   TORCH_CHECK_TYPE(exp_avg_sq.scalar_type() == expected_sq, exp_avg_sq_name, " must be ",
                    expected_sq, " like ", exp_avg_name, " (", kind, "), got ",
                    exp_avg_sq.scalar_type());
-  if (kind != at::kChar)
-    return kind == at::kFloat ? optim::StateDType::kFloat32 : optim::StateDType::kBFloat16;
+  if (kind != at::kChar) return kind == at::kFloat ? StateDType::kFloat32 : StateDType::kBFloat16;
   TORCH_CHECK_VALUE(exp_avg_scales && exp_avg_sq_scales,
                     "exp_avg_scales and exp_avg_sq_scales are required with int8 moments");
-  const std::int64_t blocks = optim::state_blocks(param.numel());
+  const std::int64_t blocks = state_blocks(param.numel());
   for (const auto& [list, name] : {std::pair{&*exp_avg_scales, "exp_avg_scales"},
                                    std::pair{&*exp_avg_sq_scales, "exp_avg_sq_scales"}}) {
     const at::Tensor& scale = (*list)[k];
@@ -122,10 +104,9 @@ optim::StateDType check_moments(const at::Tensor& exp_avg, const at::Tensor& exp
                      scale.scalar_type());
     check_host_dense(scale, scale_name);
     TORCH_CHECK_VALUE(scale.numel() == blocks, scale_name, " has ", scale.numel(), " elements but ",
-                      param_name, " needs ", blocks, " (one per ", optim::kStateBlock,
-                      " elements)");
+                      param_name, " needs ", blocks, " (one per ", kStateBlock, " elements)");
   }
-  return optim::StateDType::kInt8;
+  return StateDType::kInt8;
 }
 
 // In-place writes through raw pointers bypass ATen, so bump the version counters ATen would have
@@ -133,6 +114,41 @@ optim::StateDType check_moments(const at::Tensor& exp_avg, const at::Tensor& exp
 void bump_versions(const TensorList& tensors) {
   for (const at::Tensor& tensor : tensors) torch_internals::bump_version(tensor);
 }
+
+// Checks a moment's codes and scales against the fp32 values they stand for.
+void check_codes(bool is_exp_avg, const at::Tensor& values, const at::Tensor& codes,
+                 const at::Tensor& scales) {
+  check_float32(values, "values");
+  const at::ScalarType code_type = is_exp_avg ? at::kChar : at::kByte;
+  TORCH_CHECK_TYPE(codes.scalar_type() == code_type, "codes must be ", code_type, " for ",
+                   is_exp_avg ? "exp_avg" : "exp_avg_sq", ", got ", codes.scalar_type());
+  check_host_dense(codes, "codes");
+  check_same_numel(codes, "codes", values, "values");
+  TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat, "scales must be float32, got ",
+                   scales.scalar_type());
+  check_host_dense(scales, "scales");
+  TORCH_CHECK_VALUE(scales.numel() == state_blocks(values.numel()), "scales has ", scales.numel(),
+                    " elements but values needs ", state_blocks(values.numel()), " (one per ",
+                    kStateBlock, " elements)");
+}
+
+}  // namespace
+
+int default_threads() {
+  try {
+    return optimizer_threads();
+  } catch (const std::invalid_argument& error) {
+    C10_THROW_ERROR(ValueError, error.what());
+  }
+}
+
+void set_threads(int threads) {
+  TORCH_CHECK_VALUE(threads >= 0, "threads must be at least 1, or 0 for the default, got ",
+                    threads);
+  set_optimizer_threads(threads);
+}
+
+int started_threads() { return ThreadPool::global().started_workers(); }
 
 void adam_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                const TensorList& exp_avg_sqs, const std::optional<TensorList>& max_exp_avg_sqs,
@@ -154,13 +170,13 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
   if (exp_avg_sq_scales) check_length(exp_avg_sq_scales->size(), "exp_avg_sq_scales", n);
   const int threads = resolve_threads(num_threads);
 
-  std::vector<optim::AdamBuffers> buffers(n);
+  std::vector<AdamBuffers> buffers(n);
   for (std::size_t k = 0; k < n; ++k) {
     const std::string param_name = item_name("params", k);
     check_float32(params[k], param_name);
-    const optim::StateDType state_dtype = check_moments(
-        exp_avgs[k], exp_avg_sqs[k], exp_avg_scales, exp_avg_sq_scales, k, params[k], param_name);
-    TORCH_CHECK_VALUE(!amsgrad || state_dtype == optim::StateDType::kFloat32,
+    const StateDType state_dtype = check_moments(exp_avgs[k], exp_avg_sqs[k], exp_avg_scales,
+                                                 exp_avg_sq_scales, k, params[k], param_name);
+    TORCH_CHECK_VALUE(!amsgrad || state_dtype == StateDType::kFloat32,
                       "amsgrad=True needs float32 moments, got ", exp_avgs[k].scalar_type(),
                       " for ", item_name("exp_avgs", k));
     const std::string grad_name = item_name("grads", k);
@@ -172,7 +188,7 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
                           (step.scalar_type() == at::kFloat || step.scalar_type() == at::kDouble),
                       item_name("steps", k),
                       " must be a one-element float32 or float64 CPU tensor");
-    optim::AdamBuffers& b = buffers[k];
+    AdamBuffers& b = buffers[k];
     b = {params[k].data_ptr<float>(),
          grads[k].data_ptr(),
          grad_dtype,
@@ -183,7 +199,7 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
          DType::kBFloat16,
          params[k].numel(),
          state_dtype};
-    if (state_dtype == optim::StateDType::kInt8) {
+    if (state_dtype == StateDType::kInt8) {
       b.exp_avg_scale = (*exp_avg_scales)[k].data_ptr<float>();
       b.exp_avg_sq_scale = (*exp_avg_sq_scales)[k].data_ptr<float>();
     }
@@ -204,9 +220,9 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
   }
 
   // Every argument is valid: from here on nothing fails, so a step is never half applied.
-  const optim::AdamHyper hyper{lr,           beta1,   beta2,    eps,
-                               weight_decay, amsgrad, maximize, decoupled_weight_decay};
-  std::vector<optim::AdamCoefficients> coefficients(n);
+  const AdamHyper hyper{lr,           beta1,   beta2,    eps,
+                        weight_decay, amsgrad, maximize, decoupled_weight_decay};
+  std::vector<AdamCoefficients> coefficients(n);
   for (std::size_t k = 0; k < n; ++k) {
     double step_count = 0.0;
     if (steps[k].scalar_type() == at::kFloat) {
@@ -219,8 +235,7 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
       *count += 1.0;
       step_count = *count;
     }
-    coefficients[k] =
-        optim::adam_coefficients(hyper, step_count, static_cast<float>(grad_scale_inv));
+    coefficients[k] = adam_coefficients(hyper, step_count, static_cast<float>(grad_scale_inv));
   }
   for (const TensorList* list : {&params, &exp_avgs, &exp_avg_sqs, &steps}) bump_versions(*list);
   if (amsgrad) bump_versions(*max_exp_avg_sqs);
@@ -232,7 +247,6 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
       if (lowp) torch_internals::bump_version(*lowp);
     }
   }
-  py::gil_scoped_release release;
   optim::adam_step(ThreadPool::global(), threads, active_simd_level(), coefficients, buffers);
 }
 
@@ -240,7 +254,7 @@ bool grad_pass(const TensorList& dsts, const TensorList& srcs, std::optional<boo
                std::optional<int> num_threads) {
   const int threads = resolve_threads(num_threads);
   if (overwrite) check_length(dsts.size(), "dsts", srcs.size(), "srcs");
-  std::vector<optim::GradBuffers> buffers(srcs.size());
+  std::vector<GradBuffers> buffers(srcs.size());
   for (std::size_t k = 0; k < srcs.size(); ++k) {
     const std::string src_name = item_name("srcs", k);
     buffers[k] = {nullptr, srcs[k].data_ptr(), dtype_of(srcs[k], src_name, true), srcs[k].numel()};
@@ -252,30 +266,11 @@ bool grad_pass(const TensorList& dsts, const TensorList& srcs, std::optional<boo
       buffers[k].dst = dsts[k].data_ptr<float>();
     }
   }
-  const optim::GradMode mode = !overwrite   ? optim::GradMode::kCheck
-                               : *overwrite ? optim::GradMode::kCopy
-                                            : optim::GradMode::kAccumulate;
+  const GradMode mode = !overwrite   ? GradMode::kCheck
+                        : *overwrite ? GradMode::kCopy
+                                     : GradMode::kAccumulate;
   if (overwrite) bump_versions(dsts);
-  py::gil_scoped_release release;
   return optim::grad_pass(ThreadPool::global(), threads, active_simd_level(), mode, buffers);
-}
-
-// Checks a moment's codes and scales against the fp32 values they stand for.
-void check_codes(bool is_exp_avg, const at::Tensor& values, const at::Tensor& codes,
-                 const at::Tensor& scales) {
-  check_float32(values, "values");
-  const at::ScalarType code_type = is_exp_avg ? at::kChar : at::kByte;
-  TORCH_CHECK_TYPE(codes.scalar_type() == code_type, "codes must be ", code_type, " for ",
-                   is_exp_avg ? "exp_avg" : "exp_avg_sq", ", got ", codes.scalar_type());
-  check_host_dense(codes, "codes");
-  check_same_numel(codes, "codes", values, "values");
-  TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat, "scales must be float32, got ",
-                   scales.scalar_type());
-  check_host_dense(scales, "scales");
-  TORCH_CHECK_VALUE(scales.numel() == optim::state_blocks(values.numel()), "scales has ",
-                    scales.numel(), " elements but values needs ",
-                    optim::state_blocks(values.numel()), " (one per ", optim::kStateBlock,
-                    " elements)");
 }
 
 void quantize_moment(bool is_exp_avg, const at::Tensor& values, const at::Tensor& codes,
@@ -284,7 +279,6 @@ void quantize_moment(bool is_exp_avg, const at::Tensor& values, const at::Tensor
   const int threads = default_threads();
   torch_internals::bump_version(codes);
   torch_internals::bump_version(scales);
-  py::gil_scoped_release release;
   optim::quantize_moment(ThreadPool::global(), threads, is_exp_avg, values.data_ptr<float>(),
                          codes.data_ptr(), scales.data_ptr<float>(), values.numel());
 }
@@ -294,69 +288,8 @@ void dequantize_moment(bool is_exp_avg, const at::Tensor& codes, const at::Tenso
   check_codes(is_exp_avg, values, codes, scales);
   const int threads = default_threads();
   torch_internals::bump_version(values);
-  py::gil_scoped_release release;
   optim::dequantize_moment(ThreadPool::global(), threads, is_exp_avg, codes.data_ptr(),
                            scales.data_ptr<float>(), values.data_ptr<float>(), values.numel());
 }
 
-}  // namespace
-
-void bind_optim(py::module_& m) {
-  m.def("adam_step", &adam_step, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
-        py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("steps"), py::kw_only(),
-        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("amsgrad"), py::arg("maximize"), py::arg("decoupled_weight_decay"),
-        py::arg("grad_scale_inv") = 1.0, py::arg("lowp_params") = py::none(),
-        py::arg("num_threads") = py::none(), py::arg("exp_avg_scales") = py::none(),
-        py::arg("exp_avg_sq_scales") = py::none(),
-        "One Adam/AdamW step over a param group, in place, multi-threaded over chunks of all "
-        "tensors. Increments steps; reads grads (fp32/bf16/fp16) times grad_scale_inv; writes "
-        "the new weights also into lowp_params (bf16/fp16) where given. Moments are fp32, bf16 "
-        "(stochastically rounded) or 8-bit codes (int8 exp_avg, uint8 exp_avg_sq) with one "
-        "float32 scale per block of state_block elements in exp_avg_scales/exp_avg_sq_scales.");
-  m.def("quantize_moment", &quantize_moment, py::arg("is_exp_avg"), py::arg("values"),
-        py::arg("codes"), py::arg("scales"),
-        "Encodes fp32 moments as 8-bit codes and block scales (round to nearest), in place.");
-  m.def("dequantize_moment", &dequantize_moment, py::arg("is_exp_avg"), py::arg("codes"),
-        py::arg("scales"), py::arg("values"),
-        "Decodes 8-bit moment codes and block scales into fp32 values, in place.");
-  m.def("state_block", [] { return optim::kStateBlock; }, "Elements per scale of 8-bit moments.");
-  m.def(
-      "optimizer_threads", [] { return default_threads(); },
-      "Threads the host optimizer kernels use when not told (see set_optimizer_threads).");
-  m.def(
-      "set_optimizer_threads",
-      [](int threads) {
-        TORCH_CHECK_VALUE(threads >= 0, "threads must be at least 1, or 0 for the default, got ",
-                          threads);
-        set_optimizer_threads(threads);
-      },
-      py::arg("threads"),
-      "Fixes the host optimizer's threads; 0 returns to the default: the CPUs of this process's "
-      "affinity divided by LOCAL_WORLD_SIZE, or ROUNDPIPE_OPTIMIZER_THREADS.");
-  m.def(
-      "grad_accumulate",
-      [](const TensorList& dsts, const TensorList& srcs, bool overwrite,
-         std::optional<int> num_threads) { return grad_pass(dsts, srcs, overwrite, num_threads); },
-      py::arg("dsts"), py::arg("srcs"), py::arg("overwrite"), py::arg("num_threads") = py::none(),
-      "dsts[k] (fp32) = or += srcs[k] cast to fp32, in one pass; True iff every src is finite.");
-  m.def(
-      "grad_accumulate",
-      [](const at::Tensor& dst, const at::Tensor& src, bool overwrite,
-         std::optional<int> num_threads) {
-        return grad_pass({dst}, {src}, overwrite, num_threads);
-      },
-      py::arg("dst"), py::arg("src"), py::arg("overwrite"), py::arg("num_threads") = py::none());
-  m.def(
-      "all_finite",
-      [](const TensorList& tensors, std::optional<int> num_threads) {
-        return grad_pass({}, tensors, std::nullopt, num_threads);
-      },
-      py::arg("tensors"), py::arg("num_threads") = py::none(),
-      "True iff no element of the (fp32/bf16/fp16 CPU) tensors is inf or NaN.");
-  m.def(
-      "optimizer_threads_started", [] { return ThreadPool::global().started_workers(); },
-      "Worker threads the host optimizer pool has started so far (it starts them lazily).");
-}
-
-}  // namespace roundpipe::bindings
+}  // namespace roundpipe::optim::host_ops
