@@ -15,6 +15,7 @@
 #include "executor/event.h"
 #include "gradients/gradients.h"
 #include "memory/host_arena.h"
+#include "torch_internals/modules.h"
 #include "torch_internals/torch_internals.h"
 
 namespace py = pybind11;
@@ -144,7 +145,6 @@ py::list rebind_parameters(const py::sequence& owners, const py::sequence& names
   TORCH_CHECK(names.size() == size && tensors.size() == size, "rebind_parameters: got ", size,
               " owners, ", names.size(), " names and ", tensors.size(),
               " tensors; pass one of each per binding");
-  static const py::str key("_parameters");
   std::vector<py::object> dicts;
   std::vector<py::object> before;
   dicts.reserve(size);
@@ -152,7 +152,7 @@ py::list rebind_parameters(const py::sequence& owners, const py::sequence& names
   try {
     for (std::size_t i = 0; i < size; ++i) {
       const py::object owner = owners[i];
-      py::object parameters = owner.attr(key);
+      py::object parameters = torch_internals::parameter_slots(owner);
       if (!PyMapping_Check(parameters.ptr())) {
         throw py::type_error(std::string("rebind_parameters: ") + Py_TYPE(owner.ptr())->tp_name +
                              "._parameters is no mapping");
