@@ -1,4 +1,4 @@
-"""The native helpers of the pipeline's hot path (csrc/bindings/) against the PyTorch
+"""The native helpers of the pipeline's hot path (csrc/call/, csrc/gradients/) against the PyTorch
 calls they replace: ``_C.backward`` for ``torch.autograd.backward``, ``_C.typed_views`` for
 ``roundpipe.memory.typed_view``; and the copy engine's small copies on virtual CPU devices, run on
 the calling thread when its worker is idle and on the worker otherwise."""

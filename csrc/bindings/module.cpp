@@ -43,12 +43,8 @@ PYBIND11_MODULE(_C, m) {
         "Package version, torch version built against, CUDA on/off, compiler and SIMD levels.");
   roundpipe::bindings::bind_devices(m);
   roundpipe::bindings::bind_runtime(m);
-  roundpipe::bindings::bind_planner(m);
+  roundpipe::bindings::bind_scheduler(m);
   roundpipe::bindings::bind_optim(m);
-  roundpipe::bindings::bind_stage_io(m);
-  roundpipe::bindings::bind_typed_views(m);
-  roundpipe::bindings::bind_transfers(m);
-  roundpipe::bindings::bind_call_state(m);
-  roundpipe::bindings::bind_layer_loop(m);
-  roundpipe::bindings::bind_backward(m);
+  roundpipe::bindings::bind_gradients(m);
+  roundpipe::bindings::bind_call(m);
 }

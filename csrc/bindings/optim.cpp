@@ -1,362 +1,70 @@
-// Tensor-level entry points of the host optimizer kernels (csrc/optim): validation, then the
-// kernels on raw pointers with the GIL released.
-#include <pybind11/stl.h>
+// roundpipe._C's host optimizer part (csrc/optim/host_ops.h): each call checks its tensors and
+// runs the kernels without the GIL.
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
-#include <stdexcept>
-#include <string>
-#include <vector>
 
 #include "bindings/bindings.h"
-#include "common/cpu_features.h"
-#include "common/host_threads.h"
-#include "common/thread_pool.h"
 #include "optim/adam.h"
-#include "torch_internals/torch_internals.h"
+#include "optim/host_ops.h"
 
 namespace py = pybind11;
 
 namespace roundpipe::bindings {
-namespace {
-
-using optim::DType;
-using TensorList = std::vector<at::Tensor>;
-using OptionalTensorList = std::vector<std::optional<at::Tensor>>;
-
-std::string item_name(const char* list, std::size_t index) {
-  return std::string(list) + "[" + std::to_string(index) + "]";
-}
-
-// The kernels read and write raw memory in place, so a tensor must be on the host and dense.
-void check_host_dense(const at::Tensor& tensor, const std::string& name) {
-  TORCH_CHECK_VALUE(tensor.device().is_cpu(), name, " must be a CPU tensor, got one on ",
-                    tensor.device(), "; the optimizer runs on the host");
-  TORCH_CHECK_VALUE(tensor.is_contiguous(), name,
-                    " must be contiguous: the optimizer kernels work on its memory directly and "
-                    "never on a hidden copy, so pass a dense tensor rather than a strided view");
-}
-
-DType dtype_of(const at::Tensor& tensor, const std::string& name, bool allow_float32) {
-  switch (tensor.scalar_type()) {
-    case at::kFloat:
-      if (allow_float32) return DType::kFloat32;
-      break;
-    case at::kBFloat16:
-      return DType::kBFloat16;
-    case at::kHalf:
-      return DType::kFloat16;
-    default:
-      break;
-  }
-  C10_THROW_ERROR(TypeError,
-                  c10::str(name, " must be ",
-                           allow_float32 ? "float32, bfloat16 or float16" : "bfloat16 or float16",
-                           ", got ", tensor.scalar_type()));
-}
-
-void check_float32(const at::Tensor& tensor, const std::string& name) {
-  TORCH_CHECK_TYPE(tensor.scalar_type() == at::kFloat, name, " must be float32, got ",
-                   tensor.scalar_type(),
-                   "; roundpipe.optim.Adam keeps fp32 master weights and "
-                   "moments (use optim_dtype=torch.float32 for a low-precision model)");
-  check_host_dense(tensor, name);
-}
-
-void check_same_numel(const at::Tensor& tensor, const std::string& name, const at::Tensor& param,
-                      const std::string& param_name) {
-  TORCH_CHECK_VALUE(tensor.numel() == param.numel(), name, " has ", tensor.numel(),
-                    " elements but ", param_name, " has ", param.numel());
-}
-
-void check_length(std::size_t length, const char* name, std::size_t expected,
-                  const char* expected_name = "params") {
-  TORCH_CHECK_VALUE(length == expected, name, " has ", length, " tensors but ", expected_name,
-                    " has ", expected, "; pass one per tensor of ", expected_name);
-}
-
-int default_threads() {
-  try {
-    return optimizer_threads();
-  } catch (const std::invalid_argument& error) {
-    C10_THROW_ERROR(ValueError, error.what());
-  }
-}
-
-int resolve_threads(std::optional<int> num_threads) {
-  const int threads = num_threads ? *num_threads : default_threads();
-  TORCH_CHECK_VALUE(threads >= 1, "num_threads must be at least 1, got ", threads);
-  return threads;
-}
-
-// The form of one tensor's moments, from its exp_avg, after checking both moments (and the
-// scales of 8-bit ones) against it.
-optim::StateDType check_moments(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                                const std::optional<TensorList>& exp_avg_scales,
-                                const std::optional<TensorList>& exp_avg_sq_scales, std::size_t k,
-                                const at::Tensor& param, const std::string& param_name) {
-  const std::string exp_avg_name = item_name("exp_avgs", k);
-  const std::string exp_avg_sq_name = item_name("exp_avg_sqs", k);
-  for (const auto& [tensor, name] :
-       {std::pair{&exp_avg, &exp_avg_name}, std::pair{&exp_avg_sq, &exp_avg_sq_name}}) {
-    check_host_dense(*tensor, *name);
-    check_same_numel(*tensor, *name, param, param_name);
-  }
-  const at::ScalarType kind = exp_avg.scalar_type();
-  const at::ScalarType expected_sq = kind == at::kChar ? at::kByte : kind;
-  TORCH_CHECK_TYPE(kind == at::kFloat || kind == at::kBFloat16 || kind == at::kChar, exp_avg_name,
-                   " must be float32, bfloat16 or int8 (8-bit codes), got ", kind);
-  TORCH_CHECK_TYPE(exp_avg_sq.scalar_type() == expected_sq, exp_avg_sq_name, " must be ",
-                   expected_sq, " like ", exp_avg_name, " (", kind, "), got ",
-                   exp_avg_sq.scalar_type());
-  if (kind != at::kChar)
-    return kind == at::kFloat ? optim::StateDType::kFloat32 : optim::StateDType::kBFloat16;
-  TORCH_CHECK_VALUE(exp_avg_scales && exp_avg_sq_scales,
-                    "exp_avg_scales and exp_avg_sq_scales are required with int8 moments");
-  const std::int64_t blocks = optim::state_blocks(param.numel());
-  for (const auto& [list, name] : {std::pair{&*exp_avg_scales, "exp_avg_scales"},
-                                   std::pair{&*exp_avg_sq_scales, "exp_avg_sq_scales"}}) {
-    const at::Tensor& scale = (*list)[k];
-    const std::string scale_name = item_name(name, k);
-    TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, scale_name, " must be float32, got ",
-                     scale.scalar_type());
-    check_host_dense(scale, scale_name);
-    TORCH_CHECK_VALUE(scale.numel() == blocks, scale_name, " has ", scale.numel(), " elements but ",
-                      param_name, " needs ", blocks, " (one per ", optim::kStateBlock,
-                      " elements)");
-  }
-  return optim::StateDType::kInt8;
-}
-
-// In-place writes through raw pointers bypass ATen, so bump the version counters ATen would have
-// bumped; autograd then still detects a tensor it saved being modified.
-void bump_versions(const TensorList& tensors) {
-  for (const at::Tensor& tensor : tensors) torch_internals::bump_version(tensor);
-}
-
-void adam_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
-               const TensorList& exp_avg_sqs, const std::optional<TensorList>& max_exp_avg_sqs,
-               const TensorList& steps, double lr, double beta1, double beta2, double eps,
-               double weight_decay, bool amsgrad, bool maximize, bool decoupled_weight_decay,
-               double grad_scale_inv, const std::optional<OptionalTensorList>& lowp_params,
-               std::optional<int> num_threads, const std::optional<TensorList>& exp_avg_scales,
-               const std::optional<TensorList>& exp_avg_sq_scales) {
-  const std::size_t n = params.size();
-  check_length(grads.size(), "grads", n);
-  check_length(exp_avgs.size(), "exp_avgs", n);
-  check_length(exp_avg_sqs.size(), "exp_avg_sqs", n);
-  check_length(steps.size(), "steps", n);
-  TORCH_CHECK_VALUE(!amsgrad || max_exp_avg_sqs.has_value(),
-                    "max_exp_avg_sqs is required when amsgrad=True");
-  if (amsgrad) check_length(max_exp_avg_sqs->size(), "max_exp_avg_sqs", n);
-  if (lowp_params) check_length(lowp_params->size(), "lowp_params", n);
-  if (exp_avg_scales) check_length(exp_avg_scales->size(), "exp_avg_scales", n);
-  if (exp_avg_sq_scales) check_length(exp_avg_sq_scales->size(), "exp_avg_sq_scales", n);
-  const int threads = resolve_threads(num_threads);
-
-  std::vector<optim::AdamBuffers> buffers(n);
-  for (std::size_t k = 0; k < n; ++k) {
-    const std::string param_name = item_name("params", k);
-    check_float32(params[k], param_name);
-    const optim::StateDType state_dtype = check_moments(
-        exp_avgs[k], exp_avg_sqs[k], exp_avg_scales, exp_avg_sq_scales, k, params[k], param_name);
-    TORCH_CHECK_VALUE(!amsgrad || state_dtype == optim::StateDType::kFloat32,
-                      "amsgrad=True needs float32 moments, got ", exp_avgs[k].scalar_type(),
-                      " for ", item_name("exp_avgs", k));
-    const std::string grad_name = item_name("grads", k);
-    const DType grad_dtype = dtype_of(grads[k], grad_name, true);
-    check_host_dense(grads[k], grad_name);
-    check_same_numel(grads[k], grad_name, params[k], param_name);
-    const at::Tensor& step = steps[k];
-    TORCH_CHECK_VALUE(step.device().is_cpu() && step.numel() == 1 &&
-                          (step.scalar_type() == at::kFloat || step.scalar_type() == at::kDouble),
-                      item_name("steps", k),
-                      " must be a one-element float32 or float64 CPU tensor");
-    optim::AdamBuffers& b = buffers[k];
-    b = {params[k].data_ptr<float>(),
-         grads[k].data_ptr(),
-         grad_dtype,
-         exp_avgs[k].data_ptr(),
-         exp_avg_sqs[k].data_ptr(),
-         nullptr,
-         nullptr,
-         DType::kBFloat16,
-         params[k].numel(),
-         state_dtype};
-    if (state_dtype == optim::StateDType::kInt8) {
-      b.exp_avg_scale = (*exp_avg_scales)[k].data_ptr<float>();
-      b.exp_avg_sq_scale = (*exp_avg_sq_scales)[k].data_ptr<float>();
-    }
-    if (amsgrad) {
-      const at::Tensor& max_sq = (*max_exp_avg_sqs)[k];
-      check_float32(max_sq, item_name("max_exp_avg_sqs", k));
-      check_same_numel(max_sq, item_name("max_exp_avg_sqs", k), params[k], param_name);
-      b.max_exp_avg_sq = max_sq.data_ptr<float>();
-    }
-    if (lowp_params && (*lowp_params)[k].has_value()) {
-      const at::Tensor& lowp = *(*lowp_params)[k];
-      const std::string lowp_name = item_name("lowp_params", k);
-      b.lowp_dtype = dtype_of(lowp, lowp_name, false);
-      check_host_dense(lowp, lowp_name);
-      check_same_numel(lowp, lowp_name, params[k], param_name);
-      b.lowp_param = lowp.data_ptr();
-    }
-  }
-
-  // Every argument is valid: from here on nothing fails, so a step is never half applied.
-  const optim::AdamHyper hyper{lr,           beta1,   beta2,    eps,
-                               weight_decay, amsgrad, maximize, decoupled_weight_decay};
-  std::vector<optim::AdamCoefficients> coefficients(n);
-  for (std::size_t k = 0; k < n; ++k) {
-    double step_count = 0.0;
-    if (steps[k].scalar_type() == at::kFloat) {
-      // float32 like torch's state["step"] += 1, so long runs count identically.
-      float* count = steps[k].data_ptr<float>();
-      *count += 1.0f;
-      step_count = *count;
-    } else {
-      double* count = steps[k].data_ptr<double>();
-      *count += 1.0;
-      step_count = *count;
-    }
-    coefficients[k] =
-        optim::adam_coefficients(hyper, step_count, static_cast<float>(grad_scale_inv));
-  }
-  for (const TensorList* list : {&params, &exp_avgs, &exp_avg_sqs, &steps}) bump_versions(*list);
-  if (amsgrad) bump_versions(*max_exp_avg_sqs);
-  for (const auto* scales : {&exp_avg_scales, &exp_avg_sq_scales}) {
-    if (*scales) bump_versions(**scales);
-  }
-  if (lowp_params) {
-    for (const auto& lowp : *lowp_params) {
-      if (lowp) torch_internals::bump_version(*lowp);
-    }
-  }
-  py::gil_scoped_release release;
-  optim::adam_step(ThreadPool::global(), threads, active_simd_level(), coefficients, buffers);
-}
-
-bool grad_pass(const TensorList& dsts, const TensorList& srcs, std::optional<bool> overwrite,
-               std::optional<int> num_threads) {
-  const int threads = resolve_threads(num_threads);
-  if (overwrite) check_length(dsts.size(), "dsts", srcs.size(), "srcs");
-  std::vector<optim::GradBuffers> buffers(srcs.size());
-  for (std::size_t k = 0; k < srcs.size(); ++k) {
-    const std::string src_name = item_name("srcs", k);
-    buffers[k] = {nullptr, srcs[k].data_ptr(), dtype_of(srcs[k], src_name, true), srcs[k].numel()};
-    check_host_dense(srcs[k], src_name);
-    if (overwrite) {
-      const std::string dst_name = item_name("dsts", k);
-      check_float32(dsts[k], dst_name);
-      check_same_numel(dsts[k], dst_name, srcs[k], src_name);
-      buffers[k].dst = dsts[k].data_ptr<float>();
-    }
-  }
-  const optim::GradMode mode = !overwrite   ? optim::GradMode::kCheck
-                               : *overwrite ? optim::GradMode::kCopy
-                                            : optim::GradMode::kAccumulate;
-  if (overwrite) bump_versions(dsts);
-  py::gil_scoped_release release;
-  return optim::grad_pass(ThreadPool::global(), threads, active_simd_level(), mode, buffers);
-}
-
-// Checks a moment's codes and scales against the fp32 values they stand for.
-void check_codes(bool is_exp_avg, const at::Tensor& values, const at::Tensor& codes,
-                 const at::Tensor& scales) {
-  check_float32(values, "values");
-  const at::ScalarType code_type = is_exp_avg ? at::kChar : at::kByte;
-  TORCH_CHECK_TYPE(codes.scalar_type() == code_type, "codes must be ", code_type, " for ",
-                   is_exp_avg ? "exp_avg" : "exp_avg_sq", ", got ", codes.scalar_type());
-  check_host_dense(codes, "codes");
-  check_same_numel(codes, "codes", values, "values");
-  TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat, "scales must be float32, got ",
-                   scales.scalar_type());
-  check_host_dense(scales, "scales");
-  TORCH_CHECK_VALUE(scales.numel() == optim::state_blocks(values.numel()), "scales has ",
-                    scales.numel(), " elements but values needs ",
-                    optim::state_blocks(values.numel()), " (one per ", optim::kStateBlock,
-                    " elements)");
-}
-
-void quantize_moment(bool is_exp_avg, const at::Tensor& values, const at::Tensor& codes,
-                     const at::Tensor& scales) {
-  check_codes(is_exp_avg, values, codes, scales);
-  const int threads = default_threads();
-  torch_internals::bump_version(codes);
-  torch_internals::bump_version(scales);
-  py::gil_scoped_release release;
-  optim::quantize_moment(ThreadPool::global(), threads, is_exp_avg, values.data_ptr<float>(),
-                         codes.data_ptr(), scales.data_ptr<float>(), values.numel());
-}
-
-void dequantize_moment(bool is_exp_avg, const at::Tensor& codes, const at::Tensor& scales,
-                       const at::Tensor& values) {
-  check_codes(is_exp_avg, values, codes, scales);
-  const int threads = default_threads();
-  torch_internals::bump_version(values);
-  py::gil_scoped_release release;
-  optim::dequantize_moment(ThreadPool::global(), threads, is_exp_avg, codes.data_ptr(),
-                           scales.data_ptr<float>(), values.data_ptr<float>(), values.numel());
-}
-
-}  // namespace
 
 void bind_optim(py::module_& m) {
-  m.def("adam_step", &adam_step, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
-        py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("steps"), py::kw_only(),
-        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("amsgrad"), py::arg("maximize"), py::arg("decoupled_weight_decay"),
-        py::arg("grad_scale_inv") = 1.0, py::arg("lowp_params") = py::none(),
-        py::arg("num_threads") = py::none(), py::arg("exp_avg_scales") = py::none(),
-        py::arg("exp_avg_sq_scales") = py::none(),
+  using optim::host_ops::TensorList;
+  using no_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("adam_step", &optim::host_ops::adam_step, py::arg("params"), py::arg("grads"),
+        py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("steps"),
+        py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("amsgrad"), py::arg("maximize"),
+        py::arg("decoupled_weight_decay"), py::arg("grad_scale_inv") = 1.0,
+        py::arg("lowp_params") = py::none(), py::arg("num_threads") = py::none(),
+        py::arg("exp_avg_scales") = py::none(), py::arg("exp_avg_sq_scales") = py::none(), no_gil(),
         "One Adam/AdamW step over a param group, in place, multi-threaded over chunks of all "
         "tensors. Increments steps; reads grads (fp32/bf16/fp16) times grad_scale_inv; writes "
         "the new weights also into lowp_params (bf16/fp16) where given. Moments are fp32, bf16 "
         "(stochastically rounded) or 8-bit codes (int8 exp_avg, uint8 exp_avg_sq) with one "
         "float32 scale per block of state_block elements in exp_avg_scales/exp_avg_sq_scales.");
-  m.def("quantize_moment", &quantize_moment, py::arg("is_exp_avg"), py::arg("values"),
-        py::arg("codes"), py::arg("scales"),
+  m.def("quantize_moment", &optim::host_ops::quantize_moment, py::arg("is_exp_avg"),
+        py::arg("values"), py::arg("codes"), py::arg("scales"), no_gil(),
         "Encodes fp32 moments as 8-bit codes and block scales (round to nearest), in place.");
-  m.def("dequantize_moment", &dequantize_moment, py::arg("is_exp_avg"), py::arg("codes"),
-        py::arg("scales"), py::arg("values"),
+  m.def("dequantize_moment", &optim::host_ops::dequantize_moment, py::arg("is_exp_avg"),
+        py::arg("codes"), py::arg("scales"), py::arg("values"), no_gil(),
         "Decodes 8-bit moment codes and block scales into fp32 values, in place.");
   m.def("state_block", [] { return optim::kStateBlock; }, "Elements per scale of 8-bit moments.");
-  m.def(
-      "optimizer_threads", [] { return default_threads(); },
-      "Threads the host optimizer kernels use when not told (see set_optimizer_threads).");
-  m.def(
-      "set_optimizer_threads",
-      [](int threads) {
-        TORCH_CHECK_VALUE(threads >= 0, "threads must be at least 1, or 0 for the default, got ",
-                          threads);
-        set_optimizer_threads(threads);
-      },
-      py::arg("threads"),
-      "Fixes the host optimizer's threads; 0 returns to the default: the CPUs of this process's "
-      "affinity divided by LOCAL_WORLD_SIZE, or ROUNDPIPE_OPTIMIZER_THREADS.");
+  m.def("optimizer_threads", &optim::host_ops::default_threads,
+        "Threads the host optimizer kernels use when not told (see set_optimizer_threads).");
+  m.def("set_optimizer_threads", &optim::host_ops::set_threads, py::arg("threads"),
+        "Fixes the host optimizer's threads; 0 returns to the default: the CPUs of this process's "
+        "affinity divided by LOCAL_WORLD_SIZE, or ROUNDPIPE_OPTIMIZER_THREADS.");
   m.def(
       "grad_accumulate",
       [](const TensorList& dsts, const TensorList& srcs, bool overwrite,
-         std::optional<int> num_threads) { return grad_pass(dsts, srcs, overwrite, num_threads); },
+         std::optional<int> num_threads) {
+        return optim::host_ops::grad_pass(dsts, srcs, overwrite, num_threads);
+      },
       py::arg("dsts"), py::arg("srcs"), py::arg("overwrite"), py::arg("num_threads") = py::none(),
+      no_gil(),
       "dsts[k] (fp32) = or += srcs[k] cast to fp32, in one pass; True iff every src is finite.");
   m.def(
       "grad_accumulate",
       [](const at::Tensor& dst, const at::Tensor& src, bool overwrite,
          std::optional<int> num_threads) {
-        return grad_pass({dst}, {src}, overwrite, num_threads);
+        return optim::host_ops::grad_pass({dst}, {src}, overwrite, num_threads);
       },
-      py::arg("dst"), py::arg("src"), py::arg("overwrite"), py::arg("num_threads") = py::none());
+      py::arg("dst"), py::arg("src"), py::arg("overwrite"), py::arg("num_threads") = py::none(),
+      no_gil());
   m.def(
       "all_finite",
       [](const TensorList& tensors, std::optional<int> num_threads) {
-        return grad_pass({}, tensors, std::nullopt, num_threads);
+        return optim::host_ops::grad_pass({}, tensors, std::nullopt, num_threads);
       },
-      py::arg("tensors"), py::arg("num_threads") = py::none(),
+      py::arg("tensors"), py::arg("num_threads") = py::none(), no_gil(),
       "True iff no element of the (fp32/bf16/fp16 CPU) tensors is inf or NaN.");
-  m.def(
-      "optimizer_threads_started", [] { return ThreadPool::global().started_workers(); },
-      "Worker threads the host optimizer pool has started so far (it starts them lazily).");
+  m.def("optimizer_threads_started", &optim::host_ops::started_threads,
+        "Worker threads the host optimizer pool has started so far (it starts them lazily).");
 }
 
 }  // namespace roundpipe::bindings

@@ -1,7 +1,8 @@
 // The one native door to torch's private API: the native twin of roundpipe/torch_internals.py.
 //
-// The rule: no file of csrc/ but torch_internals.cpp includes a private torch header or names a
-// private torch type or function; the others call the wrappers below. Private here means:
+// The rule: no file of csrc/ outside csrc/torch_internals/ includes a private torch header or
+// names a private torch type or function; the others call the wrappers below (and those of
+// modules.h). Private here means:
 //   - any header under torch/csrc/ except torch/csrc/utils/pybind.h, torch/csrc/Exceptions.h and
 //     torch/csrc/autograd/python_variable.h (THPVariable_Wrap / THPVariable_Unpack), which
 //     torch's extension docs use: autograd nodes, edges, hooks, the engine and its graph tasks,
@@ -12,7 +13,9 @@
 //   - the *Impl.h internals of ATen and c10 (CPUGeneratorImpl, TensorImpl), dispatch-key guards
 //     (ATen/core/LegacyTypeDispatch.h), saved-tensor hook and RecordFunction state;
 //   - torch's private Python API reached from C++ (torch._C._set_graph_exec_group, the globals
-//     of torch._dynamo.compiled_autograd).
+//     of torch._dynamo.compiled_autograd, nn.Module's underscored attributes: modules.h), which
+//     is why no string outside this folder names an underscored attribute
+//     (tests/test_native_door.py).
 // Public, usable anywhere: torch/extension.h's ATen (ATen/ATen.h, ATen/ops/*, at::Tensor,
 // at::Generator, at::accelerator), c10's Device, Stream, Event and utilities, c10/cuda's
 // streams and caching allocator, and the three torch/csrc headers named above.

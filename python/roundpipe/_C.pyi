@@ -79,7 +79,7 @@ def zero_host_memory(tensor: Tensor) -> None: ...
 # glibc's malloc_trim(0): the C heap's free memory back to the OS; False where unsupported.
 def trim_host_heap() -> bool: ...
 
-# Planner (csrc/planner/planner.h). profiles: per model (forward_seconds, recompute_seconds,
+# Planner (csrc/scheduler/scheduler.h). profiles: per model (forward_seconds, recompute_seconds,
 # backward_seconds, forward_bytes, backward_bytes). Returns {"plans": [(forward, backward)] with
 # (begin, end) pairs, "phases": [{"num_stages", "largest_stage_seconds", "objective",
 # "predicted_seconds", "tied_plans"}], "objective": float, "predicted_seconds": float}.
@@ -94,7 +94,7 @@ def plan_stages(
     upload_bytes_per_second: float = 0.0,
 ) -> dict[str, object]: ...
 
-# Simulator (csrc/planner/simulator.h): (makespan, [(stage, microbatch, device, start, end)]).
+# Simulator (csrc/scheduler/simulator.h): (makespan, [(stage, microbatch, device, start, end)]).
 def simulate_schedule(
     stage_seconds: list[float],
     num_devices: int,
@@ -102,7 +102,7 @@ def simulate_schedule(
     upload_seconds: list[float] | None = None,
 ) -> tuple[float, list[tuple[int, int, int, float, float]]]: ...
 
-# Host optimizer kernels (csrc/optim, csrc/bindings/optim.cpp). Tensors are CPU and contiguous;
+# Host optimizer kernels (csrc/optim, csrc/optim/host_ops.cpp). Tensors are CPU and contiguous;
 # master weights float32; moments float32, bfloat16, or 8-bit codes (int8 exp_avgs, uint8
 # exp_avg_sqs) with float32 scales, one per state_block elements; grads float32/bfloat16/float16;
 # lowp_params bfloat16/float16. num_threads=None uses optimizer_threads().
@@ -144,7 +144,7 @@ def grad_accumulate(
 def all_finite(tensors: list[Tensor], num_threads: int | None = None) -> bool: ...
 def optimizer_threads_started() -> int: ...
 
-# Smoothed per-layer timings (csrc/planner/layer_timings.h); actions 0 fwd, 1 re, 2 bwd.
+# Smoothed per-layer timings (csrc/scheduler/timer.h); actions 0 fwd, 1 re, 2 bwd.
 class LayerTimings:
     def __init__(self, layers: int, smoothing: float, change_threshold: float) -> None: ...
     def fold(self, action: int, layers: Sequence[int], seconds: Sequence[float]) -> int: ...
@@ -156,12 +156,12 @@ class LayerTimings:
     def records(self, action: int, layer: int) -> int: ...
 
 # The call's backward, and the switch and counters of the local backward that runs it where it
-# can (csrc/bindings/backward.cpp; the local backward is in csrc/torch_internals/).
+# can (csrc/call/backward_stage.cpp; the local backward is in csrc/torch_internals/).
 def backward(outputs: list[Tensor], grads: list[Tensor]) -> None: ...
 def backward_counts() -> tuple[int, int]: ...
 def local_backward_enabled() -> bool: ...
 
-# Typed views of a stage's flat buffers and their .grad (csrc/bindings/typed_views.cpp).
+# Typed views of a stage's flat buffers and their .grad (csrc/gradients/gradients.cpp).
 def typed_views(
     buffer: Tensor,
     first_byte: int,
@@ -171,7 +171,7 @@ def typed_views(
 ) -> list[Tensor]: ...
 def set_grads(tensors: Sequence[Tensor], grads: Sequence[Tensor]) -> None: ...
 
-# A stage's buffers from upload to gradient download (csrc/bindings/stage_io.cpp).
+# A stage's buffers from upload to gradient download (csrc/call/stage.cpp).
 def download_grads(
     device_index: int,
     arena: Tensor,
@@ -208,7 +208,7 @@ class GradReach:
     def __init__(self, tensors: Sequence[Tensor]) -> None: ...
     def reached(self) -> list[int]: ...
 
-# What a call keeps from its forward stages for its recompute (csrc/bindings/call_state.cpp).
+# What a call keeps from its forward stages for its recompute (csrc/call/saved_inputs.h).
 
 # The CPU generator states a call's forward layers were seeded with, kept (at most 4096) so that
 # their recompute starts from a copy instead of seeding again.
@@ -226,7 +226,7 @@ class KeptInputs:
         self, first: int, stop: int, microbatches: Sequence[int], per_layer: bool
     ) -> bool: ...
 
-# The loop over a stage's layers (csrc/bindings/layer_loop.cpp).
+# The loop over a stage's layers (csrc/call/layer_loop.cpp).
 
 # A timing event on a CUDA device's compute stream (the model timer's TimingEvent).
 class TimingMark:
@@ -295,7 +295,7 @@ class LayerLoop:
 def layer_seed(call_seed: int, layer: int, microbatch: int, fresh: bool) -> int: ...
 
 # Copies of a layer's inputs placed as their originals, and the forward's graph cut
-# (csrc/bindings/transfers.cpp).
+# (csrc/call/transfers.cpp).
 def empty_placed(tensor: Tensor, device: torch.device) -> Tensor: ...
 def plain_copy(tensor: Tensor) -> Tensor: ...
 def graph_cut(tensor: Tensor) -> Tensor: ...

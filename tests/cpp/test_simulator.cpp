@@ -3,11 +3,11 @@
 #include <vector>
 
 #include "harness.h"
-#include "planner/simulator.h"
+#include "scheduler/simulator.h"
 
-using roundpipe::planner::ScheduledRun;
-using roundpipe::planner::simulate_schedule;
-using roundpipe::planner::StageWork;
+using roundpipe::scheduler::ScheduledRun;
+using roundpipe::scheduler::simulate_schedule;
+using roundpipe::scheduler::StageWork;
 
 TEST_CASE("simulator_two_devices_three_stages_by_hand") {
   // Device 0 runs stages 0 and 2, device 1 stage 1. Stage 2 waits for stage 1 of each

@@ -1,21 +1,20 @@
 // What one pipelined call keeps from its forward stages for the recompute of its backward stages,
 // per (layer, microbatch): the CPU generator states its layers were seeded with (RngStates) and
-// their lone-tensor inputs on virtual CPU devices (KeptInputs). Made per call by
-// roundpipe/pipeline.py (Call), filled and read by the layer loop (layer_loop.cpp).
+// their lone-tensor inputs on virtual CPU devices (KeptInputs): the native side of
+// roundpipe/call/saved_inputs.py. Made per call by the pipeline (roundpipe/call/pipeline.py),
+// filled and read by the layer loop (layer_loop.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
-#include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <string>
 #include <vector>
 
 #include "torch_internals/torch_internals.h"
 
-namespace roundpipe::bindings {
+namespace roundpipe::call {
 
 // One T per (layer, microbatch) of a call, default-constructed until set (RngStates,
 // KeptInputs).
@@ -70,18 +69,9 @@ class RngStates {
         kMaxStates, static_cast<std::size_t>(layers) * static_cast<std::size_t>(microbatches)));
   }
 
-  void keep(std::int64_t layer, std::int64_t microbatch,
-            const torch_internals::CpuRngState& state) {
-    std::uint32_t* slot = slots_.find(layer, microbatch);
-    if (slot == nullptr) return;
-    if (*slot != 0) {
-      states_[*slot - 1] = state;
-      return;
-    }
-    if (states_.size() >= kMaxStates) return;
-    states_.push_back(state);
-    *slot = static_cast<std::uint32_t>(states_.size());
-  }
+  // Keeps `state` for (layer, microbatch), unless the call has no such slot or kMaxStates are
+  // kept already.
+  void keep(std::int64_t layer, std::int64_t microbatch, const torch_internals::CpuRngState& state);
   // The state kept for (layer, microbatch), or null.
   const torch_internals::CpuRngState* find(std::int64_t layer, std::int64_t microbatch) const {
     const std::uint32_t* slot = slots_.find(layer, microbatch);
@@ -106,14 +96,8 @@ class KeptInputs {
   KeptInputs(std::int64_t layers, std::int64_t microbatches)
       : inputs_("KeptInputs", layers, microbatches) {}
 
-  void keep(std::int64_t layer, std::int64_t microbatch, at::Tensor input) {
-    at::Tensor* slot = inputs_.find(layer, microbatch);
-    if (slot == nullptr) {
-      throw pybind11::index_error("KeptInputs: the call has no layer " + std::to_string(layer) +
-                                  " x microbatch " + std::to_string(microbatch));
-    }
-    *slot = std::move(input);
-  }
+  // Keeps `input` for (layer, microbatch); IndexError when the call has no such slot.
+  void keep(std::int64_t layer, std::int64_t microbatch, at::Tensor input);
   // The input kept for (layer, microbatch); undefined when none is.
   const at::Tensor& find(std::int64_t layer, std::int64_t microbatch) const {
     static const at::Tensor none;
@@ -123,18 +107,10 @@ class KeptInputs {
   // Whether, for each of `microbatches`, the inputs of the segments of layers [first, stop) are
   // kept: layer first's, or with `per_layer` each layer's.
   bool covers(std::int64_t first, std::int64_t stop, const std::vector<std::int64_t>& microbatches,
-              bool per_layer) const {
-    const std::int64_t last = per_layer ? stop : std::min(first + 1, stop);
-    for (const std::int64_t microbatch : microbatches) {
-      for (std::int64_t layer = first; layer < last; ++layer) {
-        if (!find(layer, microbatch).defined()) return false;
-      }
-    }
-    return first < stop;
-  }
+              bool per_layer) const;
 
  private:
   CallSlots<at::Tensor> inputs_;
 };
 
-}  // namespace roundpipe::bindings
+}  // namespace roundpipe::call

@@ -58,7 +58,7 @@
 #include <string_view>
 #include <vector>
 
-namespace roundpipe::planner {
+namespace roundpipe::scheduler {
 
 enum class RunType { kInfer, kTrain, kFused };
 
@@ -125,4 +125,4 @@ struct PlanResult {
 PlanResult plan_stages(RunType run_type, std::span<const LayerCosts> models,
                        const PlanOptions& options);
 
-}  // namespace roundpipe::planner
+}  // namespace roundpipe::scheduler

@@ -1,11 +1,11 @@
-#include "planner/simulator.h"
+#include "scheduler/simulator.h"
 
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
-namespace roundpipe::planner {
+namespace roundpipe::scheduler {
 
 namespace {
 
@@ -72,4 +72,4 @@ double simulate_schedule(std::span<const StageWork> stages, int num_devices, int
   return makespan;
 }
 
-}  // namespace roundpipe::planner
+}  // namespace roundpipe::scheduler

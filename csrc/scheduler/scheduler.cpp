@@ -1,4 +1,4 @@
-#include "planner/planner.h"
+#include "scheduler/scheduler.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,9 +9,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "planner/simulator.h"
+#include "scheduler/simulator.h"
 
-namespace roundpipe::planner {
+namespace roundpipe::scheduler {
 
 namespace {
 
@@ -216,7 +216,7 @@ double predicted_seconds(const Phase& phase, const Partition& plan, const PlanOp
                               " bytes (model_memory_limit / 2); raise model_memory_limit");
 }
 
-// The smallest largest-stage-time any valid plan reaches (T_lo in planner.h).
+// The smallest largest-stage-time any valid plan reaches (T_lo in scheduler.h).
 double lowest_bound(const Phase& phase) {
   double full_chains = 0.0;
   std::vector<double> fused_model_units;  // per layer, max over its truncated chains
@@ -277,7 +277,7 @@ struct PhaseSolution {
   Partition plan;
 };
 
-// Breakpoints found by bisection (planner.h, "walk"); returns them with the best objective.
+// Breakpoints found by bisection (scheduler.h, "walk"); returns them with the best objective.
 struct Breakpoints {
   std::vector<Probe> probes;
   double best = kInfinity;
@@ -363,7 +363,7 @@ class ChainJumps {
 };
 
 // Breakpoints found by sweeping the bound upward through every event at which a greedy stage
-// grows by one layer (planner.h, "sweep"). Gives up (returns nullopt) after `budget` units of
+// grows by one layer (scheduler.h, "sweep"). Gives up (returns nullopt) after `budget` units of
 // work, so that running it first never costs more than twice the walk.
 std::optional<Breakpoints> sweep_breakpoints(const Phase& phase, const Probe& first, double upper,
                                              int min_stages, double budget) {
@@ -621,4 +621,4 @@ PlanResult plan_stages(RunType run_type, std::span<const LayerCosts> models,
   return result;
 }
 
-}  // namespace roundpipe::planner
+}  // namespace roundpipe::scheduler

@@ -12,7 +12,7 @@
 #include <span>
 #include <vector>
 
-namespace roundpipe::planner {
+namespace roundpipe::scheduler {
 
 class LayerTimings {
  public:
@@ -46,4 +46,4 @@ class LayerTimings {
   std::vector<double> planned_;  // estimate at the last move that mattered; < 0: none yet
 };
 
-}  // namespace roundpipe::planner
+}  // namespace roundpipe::scheduler

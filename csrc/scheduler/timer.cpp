@@ -1,10 +1,10 @@
-#include "planner/layer_timings.h"
+#include "scheduler/timer.h"
 
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
-namespace roundpipe::planner {
+namespace roundpipe::scheduler {
 
 LayerTimings::LayerTimings(int layers, double smoothing, double change_threshold)
     : layers_(layers), beta_(smoothing), threshold_(change_threshold) {
@@ -80,4 +80,4 @@ std::vector<std::optional<double>> LayerTimings::estimates(int action) const {
 
 long LayerTimings::records(int action, int layer) const { return records_[at(action, layer)]; }
 
-}  // namespace roundpipe::planner
+}  // namespace roundpipe::scheduler

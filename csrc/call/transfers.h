@@ -1,12 +1,12 @@
 // The copies a layer's inputs take between devices and for the recompute, laid out and placed as
 // their originals, and the cut of a forward stage's outputs from their graph: the native side of
-// roundpipe/transfers.py, also used by the layer loop (layer_loop.cpp).
+// roundpipe/call/transfers.py, also used by the layer loop (layer_loop.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
-namespace roundpipe::bindings {
+namespace roundpipe::call {
 
 // An uninitialised tensor like `tensor` on `device`, laid out and placed as it is: its strides
 // (on the host whenever its elements do not overlap, so a strided view stays one; on a CUDA
@@ -34,4 +34,4 @@ at::Tensor plain_copy(const at::Tensor& tensor);
 // activations allow.
 at::Tensor graph_cut(const at::Tensor& tensor);
 
-}  // namespace roundpipe::bindings
+}  // namespace roundpipe::call

@@ -1,12 +1,12 @@
-// LayerTimings (csrc/planner/layer_timings.h) against the moving average written out by hand.
+// LayerTimings (csrc/scheduler/timer.h) against the moving average written out by hand.
 #include <cmath>
 #include <stdexcept>
 #include <vector>
 
 #include "harness.h"
-#include "planner/layer_timings.h"
+#include "scheduler/timer.h"
 
-using roundpipe::planner::LayerTimings;
+using roundpipe::scheduler::LayerTimings;
 
 namespace {
 

@@ -16,7 +16,7 @@
 #include <span>
 #include <vector>
 
-namespace roundpipe::planner {
+namespace roundpipe::scheduler {
 
 struct StageWork {
   double seconds_per_microbatch = 0.0;  // compute time of one microbatch through the stage
@@ -37,4 +37,4 @@ struct ScheduledRun {
 double simulate_schedule(std::span<const StageWork> stages, int num_devices, int num_microbatches,
                          std::vector<ScheduledRun>* trace = nullptr);
 
-}  // namespace roundpipe::planner
+}  // namespace roundpipe::scheduler

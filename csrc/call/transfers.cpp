@@ -1,20 +1,16 @@
-#include "bindings/transfers.h"
+#include "call/transfers.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/strides.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
 
-#include "bindings/bindings.h"
 #include "torch_internals/torch_internals.h"
 
-namespace py = pybind11;
-
-namespace roundpipe::bindings {
+namespace roundpipe::call {
 namespace {
 
 // Whether no two elements of `tensor` share memory: with its dimensions ordered by stride, each
@@ -72,16 +68,4 @@ at::Tensor graph_cut(const at::Tensor& tensor) {
   return cut;
 }
 
-void bind_transfers(py::module_& m) {
-  m.def("empty_placed", &empty_placed, py::arg("tensor"), py::arg("device"),
-        "An uninitialised tensor like `tensor` on `device` whose first element sits as far past "
-        "an alignment boundary (64 bytes on the host, 512 on CUDA) as tensor's: copies a layer "
-        "takes round as the original would.");
-  m.def("plain_copy", &plain_copy, py::arg("tensor"),
-        "tensor.detach().clone(), placed as `tensor` is (see empty_placed).");
-  m.def("graph_cut", &graph_cut, py::arg("tensor"),
-        "tensor.detach() requiring grad as tensor does, through one node of its own (no leaf): "
-        "what a forward stage's layer passes on in grad mode without keeping its graph.");
-}
-
-}  // namespace roundpipe::bindings
+}  // namespace roundpipe::call

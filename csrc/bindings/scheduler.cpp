@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "bindings/bindings.h"
-#include "planner/layer_timings.h"
-#include "planner/planner.h"
-#include "planner/simulator.h"
+#include "scheduler/scheduler.h"
+#include "scheduler/simulator.h"
+#include "scheduler/timer.h"
 
 namespace py = pybind11;
 
@@ -16,7 +16,7 @@ namespace roundpipe::bindings {
 
 namespace {
 
-using planner::StageRange;
+using scheduler::StageRange;
 
 // forward_seconds, recompute_seconds, backward_seconds, forward_bytes, backward_bytes
 using ProfileTuple = std::tuple<std::vector<double>, std::vector<double>, std::vector<double>,
@@ -33,25 +33,25 @@ RangeList to_pairs(const std::vector<StageRange>& stages) {
 py::dict plan_stages(const std::string& run_type, std::vector<ProfileTuple> profiles,
                      int min_stages, double upper_threshold, double stage_memory_cap,
                      int num_devices, int num_microbatches, double upload_bytes_per_second) {
-  std::vector<planner::LayerCosts> models;
+  std::vector<scheduler::LayerCosts> models;
   models.reserve(profiles.size());
   for (auto& [forward, recompute, backward, forward_bytes, backward_bytes] : profiles) {
     models.push_back({std::move(forward), std::move(recompute), std::move(backward),
                       std::move(forward_bytes), std::move(backward_bytes)});
   }
-  const planner::PlanOptions options{min_stages,  upper_threshold,  stage_memory_cap,
-                                     num_devices, num_microbatches, upload_bytes_per_second};
-  planner::PlanResult result;
+  const scheduler::PlanOptions options{min_stages,  upper_threshold,  stage_memory_cap,
+                                       num_devices, num_microbatches, upload_bytes_per_second};
+  scheduler::PlanResult result;
   {
     py::gil_scoped_release release;
-    result = planner::plan_stages(planner::parse_run_type(run_type), models, options);
+    result = scheduler::plan_stages(scheduler::parse_run_type(run_type), models, options);
   }
   py::list plans;
-  for (const planner::ModelPlan& plan : result.plans) {
+  for (const scheduler::ModelPlan& plan : result.plans) {
     plans.append(py::make_tuple(to_pairs(plan.forward), to_pairs(plan.backward)));
   }
   py::list phases;
-  for (const planner::PhaseSummary& phase : result.phases) {
+  for (const scheduler::PhaseSummary& phase : result.phases) {
     py::dict summary;
     summary["num_stages"] = phase.num_stages;
     summary["largest_stage_seconds"] = phase.largest_stage_seconds;
@@ -76,15 +76,15 @@ std::pair<double, std::vector<std::tuple<int, int, int, double, double>>> simula
                           " entries but stage_seconds has " + std::to_string(stage_seconds.size()) +
                           "; give one per stage");
   }
-  std::vector<planner::StageWork> stages(stage_seconds.size());
+  std::vector<scheduler::StageWork> stages(stage_seconds.size());
   for (std::size_t s = 0; s < stages.size(); ++s) {
     stages[s] = {stage_seconds[s], upload_seconds ? (*upload_seconds)[s] : 0.0};
   }
-  std::vector<planner::ScheduledRun> trace;
+  std::vector<scheduler::ScheduledRun> trace;
   double makespan = 0.0;
   {
     py::gil_scoped_release release;
-    makespan = planner::simulate_schedule(stages, num_devices, num_microbatches, &trace);
+    makespan = scheduler::simulate_schedule(stages, num_devices, num_microbatches, &trace);
   }
   std::vector<std::tuple<int, int, int, double, double>> runs;
   runs.reserve(trace.size());
@@ -96,11 +96,11 @@ std::pair<double, std::vector<std::tuple<int, int, int, double, double>>> simula
 
 }  // namespace
 
-void bind_planner(py::module_& m) {
-  using planner::LayerTimings;
+void bind_scheduler(py::module_& m) {
+  using scheduler::LayerTimings;
   py::class_<LayerTimings>(m, "LayerTimings",
                            "Smoothed per-layer, per-action timings (see "
-                           "csrc/planner/layer_timings.h); actions 0 forward, 1 recompute, 2 "
+                           "csrc/scheduler/timer.h); actions 0 forward, 1 recompute, 2 "
                            "backward. Invalid arguments raise ValueError.")
       .def(py::init<int, double, double>(), py::arg("layers"), py::arg("smoothing"),
            py::arg("change_threshold"))
@@ -128,11 +128,11 @@ void bind_planner(py::module_& m) {
         py::arg("min_stages"), py::arg("upper_threshold"), py::arg("stage_memory_cap"),
         py::arg("num_devices"), py::arg("num_microbatches"),
         py::arg("upload_bytes_per_second") = 0.0,
-        "Exact stage partitions for ModelExecutePlan.auto (see csrc/planner/planner.h).");
+        "Exact stage partitions for ModelExecutePlan.auto (see csrc/scheduler/scheduler.h).");
   m.def("simulate_schedule", &simulate, py::arg("stage_seconds"), py::arg("num_devices"),
         py::arg("num_microbatches"), py::arg("upload_seconds") = py::none(),
         "Predicted makespan and (stage, microbatch, device, start, end) runs of round-robin "
-        "dispatch (see csrc/planner/simulator.h).");
+        "dispatch (see csrc/scheduler/simulator.h).");
 }
 
 }  // namespace roundpipe::bindings

@@ -7,17 +7,17 @@
 #include <vector>
 
 #include "harness.h"
-#include "planner/planner.h"
+#include "scheduler/scheduler.h"
 
-using roundpipe::planner::BreakpointSearch;
-using roundpipe::planner::LayerCosts;
-using roundpipe::planner::ModelPlan;
-using roundpipe::planner::parse_run_type;
-using roundpipe::planner::plan_stages;
-using roundpipe::planner::PlanOptions;
-using roundpipe::planner::PlanResult;
-using roundpipe::planner::RunType;
-using roundpipe::planner::StageRange;
+using roundpipe::scheduler::BreakpointSearch;
+using roundpipe::scheduler::LayerCosts;
+using roundpipe::scheduler::ModelPlan;
+using roundpipe::scheduler::parse_run_type;
+using roundpipe::scheduler::plan_stages;
+using roundpipe::scheduler::PlanOptions;
+using roundpipe::scheduler::PlanResult;
+using roundpipe::scheduler::RunType;
+using roundpipe::scheduler::StageRange;
 
 namespace {
 

@@ -1,5 +1,5 @@
 // Typed views of a stage's flat uint8 buffers and the .grad of the tensors cut from them: the
-// native side of roundpipe/gradients.py, and what a stage's upload (stage_io.cpp) cuts its
+// native side of roundpipe/gradients.py, and what a stage's upload (call/stage.h) cuts its
 // parameter and gradient views with.
 #pragma once
 
@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace roundpipe::bindings {
+namespace roundpipe::gradients {
 
 // How cut_typed cuts a tensor out of the buffer: a view (as_strided, through the dispatcher), or
 // a tensor of its own on the buffer's storage (no autograd view of it), requiring grad when its
@@ -29,4 +29,4 @@ std::vector<at::Tensor> cut_typed(const at::Tensor& buffer, std::int64_t first_b
 // as the Python setter demands.
 void set_grads(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>& grads);
 
-}  // namespace roundpipe::bindings
+}  // namespace roundpipe::gradients

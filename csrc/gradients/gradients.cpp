@@ -1,16 +1,11 @@
-#include "bindings/typed_views.h"
-
-#include <torch/csrc/utils/pybind.h>
+#include "gradients/gradients.h"
 
 #include <map>
 #include <utility>
 
-#include "bindings/bindings.h"
 #include "torch_internals/torch_internals.h"
 
-namespace py = pybind11;
-
-namespace roundpipe::bindings {
+namespace roundpipe::gradients {
 
 std::vector<at::Tensor> cut_typed(const at::Tensor& buffer, std::int64_t first_byte,
                                   const std::vector<std::int64_t>& offsets,
@@ -78,21 +73,4 @@ void set_grads(const std::vector<at::Tensor>& tensors, const std::vector<at::Ten
   }
 }
 
-void bind_typed_views(py::module_& m) {
-  m.def(
-      "typed_views",
-      [](const at::Tensor& buffer, std::int64_t first_byte,
-         const std::vector<std::int64_t>& offsets, const std::vector<at::Tensor>& likes,
-         bool like_requires_grad) {
-        return cut_typed(buffer, first_byte, offsets, likes,
-                         like_requires_grad ? Cut::kOwnLikeGrad : Cut::kView);
-      },
-      py::arg("buffer"), py::arg("first_byte"), py::arg("offsets"), py::arg("likes"),
-      py::arg("like_requires_grad") = false,
-      "Views of the uint8 buffer at byte offsets[i] - first_byte, laid out like likes[i] "
-      "(contiguous); with like_requires_grad, requiring grad as likes[i] does.");
-  m.def("set_grads", &set_grads, py::arg("tensors"), py::arg("grads"),
-        "tensors[i].grad = grads[i] (same shape, dtype and device).");
-}
-
-}  // namespace roundpipe::bindings
+}  // namespace roundpipe::gradients

@@ -1,0 +1,55 @@
+// The host optimizer's tensor-level operations (roundpipe.optim's Adam, gradient passes and 8-bit
+// moments): every tensor argument checked (host, dense, dtype, length) before any is touched, then
+// the kernels of adam.h on their memory in place. Raises ValueError / TypeError (TORCH_CHECK_VALUE
+// / TORCH_CHECK_TYPE) naming the argument. No Python: the bindings release the GIL around them.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <vector>
+
+namespace roundpipe::optim::host_ops {
+
+using TensorList = std::vector<at::Tensor>;
+using OptionalTensorList = std::vector<std::optional<at::Tensor>>;
+
+// One Adam/AdamW step over a param group, in place, multi-threaded over chunks of all tensors:
+// increments steps; reads grads (fp32/bf16/fp16) times grad_scale_inv; writes the new weights also
+// into lowp_params (bf16/fp16) where given. Moments are fp32, bf16 (stochastically rounded) or
+// 8-bit codes (int8 exp_avg, uint8 exp_avg_sq) with one float32 scale per kStateBlock elements.
+// Nothing is written unless every argument is valid; version counters move as in-place ops move
+// them.
+void adam_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+               const TensorList& exp_avg_sqs, const std::optional<TensorList>& max_exp_avg_sqs,
+               const TensorList& steps, double lr, double beta1, double beta2, double eps,
+               double weight_decay, bool amsgrad, bool maximize, bool decoupled_weight_decay,
+               double grad_scale_inv, const std::optional<OptionalTensorList>& lowp_params,
+               std::optional<int> num_threads, const std::optional<TensorList>& exp_avg_scales,
+               const std::optional<TensorList>& exp_avg_sq_scales);
+
+// dsts[k] (fp32) = srcs[k] cast to fp32 (`overwrite`), or += it; without `overwrite` (nullopt)
+// only the check. True iff every src is finite.
+bool grad_pass(const TensorList& dsts, const TensorList& srcs, std::optional<bool> overwrite,
+               std::optional<int> num_threads);
+
+// Encodes fp32 moments `values` as 8-bit `codes` (int8 for exp_avg, uint8 for exp_avg_sq) and
+// block `scales` (round to nearest), in place.
+void quantize_moment(bool is_exp_avg, const at::Tensor& values, const at::Tensor& codes,
+                     const at::Tensor& scales);
+
+// Decodes 8-bit moment `codes` and block `scales` into the fp32 `values`, in place.
+void dequantize_moment(bool is_exp_avg, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& values);
+
+// The threads the host optimizer kernels use when not told (ValueError for a malformed
+// ROUNDPIPE_OPTIMIZER_THREADS).
+int default_threads();
+
+// Fixes the host optimizer's threads; 0 returns to the default (ValueError below 0).
+void set_threads(int threads);
+
+// Worker threads the host optimizer pool has started so far (it starts them lazily).
+int started_threads();
+
+}  // namespace roundpipe::optim::host_ops
