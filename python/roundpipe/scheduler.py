@@ -2,7 +2,7 @@
 
 :class:`ModelExecutePlan` holds a model's stage partition; :meth:`ModelExecutePlan.auto`
 computes one from per-layer time and memory estimates with the native planner
-(``csrc/planner/planner.h``), which is exact for its objective and breaks ties with a simulation
+(``csrc/scheduler/scheduler.h``), which is exact for its objective and breaks ties with a simulation
 of round-robin dispatch.
 """
 

@@ -4,7 +4,7 @@ The runtime measures every layer's forward (``"fwd"``), recompute (``"re"``) and
 (``"bwd"``) time of each microbatch: with the host clock on virtual CPU devices, handed over
 once per stage with :meth:`ModelTimer.record_layers` and :meth:`ModelTimer.record_spans` (the same
 as :meth:`ModelTimer.record` of each in order); the moving averages themselves are native
-(``_C.LayerTimings``, csrc/planner/layer_timings.h); on GPUs with timing CUDA events on the
+(``_C.LayerTimings``, csrc/scheduler/timer.h); on GPUs with timing CUDA events on the
 compute stream, handed over with :meth:`ModelTimer.record_later` and read once they completed
 (never waiting for the GPU) when the timer is next asked for its ``version`` or ``profile``.
 
