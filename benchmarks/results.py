@@ -48,8 +48,9 @@ class Output:
 
 
 RESULT_FILES = Path(__file__).resolve().parent / "results"
-# Where --record writes instead of RESULT_FILES, when set: benchmarks/gpu/run.sh --cpu-smoke points
-# it at its output folder, so that a rehearsal's tiny figures never replace measured ones.
+# Where --record writes instead of RESULT_FILES, when set: benchmarks/gpu/run.sh points it at its
+# results folder, so that a run's figures (a --cpu-smoke rehearsal's tiny ones included) never
+# replace recorded ones unless copied over.
 RESULTS_DIR_VARIABLE = "ROUNDPIPE_BENCH_RESULTS"
 # The load before the benchmark itself ran (this module is imported when it starts): whether other
 # work shared the machine.

@@ -2,8 +2,8 @@
 # Sets up everything in ./.venv (idempotent; a re-run rebuilds incrementally):
 # torch, the build tools, and roundpipe itself with its test and lint extras.
 #   ROUNDPIPE_TORCH       torch requirement to install; overrides the choice below
-#   ROUNDPIPE_CUDA_TORCH  torch to install where a GPU is present and no torch is (torch==2.11.0,
-#                         the GPU machines' own and the CUDA build CI tests)
+#   ROUNDPIPE_CUDA_TORCH  torch to install where a GPU is present and no torch is (default
+#                         torch==2.11.0, the CUDA build CI tests)
 #   ROUNDPIPE_VENV        the virtual environment's folder (default .venv); may be an existing
 #                         environment, a system one included
 #   ROUNDPIPE_OFFLINE=1   install from no package index (what is installed must suffice)

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The GPU proof in one entry point: build with CUDA, the whole test suite on CUDA, the benchmarks,
-# a profile. Made for the device machine (one H100/H200, Python 3.12 with its own CUDA torch, nvcc,
-# no network), where one call may run at most 10 minutes: pick the stages of each call.
+# RoundPipe on your GPU in one command: build with CUDA, the tests on CUDA, the benchmarks, a
+# profile. Run it from the checkout after tools/setup.sh (or in any Python environment whose torch
+# is a CUDA build, with the CUDA toolkit installed: ROUNDPIPE_PYTHON=/path/to/python).
 #
-#   bash benchmarks/gpu/run.sh [--cpu-smoke] [STAGE ...]       (default: all)
-#   bash benchmarks/gpu/run.sh [--cpu-smoke] proof               (the first call on a GPU)
+#   bash benchmarks/gpu/run.sh [--cpu-smoke] [--out DIR] [STAGE ...]   (default: all)
+#   bash benchmarks/gpu/run.sh proof                                   (start here: ~9 minutes)
 #
 # Stages, in this order whatever order they are given in:
-#   build        the extension with CUDA against the running torch (TORCH_CUDA_ARCH_LIST=9.0), in a
-#                persistent build folder, so a later call on the same warm machine rebuilds
-#                incrementally; prints nvcc, the CUDA headers, torch and the GPU first
+#   build        the extension with CUDA against the running torch (TORCH_CUDA_ARCH_LIST=9.0 unless
+#                set), in a persistent build folder (tools/setup.sh's own for .venv), so a later
+#                run rebuilds incrementally; prints nvcc, the CUDA headers, torch and the GPU first
 #   test         the whole pytest suite with ROUNDPIPE_DEVICE_KIND=cuda (junit + log)
 #   test-cuda    the tests marked requires_cuda
 #   bench-micro  the C++ microbenchmarks of benchmarks/cpp (roundpipe_*_bench, built by the build
@@ -21,82 +21,104 @@
 #                stage's deadline stops it with what ran, which fails only if a test failed
 #   profile      the training benchmark, briefly, under nsys (else ncu on a few kernels)
 #   all          build test bench-micro bench-train profile
-# Without `build`, a call that finds no usable build, or sources changed since it, builds first.
+# Without `build`, a run that finds no usable build, or sources changed since it, builds first.
 # A failed build skips the later stages; any other failure is recorded and the next stage runs.
 #
-# proof: the preset for one call of at most RUN_BUDGET=530 s: build, test-cuda, bench-micro,
-# bench-train (1K and 4K tokens on the ~1B model, one round) and test-core with whatever is left.
-# Each stage has a deadline of its own (build 200 s, test-cuda 90, bench-micro 30, bench-train
-# 190), so a hang in one leaves the later ones their time. roundpipe 0.1.1's Adam (compiled on
-# first use) is compiled in the background from the start of the call.
+# proof: a first look in at most RUN_BUDGET=530 s: build, test-cuda, bench-micro, bench-train
+# (1K and 4K tokens on the ~1B model, one round) and test-core with whatever is left. Each stage
+# has a deadline of its own (build 200 s, test-cuda 90, bench-micro 30, bench-train 190), so a
+# hang in one leaves the later ones their time. roundpipe 0.1.1's Adam (compiled on first use) is
+# compiled in the background from the start.
 #
 # --cpu-smoke runs the same stages on virtual CPU devices with tiny sizes and no CUDA build (the
 # already-built roundpipe of the chosen python; its build stage builds only the C++
-# microbenchmarks, with cmake against that python's torch), so a typo cannot cost a GPU call.
+# microbenchmarks, with cmake against that python's torch): a check of this script without a GPU.
+#
+# Results: --out DIR (or OUT=DIR; default build/gpu-results/<UTC date-time>, git-ignored) gets
+# summary.txt (one line per stage: verdict, time, figures), logs/ (every stage's log, the junit
+# reports, each training run's output), results/ (the result tables the benchmarks' --record
+# wrote: copy them into benchmarks/results/ to record them) and the profiler's reports.
 #
 # Environment:
-#   OUT               where everything goes (default build/gpu-out); at exit the logs are packed
-#                     into $OUT/logs.tar.gz beside $OUT/summary.txt (the device tool brings back
-#                     at most 8 files); the benchmarks' result files, which their --record
-#                     rewrites, go to $OUT/results (copy them into benchmarks/results/)
-#   ROUNDPIPE_PYTHON  python to use (default: python3 on a GPU; .venv/bin/python, else python3,
-#                     with --cpu-smoke)
-#   RUN_BUDGET        seconds for the whole call (default 570, proof 530); each stage gets what
-#                     is left, or its own deadline under proof if that comes first
+#   ROUNDPIPE_PYTHON  python to use (default .venv/bin/python, else python3)
+#   RUN_BUDGET        seconds for the whole run (proof: 530; otherwise no limit); each stage gets
+#                     what is left, or its own deadline under proof if that comes first
 #   PYTEST_ARGS       replaces the test selection of `test` (default: tests, or a quick subset
 #                     when smoke); words are split as a shell would: -k "a and b" stays one word
 #   TRAIN_ARGS        extra arguments for train_gpu.py (later ones win, e.g. "--seq 16384"),
 #                     split likewise
-#   PEER_DIR          where the 0.1.1 wheels of .whl/ are installed (default build/peer)
+#   PEER_DIR          where roundpipe 0.1.1 (the peer of bench-train) is installed (default
+#                     build/peer): from the wheels in .whl/ if there are any (made by
+#                     tools/fetch_gpu_wheels.sh for a machine without network), else from the
+#                     package index
 set -euo pipefail
+caller=$PWD # a relative --out is taken from where the script was started
 cd "$(dirname "$0")/../.."
 repo=$PWD
 start=$SECONDS
 
 smoke="${RUN_SMOKE:-0}"
 proof="${RUN_PROOF:-0}"
+out="${OUT:-}"
 stages=()
 internal=""
 if [ "${1:-}" = __stage ]; then # run.sh re-runs itself per stage, so `timeout` can bound it
   internal=$2
   shift 2
 fi
-for arg in "$@"; do
-  case "$arg" in
+while [ $# -gt 0 ]; do
+  case "$1" in
     --cpu-smoke) smoke=1 ;;
-    build | test | test-cuda | bench-train | bench-micro | test-core | profile) stages+=("$arg") ;;
+    --out)
+      [ $# -ge 2 ] || { echo "run.sh: --out needs a folder" >&2; exit 2; }
+      out=$2
+      shift
+      ;;
+    --out=*) out=${1#--out=} ;;
+    build | test | test-cuda | bench-train | bench-micro | test-core | profile) stages+=("$1") ;;
     all) stages+=(build test bench-train bench-micro profile) ;;
     proof)
       proof=1
       stages+=(build test-cuda bench-micro bench-train test-core)
       ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) echo "run.sh: unknown argument '$arg' (stages: build test test-cuda bench-micro" \
-      "bench-train test-core profile all proof; option --cpu-smoke)" >&2; exit 2 ;;
+    *) echo "run.sh: unknown argument '$1' (stages: build test test-cuda bench-micro" \
+      "bench-train test-core profile all proof; options --cpu-smoke, --out DIR)" >&2; exit 2 ;;
   esac
+  shift
 done
 [ ${#stages[@]} -gt 0 ] || stages=(build test bench-train bench-micro profile)
 wanted() { [[ " ${stages[*]} " == *" $1 "* ]]; }
 
-OUT="${OUT:-$repo/build/gpu-out}"
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+[ -n "$out" ] || out="$repo/build/gpu-results/$(date -u +%Y%m%d-%H%M%S)"
+case "$out" in /*) ;; *) out="$caller/$out" ;; esac
+mkdir -p "$out"
+OUT=$(cd "$out" && pwd)
 logs="$OUT/logs"
 mkdir -p "$logs"
 summary="$OUT/summary.txt"
-deadline="${RUN_DEADLINE:-$(($(date +%s) + ${RUN_BUDGET:-$([ "$proof" = 1 ] && echo 530 || echo 570)}))}"
+# The whole run's deadline in seconds since the epoch, or "none".
+budget="${RUN_BUDGET:-$([ "$proof" = 1 ] && echo 530 || echo none)}"
+[ "$budget" = none ] || budget=$(($(date +%s) + budget))
+deadline="${RUN_DEADLINE:-$budget}"
 peer_dir="${PEER_DIR:-$repo/build/peer}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$repo/build/torch_extensions}"
 if [ -n "${ROUNDPIPE_PYTHON:-}" ]; then
   python="$ROUNDPIPE_PYTHON"
-elif [ "$smoke" = 1 ] && [ -x .venv/bin/python ]; then
+elif [ -x .venv/bin/python ]; then
   python="$repo/.venv/bin/python"
 else
   python=python3
 fi
 export PYTHONUNBUFFERED=1
 py_tag=$("$python" -c 'import sys; print("py%d%d" % sys.version_info[:2])')
-build_dir="build/gpu-$([ "$smoke" = 0 ] || echo smoke-)$py_tag"
+if [ "$smoke" = 1 ]; then
+  build_dir="build/gpu-smoke-$py_tag"
+elif [ "$python" = "$repo/.venv/bin/python" ]; then
+  build_dir="build/.venv" # tools/setup.sh's, so the build is incremental
+else
+  build_dir="build/gpu-$py_tag"
+fi
 
 stamp() { echo "=== $(date -u +%H:%M:%S) [+$((SECONDS - start))s] $*"; }
 note() { echo "$*" | tee -a "$summary"; }
@@ -112,13 +134,16 @@ proof_cap() {
   esac
 }
 
-# Seconds stage NAME may take: what is left of the budget, less a margin for packing up; under
-# proof no more than the stage's own deadline.
+# Seconds stage NAME may take (0: no limit): what is left of the budget, less a margin for
+# writing the summary; under proof no more than the stage's own deadline.
 stage_limit() {
-  local left=$((deadline - $(date +%s) - 15)) cap=""
+  local left=0 cap=""
+  if [ "$deadline" != none ]; then
+    left=$((deadline - $(date +%s) - 15))
+    [ "$left" -gt 10 ] || left=10
+  fi
   [ "$proof" = 0 ] || cap=$(proof_cap "${1:-}")
-  [ -z "$cap" ] || [ "$cap" -ge "$left" ] || left=$cap
-  [ "$left" -gt 10 ] || left=10
+  [ -z "$cap" ] || { [ "$left" != 0 ] && [ "$cap" -ge "$left" ]; } || left=$cap
   echo "$left"
 }
 
@@ -126,7 +151,8 @@ stage_limit() {
 run_stage() {
   local name=$1 limit t0=$SECONDS rc=0
   limit=$(stage_limit "$name")
-  stamp "stage $name (limit ${limit}s)" | tee -a "$logs/$name.log"
+  stamp "stage $name ($([ "$limit" = 0 ] && echo 'no time limit' || echo "limit ${limit}s"))" |
+    tee -a "$logs/$name.log"
   RUN_SMOKE=$smoke RUN_PROOF=$proof RUN_DEADLINE=$deadline RUN_STAGE_LIMIT=$limit OUT=$OUT \
     ROUNDPIPE_PYTHON=$python timeout -s INT -k 20 "$limit" bash "$0" __stage "$name" 2>&1 |
     tee -a "$logs/$name.log" || rc=${PIPESTATUS[0]}
@@ -171,7 +197,7 @@ sys.stdout.write("".join(w + "\0" for w in words))'
   mapfile -d '' -t words < <("$python" -c "$split" "$2")
 }
 
-# pytest with Ctrl-C restored (a call started in the background inherits it ignored), so the
+# pytest with Ctrl-C restored (a run started in the background inherits it ignored), so the
 # stage's deadline (SIGINT) ends it with its summary and junit report.
 pytest_command=("$python" -c 'import signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -216,7 +242,7 @@ if sys.argv[1] == "0" and not BUILD_INFO["cuda"]:
 PY
 }
 
-# The installed package is a copy: a later call with edited sources (C++ or Python) rebuilds.
+# The installed package is a copy: a later run with edited sources (C++ or Python) rebuilds.
 source_hash() {
   find csrc python benchmarks/cpp CMakeLists.txt pyproject.toml -type f ! -name '*.so' ! -name '*.pyc' -print0 |
     sort -z | xargs -0 sha1sum | sha1sum | cut -d' ' -f1
@@ -292,9 +318,13 @@ stage_test_core() {
     tests/test_step.py tests/test_compat.py tests/test_presets.py)
   local cases=cuda
   [ "$smoke" = 0 ] || cases=3dev
-  local limit=$((${RUN_STAGE_LIMIT:-600} - 25)) rc=0
-  [ "$limit" -gt 5 ] || limit=5
-  echo "ROUNDPIPE_DEVICE_KIND=$(device_kind) pytest -k $cases ${files[*]} (deadline ${limit}s)"
+  local limit=${RUN_STAGE_LIMIT:-0} rc=0
+  if [ "$limit" != 0 ]; then
+    limit=$((limit - 25))
+    [ "$limit" -gt 5 ] || limit=5
+  fi
+  echo "ROUNDPIPE_DEVICE_KIND=$(device_kind) pytest -k $cases ${files[*]}" \
+    "($([ "$limit" = 0 ] && echo 'no deadline' || echo "deadline ${limit}s"))"
   ROUNDPIPE_DEVICE_KIND=$(device_kind) timeout -s INT -k 15 "$limit" "${pytest_command[@]}" \
     --junitxml="$logs/junit-core.xml" -k "$cases" "${files[@]}" || rc=$?
   [ "$rc" = 124 ] || return "$rc"
@@ -315,13 +345,19 @@ sys.exit(1 if bad else 0)
 PY
 }
 
+# roundpipe 0.1.1 into PEER_DIR, from .whl/ (fetched first when empty, except in a smoke run,
+# where 0.1.1 cannot run: it needs CUDA).
 install_peer() {
-  local wheels=(.whl/roundpipe-0.1.1-*.whl)
-  if [ ! -f "${wheels[0]}" ]; then
-    echo "no .whl/roundpipe-0.1.1 wheel: run tools/fetch_gpu_wheels.sh here and carry .whl"
+  [ -d "$peer_dir/roundpipe" ] && return 0
+  local wheel=.whl/roundpipe-0.1.1-py3-none-any.whl
+  if [ ! -f "$wheel" ] && [ "$smoke" = 0 ]; then
+    echo "fetching roundpipe 0.1.1 and its wheels into .whl/ (tools/fetch_gpu_wheels.sh)"
+    ROUNDPIPE_PYTHON=$python bash tools/fetch_gpu_wheels.sh || true
+  fi
+  if [ ! -f "$wheel" ]; then
+    echo "no .whl/roundpipe-0.1.1 wheel (tools/fetch_gpu_wheels.sh makes it): no 0.1.1 column"
     return 0
   fi
-  [ -d "$peer_dir/roundpipe" ] && return 0
   "$python" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
     --target "$peer_dir" .whl/*.whl
   echo "roundpipe 0.1.1 installed in $peer_dir"
@@ -372,7 +408,7 @@ stage_bench_train() {
   # Its budget ends before the stage's deadline, so that it prints (and records) what it measured.
   PATH=$(peer_path) ROUNDPIPE_BENCH_RESULTS="$OUT/results" "$python" benchmarks/train_gpu.py \
     "${args[@]}" "${extra[@]}" --peer-path "$peer_dir" --log-dir "$logs/train" \
-    --budget "$((limit > 40 ? limit - 15 : 25))" --record | tee "$logs/train_table.txt"
+    --budget "$((limit == 0 ? 0 : limit > 40 ? limit - 15 : 25))" --record | tee "$logs/train_table.txt"
 }
 
 stage_bench_micro() {
@@ -441,14 +477,7 @@ if [ -n "$internal" ]; then
   exit
 fi
 
-pack_logs() {
-  # One archive instead of many files: the device tool brings back at most 8 files.
-  if [ -d "$logs" ] && [ -n "$(ls -A "$logs")" ]; then
-    tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$logs"
-  fi
-}
-trap pack_logs EXIT
-trap 'exit 130' INT TERM
+rm -rf "$logs" && mkdir -p "$logs" # a folder given again holds this run's logs alone
 : >"$summary"
 note "run.sh $(date -u +%Y-%m-%dT%H:%M:%SZ) mode=$([ "$smoke" = 1 ] && echo cpu-smoke || echo gpu)" \
   "stages=${stages[*]} python=$python commit=$(git rev-parse --short HEAD 2>/dev/null || echo ?)"
@@ -484,5 +513,6 @@ for stage in test test-cuda bench-micro bench-train test-core profile; do
 done
 stamp "done; summary:"
 cat "$summary"
+echo "everything is in $OUT (summary.txt, logs/, results/)"
 failed=$(grep -c -E '^stage .*: FAILED|skipped \(build failed\)' "$summary" || true)
 [ "$failed" = 0 ]
