@@ -279,14 +279,14 @@ void check_codes(bool is_exp_avg, const at::Tensor& values, const at::Tensor& co
 }
 
 void quantize_moment(bool is_exp_avg, const at::Tensor& values, const at::Tensor& codes,
-                     const at::Tensor& scales) {
+                     const at::Tensor& scales, bool given_scales) {
   check_codes(is_exp_avg, values, codes, scales);
   const int threads = default_threads();
   torch_internals::bump_version(codes);
-  torch_internals::bump_version(scales);
+  if (!given_scales) torch_internals::bump_version(scales);
   py::gil_scoped_release release;
   optim::quantize_moment(ThreadPool::global(), threads, is_exp_avg, values.data_ptr<float>(),
-                         codes.data_ptr(), scales.data_ptr<float>(), values.numel());
+                         codes.data_ptr(), scales.data_ptr<float>(), values.numel(), given_scales);
 }
 
 void dequantize_moment(bool is_exp_avg, const at::Tensor& codes, const at::Tensor& scales,
@@ -315,8 +315,9 @@ void bind_optim(py::module_& m) {
         "(stochastically rounded) or 8-bit codes (int8 exp_avg, uint8 exp_avg_sq) with one "
         "float32 scale per block of state_block elements in exp_avg_scales/exp_avg_sq_scales.");
   m.def("quantize_moment", &quantize_moment, py::arg("is_exp_avg"), py::arg("values"),
-        py::arg("codes"), py::arg("scales"),
-        "Encodes fp32 moments as 8-bit codes and block scales (round to nearest), in place.");
+        py::arg("codes"), py::arg("scales"), py::arg("given_scales") = false,
+        "Encodes fp32 moments as 8-bit codes and block scales (round to nearest), in place; with "
+        "given_scales, against the scales passed in (left as they are).");
   m.def("dequantize_moment", &dequantize_moment, py::arg("is_exp_avg"), py::arg("codes"),
         py::arg("scales"), py::arg("values"),
         "Decodes 8-bit moment codes and block scales into fp32 values, in place.");
