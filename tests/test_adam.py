@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ import roundpipe.optim.adam as rp_optim
 import torch
 from roundpipe import _C
 from roundpipe.optim import Adam
+from torch.optim.adam import adam as torch_functional_adam
 
 SIZES = [0, 1, 7, 17, 1000, 4099, 1 << 20]
 OPTIONS = [
@@ -174,7 +176,10 @@ def test_state_dict_round_trips_with_torch_both_ways() -> None:
     run_both(ours, theirs, steps=3)
     ours_sd, theirs_sd = ours.state_dict(), theirs.state_dict()
     # Same keys and values; torch's foreach=False was passed only to pin its reference path.
-    assert [{**g, "foreach": None} for g in theirs_sd["param_groups"]] == ours_sd["param_groups"]
+    # Ours also holds state_dtype, which torch's Adam carries along unread.
+    assert [
+        {**g, "foreach": None, "state_dtype": torch.float32} for g in theirs_sd["param_groups"]
+    ] == ours_sd["param_groups"]
     assert ours_sd["state"].keys() == theirs_sd["state"].keys()
     for index, state in theirs_sd["state"].items():
         assert ours_sd["state"][index].keys() == state.keys()
@@ -483,3 +488,180 @@ def test_torchs_adam_path_unscales_in_float32_as_the_native_pass(
         reference.grad = grad.to(reference.dtype) * inv_scale
         theirs.step()
         assert torch.equal(mine, reference), step
+
+
+def copied(optimizer: torch.optim.Optimizer, how: str, tmp_path: object) -> torch.optim.Optimizer:
+    """A copy of ``optimizer`` (its parameters copied with it) made as a user would make one."""
+    if how == "deepcopy":
+        return copy.deepcopy(optimizer)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(optimizer))  # type: ignore[no-any-return]
+    path = os.path.join(str(tmp_path), "optimizer.pt")
+    torch.save(optimizer, path)
+    return torch.load(path, weights_only=False)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+def test_copies_of_the_optimizer_keep_every_setting_and_step_on(
+    how: str, state_dtype: torch.dtype, tmp_path: object
+) -> None:
+    """torch's optimizers survive deepcopy, pickle and torch.save (their settings live in
+    ``defaults`` and ``param_groups``); so does ours, state_dtype included, and the copy steps
+    on exactly as the original does, as torch's copy does."""
+    reference = make_params([600, 7])
+    mine = [p.clone() for p in reference]
+    options = {"lr": 1e-2, "weight_decay": 0.1, "decoupled_weight_decay": True}
+    ours = Adam(mine, **options, state_dtype=state_dtype)  # type: ignore[arg-type]
+    theirs = torch.optim.Adam(reference, **options, foreach=False)  # type: ignore[arg-type]
+    run_both(ours, theirs, steps=2)
+    ours_copy, theirs_copy = copied(ours, how, tmp_path), copied(theirs, how, tmp_path)
+    assert ours_copy.defaults == ours.defaults and ours_copy.defaults["state_dtype"] == state_dtype
+    assert [{**g, "params": None} for g in ours_copy.param_groups] == [
+        {**g, "params": None} for g in ours.param_groups
+    ]
+    run_both(ours, theirs, steps=2)
+    run_both(ours_copy, theirs_copy, steps=2)
+    for optimizer, other in ((ours, ours_copy), (theirs, theirs_copy)):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        copies = [p for g in other.param_groups for p in g["params"]]
+        for p, q in zip(params, copies, strict=True):
+            assert torch.equal(p, q)
+            for key, value in optimizer.state[p].items():
+                assert torch.equal(value, other.state[q][key]), key
+    if state_dtype == torch.float32:
+        assert_same_optimizer_state(ours_copy, theirs_copy)
+
+
+def test_an_optimizer_pickled_without_state_dtype_steps_with_fp32_moments() -> None:
+    # One pickled before state_dtype was a group option holds it nowhere: fp32, torch's state.
+    reference = make_params([100])
+    mine = [p.clone() for p in reference]
+    ours = Adam(mine, lr=1e-2)
+    theirs = torch.optim.Adam(reference, lr=1e-2, foreach=False)
+    run_both(ours, theirs, steps=2)
+    old = ours.__getstate__()  # type: ignore[no-untyped-call]
+    old["defaults"] = {k: v for k, v in old["defaults"].items() if k != "state_dtype"}
+    old["param_groups"] = [
+        {k: v for k, v in g.items() if k != "state_dtype"} for g in old["param_groups"]
+    ]
+    revived = Adam.__new__(Adam)
+    revived.__setstate__(old)
+    assert revived.state_dtype == torch.float32
+    run_both(revived, theirs, steps=2)
+    assert_same_optimizer_state(revived, theirs)
+
+
+def test_each_param_group_keeps_its_own_state_dtype_and_a_change_converts_it() -> None:
+    reference = make_params([1000, 300])
+    mine = [p.clone() for p in reference]
+    ours = Adam(
+        [{"params": mine[:1]}, {"params": mine[1:], "state_dtype": torch.int8}],
+        lr=1e-2,
+    )
+    theirs = torch.optim.Adam(reference, lr=1e-2, foreach=False)
+    run_both(ours, theirs, steps=3)
+    assert ours.state[mine[0]]["exp_avg"].dtype == torch.float32
+    assert ours.state[mine[1]]["exp_avg"].dtype == torch.int8
+    torch.testing.assert_close(mine[0], reference[0], atol=1e-6, rtol=1e-6)
+    # Back to fp32: the int8 moments are decoded at the next step, which then goes on as torch's
+    # Adam does from the same state (which it loads decoded from our state_dict).
+    ours.param_groups[1]["state_dtype"] = torch.float32
+    restarted = torch.optim.Adam(
+        [{"params": [mine[0].clone()]}, {"params": [mine[1].clone()]}], lr=1e-2, foreach=False
+    )
+    restarted.load_state_dict(copy.deepcopy(ours.state_dict()))
+    for key in ("exp_avg_scale", "exp_avg_sq_scale"):  # carried along unread by torch
+        restarted.state[restarted.param_groups[1]["params"][0]].pop(key)
+    run_both(ours, restarted, steps=3)
+    assert set(ours.state[mine[1]]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert_same_optimizer_state(ours, restarted)
+    with pytest.raises(ValueError, match=r"state_dtype must be torch\.float32"):
+        ours.add_param_group({"params": [torch.zeros(2)], "state_dtype": torch.float16})
+    with pytest.raises(ValueError, match=r"amsgrad=True needs state_dtype=torch\.float32"):
+        ours.add_param_group(
+            {"params": [torch.zeros(2)], "amsgrad": True, "state_dtype": torch.bfloat16}
+        )
+
+
+# ---- roundpipe.optim.adam.adam: the functional form ------------------------------------------
+
+
+def functional_inputs(
+    sizes: list[int], dtype: torch.dtype = torch.float32, amsgrad: bool = False
+) -> dict[str, list[torch.Tensor]]:
+    params = [p.to(dtype) for p in make_params(sizes)]
+    return {
+        "params": params,
+        "grads": [g.to(dtype) for g in grads_for(params, 0)],
+        "exp_avgs": [torch.zeros_like(p) for p in params],
+        "exp_avg_sqs": [torch.zeros_like(p) for p in params],
+        "max_exp_avg_sqs": [torch.zeros_like(p) for p in params] if amsgrad else [],
+        "state_steps": [torch.tensor(0.0) for _ in params],
+    }
+
+
+@pytest.mark.parametrize(
+    "options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items())
+)
+def test_functional_adam_matches_torchs_functional_adam(options: dict[str, object]) -> None:
+    amsgrad = bool(options["amsgrad"])
+    ours = functional_inputs(SIZES, amsgrad=amsgrad)
+    theirs = copy.deepcopy(ours)
+    hyper = {"beta1": 0.9, "beta2": 0.99, "lr": 1e-2, "eps": 1e-8, **options}
+    for step in range(5):
+        grads = grads_for(ours["params"], step)
+        ours["grads"], theirs["grads"] = grads, [g.clone() for g in grads]
+        rp_optim.adam(**ours, **hyper)  # type: ignore[arg-type]
+        torch_functional_adam(**theirs, **hyper, foreach=False)  # type: ignore[arg-type]
+    for key, values in theirs.items():
+        for mine, expected in zip(ours[key], values, strict=True):
+            torch.testing.assert_close(mine, expected, atol=1e-6, rtol=1e-6)
+    assert all(float(s) == 5.0 for s in ours["state_steps"])
+
+
+def test_functional_adam_steps_the_class_and_torchs_other_tensors_alike() -> None:
+    # The class's step is this same step: fp32 parameters natively, any other through torch's
+    # own code (bit for bit), bf16 moments of an fp32 parameter as the compact state.
+    hyper = {"amsgrad": False, "beta1": 0.9, "beta2": 0.999, "lr": 1e-2, "eps": 1e-8}
+    hyper.update({"weight_decay": 0.0, "maximize": False})
+    for dtype in (torch.bfloat16, torch.float64, torch.complex64):
+        ours = functional_inputs([17, 300], dtype=dtype)
+        theirs = copy.deepcopy(ours)
+        rp_optim.adam(**ours, **hyper)  # type: ignore[arg-type]
+        torch_functional_adam(**theirs, **hyper, foreach=False)  # type: ignore[arg-type]
+        for key, values in theirs.items():
+            for mine, expected in zip(ours[key], values, strict=True):
+                assert torch.equal(mine, expected), (dtype, key)
+    inputs = functional_inputs([1000])
+    inputs["exp_avgs"] = [torch.zeros(1000, dtype=torch.bfloat16)]
+    inputs["exp_avg_sqs"] = [torch.zeros(1000, dtype=torch.bfloat16)]
+    param = inputs["params"][0].clone()
+    optimizer = Adam([param], lr=1e-2, state_dtype=torch.bfloat16)
+    param.grad = inputs["grads"][0].clone()
+    optimizer.step()
+    rp_optim.adam(**inputs, **hyper)  # type: ignore[arg-type]
+    assert torch.equal(inputs["params"][0], param)
+    assert torch.equal(inputs["exp_avg_sqs"][0], optimizer.state[param]["exp_avg_sq"])
+
+
+def test_functional_adam_refuses_what_it_cannot_do() -> None:
+    hyper = {"amsgrad": False, "beta1": 0.9, "beta2": 0.999, "lr": 1e-2, "eps": 1e-8}
+    hyper.update({"weight_decay": 0.0, "maximize": False})
+    cases: list[tuple[dict[str, object], type, str]] = [
+        ({"capturable": True}, ValueError, "capturable=True"),
+        ({"differentiable": True}, ValueError, "differentiable=True"),
+        ({"grad_scale": torch.tensor(2.0)}, ValueError, "does not take grad_scale"),
+        ({"found_inf": torch.tensor(0.0)}, ValueError, "does not take found_inf"),
+        ({"amsgrad": True}, ValueError, "max_exp_avg_sqs has 0 tensors"),
+    ]
+    for extra, error, fragment in cases:
+        inputs = functional_inputs([5])
+        with pytest.raises(error, match=fragment):
+            rp_optim.adam(**inputs, **{**hyper, **extra})  # type: ignore[arg-type]
+        assert float(inputs["state_steps"][0]) == 0.0  # nothing ran
+    inputs = functional_inputs([5])
+    inputs["state_steps"] = [1]  # type: ignore[list-item]
+    with pytest.raises(RuntimeError, match="singleton tensors"):
+        rp_optim.adam(**inputs, **hyper)  # type: ignore[arg-type]
+    assert rp_optim.Adam is Adam  # 0.1.1's module path still names the class

@@ -255,6 +255,18 @@ def trained(state_dtype: torch.dtype, steps: int = 3, n: int = 600) -> tuple[Any
     return params, optimizer
 
 
+def legacy_state_dict(optimizer: Adam) -> dict[str, Any]:
+    """The state_dict of roundpipe versions that saved 8-bit moments as their codes (the
+    optimizer's in-memory form, with the code's tag), deep copied."""
+    saved = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved["state"] = {
+        index: {key: value.clone() for key, value in optimizer.state[p].items()}
+        for index, p in enumerate(params)
+    }
+    return saved
+
+
 @pytest.mark.parametrize("state_dtype", COMPACT, ids=str)
 def test_compact_state_dict_round_trips_bit_for_bit(state_dtype: torch.dtype, tmp_path: Path):
     params, optimizer = trained(state_dtype)
@@ -311,18 +323,18 @@ def test_a_state_of_any_form_loads_into_any_other(source: torch.dtype, target: t
     torch.optim.Adam([p.clone() for p in params]).load_state_dict(fp32.state_dict())
 
 
-def test_bad_scales_are_refused_naming_the_key() -> None:
+def test_codes_without_their_scales_are_refused_naming_the_key() -> None:
     params, optimizer = trained(torch.int8)
-    saved = optimizer.state_dict()
+    saved = legacy_state_dict(optimizer)
     del saved["state"][0]["exp_avg_sq_scale"]
     with pytest.raises(ValueError, match="exp_avg_sq_scale"):
         Adam([p.clone() for p in params], state_dtype=torch.float32).load_state_dict(saved)
 
 
 @pytest.mark.parametrize("code", [None, 1, 3])
-def test_a_state_in_another_version_of_the_8bit_code_is_refused(code: int | None) -> None:
+def test_codes_in_another_version_of_the_8bit_code_are_refused(code: int | None) -> None:
     params, optimizer = trained(torch.int8)
-    saved = optimizer.state_dict()
+    saved = legacy_state_dict(optimizer)
     assert saved["state"][0]["int8_code"].item() == 2
     for entry in saved["state"].values():
         if code is None:
@@ -332,6 +344,91 @@ def test_a_state_in_another_version_of_the_8bit_code_is_refused(code: int | None
     for state_dtype in (torch.int8, torch.float32):
         with pytest.raises(ValueError, match=r"version .* of roundpipe's 8-bit code"):
             Adam([p.clone() for p in params], state_dtype=state_dtype).load_state_dict(saved)
+
+
+def test_a_state_saved_as_codes_still_loads_bit_for_bit() -> None:
+    params, optimizer = trained(torch.int8)
+    loaded = Adam([p.clone() for p in params], lr=1e-2, state_dtype=torch.int8)
+    loaded.load_state_dict(legacy_state_dict(optimizer))
+    for p, q in zip(params, loaded.param_groups[0]["params"], strict=True):
+        for key, value in optimizer.state[p].items():
+            assert torch.equal(value, loaded.state[q][key]), key
+
+
+def reference_decode(codes: torch.Tensor, scales: torch.Tensor, is_exp_avg: bool) -> torch.Tensor:
+    """The values 8-bit codes stand for, from the format's table (see code_table)."""
+    codes_used, table = code_table(is_exp_avg)
+    value_of = dict(zip(codes_used.tolist(), table.tolist(), strict=True))
+    flat = codes.reshape(-1).long()
+    magnitude = flat.remainder(128) if is_exp_avg else flat
+    sign = torch.where(flat < 0, -1.0, 1.0).double()
+    values = torch.tensor([value_of[c] for c in magnitude.tolist()], dtype=torch.float64)
+    block_scale = scales.double().repeat_interleave(BLOCK)[: flat.numel()]
+    return (values * sign * block_scale).float().reshape(codes.shape)
+
+
+def lockstep(ours: torch.optim.Optimizer, theirs: torch.optim.Optimizer, steps: int) -> None:
+    mine = [p for g in ours.param_groups for p in g["params"]]
+    reference = [p for g in theirs.param_groups for p in g["params"]]
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        for p, q in zip(mine, reference, strict=True):
+            p.grad = torch.randn(p.shape, generator=generator)
+            q.grad = p.grad.clone()
+        ours.step()
+        theirs.step()
+
+
+@pytest.mark.parametrize("state_dtype", COMPACT, ids=str)
+def test_torchs_adam_loads_the_state_dict_and_goes_on_alike(state_dtype: torch.dtype) -> None:
+    # state_dict() holds what torch's Adam reads: the moments' values (8-bit ones decoded, as
+    # the format defines them), so torch continues the same trajectory as ours.
+    params, ours = trained(state_dtype, n=1000)
+    saved = ours.state_dict()
+    for index, p in enumerate(params):
+        state, entry = ours.state[p], saved["state"][index]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert entry[key].dtype == (torch.float32 if state_dtype == torch.int8 else state_dtype)
+            if state_dtype == torch.int8:
+                expected = reference_decode(state[key], state[f"{key}_scale"], key == "exp_avg")
+                assert torch.equal(entry[key], expected), key
+    start = [p.clone() for p in params]
+    theirs = torch.optim.Adam([p.clone() for p in params], lr=1e-2, foreach=False)
+    theirs.load_state_dict(saved)
+    for index, q in enumerate(theirs.param_groups[0]["params"]):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(theirs.state[q][key], saved["state"][index][key].float())
+    lockstep(ours, theirs, steps=5)
+    for p, q, s in zip(params, theirs.param_groups[0]["params"], start, strict=True):
+        moved = (q - s).abs().mean()
+        assert float((p - q).abs().mean()) < 0.05 * float(moved)
+
+
+@pytest.mark.parametrize("state_dtype", COMPACT, ids=str)
+def test_torchs_state_loads_and_goes_on_alike_and_stale_scales_are_not_trusted(
+    state_dtype: torch.dtype,
+) -> None:
+    # A torch Adam that loaded our state and stepped on saves its own moments beside our old
+    # block scales, which it carried along unread: the values are encoded afresh.
+    params, ours = trained(state_dtype, n=1000)
+    theirs = torch.optim.Adam([p.clone() for p in params], lr=1e-2, foreach=False)
+    theirs.load_state_dict(ours.state_dict())
+    lockstep(ours, theirs, steps=2)
+    saved = theirs.state_dict()
+    copies = [p.clone() for p in theirs.param_groups[0]["params"]]
+    reloaded = Adam(copies, lr=1e-2, state_dtype=state_dtype)
+    reloaded.load_state_dict(saved)
+    for index, p in enumerate(reloaded.param_groups[0]["params"]):
+        for key in ("exp_avg", "exp_avg_sq"):
+            expected, got = saved["state"][index][key], moment_values(reloaded.state[p], key)
+            half = 2.0**-8 if state_dtype == torch.bfloat16 else 2.0**-4
+            scale = expected.abs().max() if state_dtype == torch.int8 else 0.0
+            bound = expected.abs() * half + scale * 2.0**-17
+            assert bool(((got - expected).abs() <= bound).all()), key
+    start = [p.clone() for p in copies]
+    lockstep(reloaded, theirs, steps=5)
+    for p, q, s in zip(copies, theirs.param_groups[0]["params"], start, strict=True):
+        assert float((p - q).abs().mean()) < 0.05 * float((q - s).abs().mean())
 
 
 def test_a_positive_second_moment_never_decodes_to_zero() -> None:
@@ -352,18 +449,82 @@ def test_a_positive_second_moment_never_decodes_to_zero() -> None:
     assert float(param.abs().max()) <= 2 * lr
 
 
-def test_a_nan_gradient_poisons_its_block_and_no_other() -> None:
-    # As with fp32 moments, a NaN gradient makes its weight NaN; its moments' block scale is NaN
-    # too, so at the next step the whole block's weights are (GradScaler skips such steps).
-    param = torch.zeros(300)
-    optimizer = Adam([param], state_dtype=torch.int8)
-    param.grad = torch.zeros(300)
-    param.grad[3] = float("nan")
-    optimizer.step()
-    assert param.isnan().nonzero().flatten().tolist() == [3]
-    param.grad = torch.ones(300)
-    optimizer.step()
-    assert bool(param[:256].isnan().all()) and not bool(param[256:].isnan().any())
+ALL_FORMS = [torch.float32, *COMPACT]
+# Our weights' distance from torch's after a few steps, per weight on average and at most, in
+# units of torch's average movement: float rounding for fp32 moments, and the compact formats'
+# (stochastic) rounding, which is larger for 8-bit codes (6% on average at ordinary magnitudes).
+TOLERANCE = {torch.float32: (1e-6, 2e-5), torch.bfloat16: (0.01, 0.5), torch.int8: (0.1, 2.0)}
+
+
+def assert_tracks(mine: torch.Tensor, reference: torch.Tensor, start: torch.Tensor, state_dtype):
+    moved = float((reference - start).abs().mean())
+    mean, largest = TOLERANCE[state_dtype]
+    assert moved > 0
+    assert float((mine - reference).abs().mean()) <= mean * moved
+    assert float((mine - reference).abs().max()) <= largest * moved
+
+
+def against_torch(
+    state_dtype: torch.dtype, grads: list[torch.Tensor], start: torch.Tensor, lr: float = 1e-2
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our weights and torch's Adam's after a step with each gradient, from ``start``."""
+    mine, reference = start.clone(), start.clone()
+    ours = Adam([mine], lr=lr, state_dtype=state_dtype)
+    theirs = torch.optim.Adam([reference], lr=lr, foreach=False)
+    for grad in grads:
+        mine.grad, reference.grad = grad.clone(), grad.clone()
+        ours.step()
+        theirs.step()
+    return mine, reference
+
+
+@pytest.mark.parametrize("state_dtype", ALL_FORMS, ids=str)
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-20, 1e-8, 1.0, 1e20, 1.5e20])
+def test_gradients_of_any_finite_magnitude_move_the_weights_as_torchs_adam(
+    state_dtype: torch.dtype, magnitude: float
+) -> None:
+    # Adam's step does not depend on the gradients' scale (but for eps): from the tiniest
+    # gradients to those whose second moment nears float32's largest value (1e20 squared,
+    # accumulated over 20 steps), every form moves the weights as torch's Adam does. Zero
+    # weights show even a step of 1e-24 (1e-30 / eps).
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(4 * BLOCK, generator=generator) * magnitude for _ in range(20)]
+    start = torch.zeros(4 * BLOCK) if magnitude < 1e-8 else torch.randn(4 * BLOCK)
+    mine, reference = against_torch(state_dtype, grads, start)
+    assert_tracks(mine, reference, start, state_dtype)
+
+
+@pytest.mark.parametrize("state_dtype", ALL_FORMS, ids=str)
+def test_a_second_moment_that_overflows_freezes_its_weight_as_in_torch(state_dtype: torch.dtype):
+    # 1e21 squared overflows float32: torch's exp_avg_sq is inf and the update m / inf is 0, so
+    # those weights stay put, while their neighbours' gradients (of 1e19, so that 8-bit codes
+    # of their moments' block hold both) move theirs.
+    grads = []
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        grad = torch.randn(2 * BLOCK, generator=generator) * 1e19
+        grad[::7] = 1e21
+        grads.append(grad)
+    start = torch.randn(2 * BLOCK)
+    mine, reference = against_torch(state_dtype, grads, start)
+    assert torch.equal(reference[::7], start[::7]) and torch.equal(mine[::7], start[::7])
+    assert_tracks(mine, reference, start, state_dtype)
+
+
+@pytest.mark.parametrize("state_dtype", ALL_FORMS, ids=str)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_gradient_makes_its_weight_nan_and_no_other_as_in_torch(
+    state_dtype: torch.dtype, bad: float
+) -> None:
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(2 * BLOCK + 44, generator=generator) for _ in range(4)]
+    grads[1][3] = bad
+    start = torch.randn(2 * BLOCK + 44)
+    mine, reference = against_torch(state_dtype, grads, start)
+    assert reference.isnan().nonzero().flatten().tolist() == [3]
+    assert mine.isnan().nonzero().flatten().tolist() == [3]
+    finite = ~reference.isnan()
+    assert_tracks(mine[finite], reference[finite], start[finite], state_dtype)
 
 
 @pytest.mark.parametrize("state_dtype", COMPACT, ids=str)

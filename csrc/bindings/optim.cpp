@@ -28,8 +28,10 @@ void bind_optim(py::module_& m) {
         "(stochastically rounded) or 8-bit codes (int8 exp_avg, uint8 exp_avg_sq) with one "
         "float32 scale per block of state_block elements in exp_avg_scales/exp_avg_sq_scales.");
   m.def("quantize_moment", &optim::host_ops::quantize_moment, py::arg("is_exp_avg"),
-        py::arg("values"), py::arg("codes"), py::arg("scales"), no_gil(),
-        "Encodes fp32 moments as 8-bit codes and block scales (round to nearest), in place.");
+        py::arg("values"), py::arg("codes"), py::arg("scales"), py::arg("given_scales") = false,
+        no_gil(),
+        "Encodes fp32 moments as 8-bit codes and block scales (round to nearest), in place; with "
+        "given_scales, against the scales passed in (left as they are).");
   m.def("dequantize_moment", &optim::host_ops::dequantize_moment, py::arg("is_exp_avg"),
         py::arg("codes"), py::arg("scales"), py::arg("values"), no_gil(),
         "Decodes 8-bit moment codes and block scales into fp32 values, in place.");

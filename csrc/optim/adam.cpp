@@ -103,12 +103,12 @@ void adam_step(ThreadPool& pool, int num_threads, SimdLevel level,
 }
 
 void quantize_moment(ThreadPool& pool, int num_threads, bool is_exp_avg, const float* values,
-                     void* codes, float* scales, std::int64_t numel) {
+                     void* codes, float* scales, std::int64_t numel, bool given_scales) {
   const std::int64_t blocks[] = {state_blocks(numel)};
   parallel_for_chunks(pool, num_threads, blocks, kChunkElements / kStateBlock,
                       [&](std::size_t, std::int64_t first, std::int64_t last) {
                         kernels::quantize_blocks(is_exp_avg, values, codes, scales, numel, first,
-                                                 last);
+                                                 last, given_scales);
                       });
 }
 

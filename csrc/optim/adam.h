@@ -39,6 +39,11 @@ enum class DType : std::uint8_t { kFloat32, kBFloat16, kFloat16 };
 //              c >= 8: anything below 2^-29 of the block's largest is stored as 2^-29 of it, so a
 //              second moment never decodes to zero (which would make the update m / eps).
 //              Decoding is one shift and the hardware's exact half-to-float conversion.
+//              Scales are the largest finite magnitudes, so any finite moment (up to float's
+//              largest, down to its subnormals) is coded in its block, and a non-finite one never
+//              spoils its block: an exp_avg_sq of inf or NaN is code 248 or 252 (the half's inf
+//              and NaN), which decode to inf and NaN; an exp_avg of inf or NaN (its weight is NaN
+//              then, as in torch's Adam) is stored as 0.
 enum class StateDType : std::uint8_t { kFloat32, kBFloat16, kInt8 };
 
 // Elements per scale of kInt8 moments: 0.03 byte per parameter of scales (two fp32 per block),
@@ -137,9 +142,11 @@ bool grad_pass(ThreadPool& pool, int num_threads, SimdLevel level, GradMode mode
 // Encodes fp32 moments (`numel` elements) as kInt8 codes and scales, rounded to the nearest code
 // (ties to even), as a step would store them but without its random rounding: what a state in
 // another form becomes when loaded into an optimizer with 8-bit moments. `is_exp_avg` picks the
-// int8 code of the first moment, else the uint8 code of the second.
+// int8 code of the first moment, else the uint8 code of the second. With `given_scales` the
+// scales are read, not computed: values decoded from codes and these scales encode back into the
+// same codes.
 void quantize_moment(ThreadPool& pool, int num_threads, bool is_exp_avg, const float* values,
-                     void* codes, float* scales, std::int64_t numel);
+                     void* codes, float* scales, std::int64_t numel, bool given_scales = false);
 
 // The inverse: codes and scales back to fp32 values (exact: every code times its scale).
 void dequantize_moment(ThreadPool& pool, int num_threads, bool is_exp_avg, const void* codes,

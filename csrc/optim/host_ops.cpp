@@ -274,13 +274,13 @@ bool grad_pass(const TensorList& dsts, const TensorList& srcs, std::optional<boo
 }
 
 void quantize_moment(bool is_exp_avg, const at::Tensor& values, const at::Tensor& codes,
-                     const at::Tensor& scales) {
+                     const at::Tensor& scales, bool given_scales) {
   check_codes(is_exp_avg, values, codes, scales);
   const int threads = default_threads();
   torch_internals::bump_version(codes);
-  torch_internals::bump_version(scales);
+  if (!given_scales) torch_internals::bump_version(scales);
   optim::quantize_moment(ThreadPool::global(), threads, is_exp_avg, values.data_ptr<float>(),
-                         codes.data_ptr(), scales.data_ptr<float>(), values.numel());
+                         codes.data_ptr(), scales.data_ptr<float>(), values.numel(), given_scales);
 }
 
 void dequantize_moment(bool is_exp_avg, const at::Tensor& codes, const at::Tensor& scales,

@@ -34,9 +34,10 @@ bool grad_pass(const TensorList& dsts, const TensorList& srcs, std::optional<boo
                std::optional<int> num_threads);
 
 // Encodes fp32 moments `values` as 8-bit `codes` (int8 for exp_avg, uint8 for exp_avg_sq) and
-// block `scales` (round to nearest), in place.
+// block `scales` (round to nearest), in place; with `given_scales`, against the `scales` passed
+// in (left as they are).
 void quantize_moment(bool is_exp_avg, const at::Tensor& values, const at::Tensor& codes,
-                     const at::Tensor& scales);
+                     const at::Tensor& scales, bool given_scales);
 
 // Decodes 8-bit moment `codes` and block `scales` into the fp32 `values`, in place.
 void dequantize_moment(bool is_exp_avg, const at::Tensor& codes, const at::Tensor& scales,

@@ -12,7 +12,7 @@
 // if_false); mul_add_where(mask, a, b, c) (a * b + c where mask, else a; fused or not, used only
 // where both round alike); load_half_codes<kSigned> (8-bit codes as the halves they stand for,
 // see the 8-bit codes below); store_codes and store_u16 (the low 8 or 16 bits of each lane);
-// hmax (largest lane, signed).
+// hmax, humax (largest lane, signed and unsigned).
 //
 // The operation order mirrors torch.optim.Adam's single-tensor CPU path (lerp for the first
 // moment, mul + addcmul for the second, sqrt / bias correction + eps, addcdiv) so results stay
@@ -100,9 +100,8 @@ typename Isa::I encode_magnitude(typename Isa::F y, typename Isa::I random) {
       Isa::mul_add_where(small, y, Isa::set1(0.5f), Isa::set1(2.0f)), random);
 }
 
-// exp_avg's code of `value`: sign in bit 7, magnitude code below. `inv_scale` is
-// exp_avg_inverse's. NaN gives a meaningless code, but its block's scale is NaN, which every code
-// decodes to.
+// exp_avg's code of `value`: sign in bit 7, magnitude code below. `inv_scale` is a BlockCoding's
+// factor. inf and NaN give meaningless codes (settle_block keeps them out of a step's blocks).
 template <class Isa, bool kStochastic>
 typename Isa::I encode_exp_avg(typename Isa::F value, typename Isa::F inv_scale,
                                typename Isa::I random) {
@@ -112,30 +111,74 @@ typename Isa::I encode_exp_avg(typename Isa::F value, typename Isa::F inv_scale,
   return Isa::ior(code, Isa::iand(Isa::template shr<24>(y), Isa::iset1(0x80u)));
 }
 
-// exp_avg_sq's code of `value` >= 0, never below the smallest normal one. `inv_scale` is
-// exp_avg_sq_inverse's.
+// exp_avg_sq's code of `value` >= 0, never below the smallest normal one: inf (NaN) gives code
+// 248 (252), the half's inf (NaN). `inv_scale` is a BlockCoding's factor.
 template <class Isa, bool kStochastic>
 typename Isa::I encode_exp_avg_sq(typename Isa::F value, typename Isa::F inv_scale,
                                   typename Isa::I random) {
-  const auto y = Isa::max(Isa::mul(value, inv_scale), Isa::set1(kSmallestNormal));
+  // max(a, b) is b when either is NaN: a NaN stays NaN.
+  const auto y = Isa::max(Isa::set1(kSmallestNormal), Isa::mul(value, inv_scale));
   return encode_normal<Isa, kStochastic>(y, random);
 }
 
-// A block's scale from the largest magnitude's bit pattern (NaN made canonical).
-inline float block_scale(std::uint32_t largest_bits) {
-  return std::bit_cast<float>(largest_bits > 0x7F800000u ? 0x7FC00000u : largest_bits);
+// How one block of a moment is encoded: `scale`, what its codes are in units of (stored beside
+// them), and `factor`, which maps its values into encoding units.
+struct BlockCoding {
+  float scale;
+  float factor;
+};
+
+inline constexpr std::uint32_t kInfinityBits = 0x7F800000u;
+// Scales from here up to float's largest take the plain factor `units / scale`; below it the
+// factor would overflow, so a block is scaled up by kTinyBoost first (exactly: a power of two).
+inline constexpr float kSmallestPlainScale = 0x1p-96f;
+inline constexpr float kTinyBoost = 0x1p64f;
+
+// Encoding units per scale: a value equal to its block's scale encodes as 2^16 (exp_avg's 1.0
+// half) or 2^31 (exp_avg_sq's 2^15 half).
+inline float encoding_units(bool is_exp_avg) {
+  return is_exp_avg ? 0x1p16f : 0x1p16f / kExpAvgSqUnit;
 }
 
-// The factors that map a block's moments into encoding units. They are 0 for a scale that is 0,
-// NaN, infinite or below 2^-96 (where the factor would overflow): such a block's exp_avg is
-// stored as zeros and its exp_avg_sq as the smallest code, which decode to (nearly) zero at such
-// a scale, or to NaN.
-inline float encode_factor(float scale, float units) {
-  return scale >= 0x1p-96f && scale <= 0x1p127f ? units / scale : 0.0f;
+// The coding of a block with `scale` >= 0 (finite), whose `n` values at `values` may be changed to
+// fit it: scaled up for a tiny scale.
+inline BlockCoding code_against(bool is_exp_avg, float* values, std::int64_t n, float scale) {
+  if (scale == 0.0f) return {0.0f, 0.0f};  // all zeros: code 0, or exp_avg_sq's floor
+  const float units = encoding_units(is_exp_avg);
+  if (scale >= kSmallestPlainScale) return {scale, units / scale};
+  for (std::int64_t i = 0; i < n; ++i) values[i] *= kTinyBoost;
+  return {scale, units / (scale * kTinyBoost)};
 }
-inline float exp_avg_inverse(float scale) { return encode_factor(scale, 0x1p16f); }
-inline float exp_avg_sq_inverse(float scale) {
-  return encode_factor(scale, 0x1p16f / kExpAvgSqUnit);
+
+// The coding of a block of `n` values whose largest magnitude has the bit pattern `largest` (at or
+// above kInfinityBits when one is inf or NaN). A block of finite values of plain scale costs two
+// comparisons; the others (rare) are fixed up in place: a non-finite exp_avg becomes 0 and a NaN
+// exp_avg_sq a quiet one (code 252), and the scale is the largest finite magnitude, so that no
+// non-finite value spoils its block. A block of an exp_avg_sq of zeros and infinities takes
+// float's smallest normal as its scale, at which zeros still decode to 0 and inf to inf.
+inline BlockCoding settle_block(bool is_exp_avg, float* values, std::int64_t n,
+                                std::uint32_t largest) {
+  if (largest >= std::bit_cast<std::uint32_t>(kSmallestPlainScale) && largest < kInfinityBits) {
+    const float scale = std::bit_cast<float>(largest);
+    return {scale, encoding_units(is_exp_avg) / scale};
+  }
+  if (largest >= kInfinityBits) {
+    largest = 0;
+    bool infinite = false;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::uint32_t magnitude = std::bit_cast<std::uint32_t>(values[i]) & kMagnitudeMask;
+      if (magnitude < kInfinityBits) {
+        largest = std::max(largest, magnitude);
+      } else if (is_exp_avg) {
+        values[i] = 0.0f;
+      } else {
+        infinite = infinite || magnitude == kInfinityBits;
+        values[i] = std::bit_cast<float>(magnitude == kInfinityBits ? kInfinityBits : 0x7FC00000u);
+      }
+    }
+    if (largest == 0 && infinite) largest = std::bit_cast<std::uint32_t>(0x1p-126f);
+  }
+  return code_against(is_exp_avg, values, n, std::bit_cast<float>(largest));
 }
 
 // The random bits of the stochastic rounding of 8-bit moments: a Weyl sequence, the step's seed
@@ -374,15 +417,16 @@ void adam_int8_blocks(const AdamCoefficients& c, const AdamBuffers& b, std::int6
     F exp_avg_inverse, exp_avg_sq_inverse;
     WeylBits<Isa> random;
   };
-  // Sets the block's new scales; returns its encoding.
-  const auto finish = [&](const Update& u, std::int64_t first) {
+  // Sets the block's new scales (its `n` fresh moments may be fixed up: settle_block); returns
+  // its encoding.
+  const auto finish = [&](const Block& k, const Update& u, std::int64_t first, std::int64_t n) {
     const std::int64_t block = first / kStateBlock;
-    const float m_scale = block_scale(Isa::hmax(u.largest_exp_avg));
-    const float v_scale = block_scale(Isa::hmax(u.largest_exp_avg_sq));
-    exp_avg_scales[block] = m_scale;
-    exp_avg_sq_scales[block] = v_scale;
-    return Encoding{Isa::set1(exp_avg_inverse(m_scale)), Isa::set1(exp_avg_sq_inverse(v_scale)),
-                    WeylBits<Isa>(first, seed)};
+    const BlockCoding m = settle_block(true, k.fresh_exp_avg, n, Isa::hmax(u.largest_exp_avg));
+    const BlockCoding v =
+        settle_block(false, k.fresh_exp_avg_sq, n, Isa::humax(u.largest_exp_avg_sq));
+    exp_avg_scales[block] = m.scale;
+    exp_avg_sq_scales[block] = v.scale;
+    return Encoding{Isa::set1(m.factor), Isa::set1(v.factor), WeylBits<Isa>(first, seed)};
   };
   const auto encode = [](const Block& k, Encoding& e,
                          std::int64_t i) __attribute__((always_inline)) {
@@ -441,7 +485,7 @@ void adam_int8_blocks(const AdamCoefficients& c, const AdamBuffers& b, std::int6
         step(current, update(current, u, i), i);
       }
     }
-    pending = finish(u, first);
+    pending = finish(current, u, first, kStateBlock);
     previous = current;
   }
   if (pending) {
@@ -463,7 +507,7 @@ void adam_int8_blocks(const AdamCoefficients& c, const AdamBuffers& b, std::int6
   const std::int64_t padded = (n + Isa::kWidth - 1) / Isa::kWidth * Isa::kWidth;
   Update u = start(first);
   for (std::int64_t i = 0; i < padded; i += Isa::kWidth) step(staged, update(staged, u, i), i);
-  Encoding e = finish(u, first);
+  Encoding e = finish(staged, u, first, padded);
   for (std::int64_t i = 0; i < padded; i += Isa::kWidth) encode(staged, e, i);
   std::copy_n(param, n, param_ptr + first);
   std::copy_n(exp_avg, n, exp_avg_ptr + first);

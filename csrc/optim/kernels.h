@@ -12,7 +12,8 @@ void adam_scalar(const AdamCoefficients& c, const AdamBuffers& b, std::int64_t b
 bool grad_pass_scalar(GradMode mode, const GradBuffers& b, std::int64_t begin, std::int64_t end);
 // Blocks [first_block, last_block) of quantize_moment / dequantize_moment (adam.h).
 void quantize_blocks(bool is_exp_avg, const float* values, void* codes, float* scales,
-                     std::int64_t numel, std::int64_t first_block, std::int64_t last_block);
+                     std::int64_t numel, std::int64_t first_block, std::int64_t last_block,
+                     bool given_scales);
 void dequantize_blocks(bool is_exp_avg, const void* codes, const float* scales, float* values,
                        std::int64_t numel, std::int64_t first_block, std::int64_t last_block);
 

@@ -119,6 +119,12 @@ struct Avx2Isa {
     m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xB1));
     return static_cast<std::uint32_t>(_mm_cvtsi128_si32(m));
   }
+  static std::uint32_t humax(I a) {
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
+    return static_cast<std::uint32_t>(_mm_cvtsi128_si32(m));
+  }
 };
 
 }  // namespace

@@ -105,6 +105,7 @@ struct Avx512Isa {
                         _mm512_cvtepi32_epi16(x));
   }
   static std::uint32_t hmax(I a) { return static_cast<std::uint32_t>(_mm512_reduce_max_epi32(a)); }
+  static std::uint32_t humax(I a) { return _mm512_reduce_max_epu32(a); }
 };
 
 }  // namespace

@@ -1,5 +1,6 @@
 // The portable kernels (baseline x86-64 / any CPU), the exact dtype conversions, and the tails of
 // the SIMD kernels.
+#include <algorithm>
 #include <bit>
 #include <cmath>
 
@@ -122,6 +123,7 @@ struct ScalarIsa {
     static_cast<std::uint16_t*>(base)[i] = static_cast<std::uint16_t>(x);
   }
   static std::uint32_t hmax(I a) { return a; }
+  static std::uint32_t humax(I a) { return a; }
 
  private:
   static std::int32_t signed_of(I a) { return static_cast<std::int32_t>(a); }
@@ -141,21 +143,35 @@ bool grad_pass_scalar(GradMode mode, const GradBuffers& b, std::int64_t begin, s
 }
 
 void quantize_blocks(bool is_exp_avg, const float* values, void* codes, float* scales,
-                     std::int64_t numel, std::int64_t first_block, std::int64_t last_block) {
+                     std::int64_t numel, std::int64_t first_block, std::int64_t last_block,
+                     bool given_scales) {
+  float block_values[kStateBlock];
   for (std::int64_t block = first_block; block < last_block; ++block) {
     const std::int64_t begin = block * kStateBlock;
-    const std::int64_t end = std::min(begin + kStateBlock, numel);
-    std::uint32_t largest = 0;
-    for (std::int64_t i = begin; i < end; ++i) {
-      largest = ScalarIsa::imax(largest, ScalarIsa::bits(values[i]) & kMagnitudeMask);
+    const std::int64_t n = std::min(begin + kStateBlock, numel) - begin;
+    std::copy_n(values + begin, n, block_values);
+    BlockCoding coding{};
+    if (given_scales) {
+      // A scale a step could have written: finite, >= 0. Others (NaN, from older versions that
+      // let a NaN spoil its block) code nothing meaningful, which decodes to NaN at that scale.
+      const float scale = scales[block];
+      coding = scale >= 0.0f && scale < std::bit_cast<float>(kInfinityBits)
+                   ? code_against(is_exp_avg, block_values, n, scale)
+                   : BlockCoding{scale, 0.0f};
+    } else {
+      std::uint32_t largest = 0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        largest = ScalarIsa::imax(largest, ScalarIsa::bits(block_values[i]) & kMagnitudeMask);
+      }
+      coding = settle_block(is_exp_avg, block_values, n, largest);
+      scales[block] = coding.scale;
     }
-    scales[block] = block_scale(largest);
-    const float inv =
-        is_exp_avg ? exp_avg_inverse(scales[block]) : exp_avg_sq_inverse(scales[block]);
-    for (std::int64_t i = begin; i < end; ++i) {
-      ScalarIsa::store_codes(codes, i,
-                             is_exp_avg ? encode_exp_avg<ScalarIsa, false>(values[i], inv, 0)
-                                        : encode_exp_avg_sq<ScalarIsa, false>(values[i], inv, 0));
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float value = block_values[i];
+      ScalarIsa::store_codes(codes, begin + i,
+                             is_exp_avg
+                                 ? encode_exp_avg<ScalarIsa, false>(value, coding.factor, 0)
+                                 : encode_exp_avg_sq<ScalarIsa, false>(value, coding.factor, 0));
     }
   }
 }

@@ -233,6 +233,108 @@ TEST_CASE("adam_simd_variants_match_scalar_on_fp16_grads_and_special_values") {
   }
 }
 
+// A tensor with compact moments (bf16, or 8-bit codes with their block scales), zero at first.
+struct CompactState {
+  StateDType state_dtype;
+  std::vector<float> param, grad, exp_avg_scale, exp_avg_sq_scale;
+  std::vector<std::uint16_t> exp_avg16, exp_avg_sq16;
+  std::vector<std::int8_t> exp_avg8;
+  std::vector<std::uint8_t> exp_avg_sq8;
+
+  CompactState(StateDType dtype, std::int64_t n)
+      : state_dtype(dtype),
+        param(static_cast<std::size_t>(n), 0.5f),
+        grad(static_cast<std::size_t>(n)),
+        exp_avg_scale(static_cast<std::size_t>(state_blocks(n))),
+        exp_avg_sq_scale(static_cast<std::size_t>(state_blocks(n))),
+        exp_avg16(static_cast<std::size_t>(n)),
+        exp_avg_sq16(static_cast<std::size_t>(n)),
+        exp_avg8(static_cast<std::size_t>(n)),
+        exp_avg_sq8(static_cast<std::size_t>(n)) {}
+
+  AdamBuffers buffers() {
+    const bool int8 = state_dtype == StateDType::kInt8;
+    AdamBuffers b{param.data(),
+                  grad.data(),
+                  DType::kFloat32,
+                  int8 ? static_cast<void*>(exp_avg8.data()) : exp_avg16.data(),
+                  int8 ? static_cast<void*>(exp_avg_sq8.data()) : exp_avg_sq16.data(),
+                  nullptr,
+                  nullptr,
+                  DType::kBFloat16,
+                  static_cast<std::int64_t>(param.size()),
+                  state_dtype};
+    b.exp_avg_scale = exp_avg_scale.data();
+    b.exp_avg_sq_scale = exp_avg_sq_scale.data();
+    return b;
+  }
+
+  bool operator==(const CompactState& other) const {
+    return same_bits(param, other.param) && same_bits(exp_avg_scale, other.exp_avg_scale) &&
+           same_bits(exp_avg_sq_scale, other.exp_avg_sq_scale) && exp_avg16 == other.exp_avg16 &&
+           exp_avg_sq16 == other.exp_avg_sq16 && exp_avg8 == other.exp_avg8 &&
+           exp_avg_sq8 == other.exp_avg_sq8;
+  }
+};
+
+TEST_CASE("compact_state_variants_match_scalar_on_gradients_of_every_magnitude") {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // Per block of 256: the gradients' magnitude, from subnormal moments to overflowing squares;
+  // some blocks also hold one inf or NaN.
+  const std::vector<float> magnitudes{1.0f, 1e-30f, 1e-42f, 1e20f, 1.5e20f, 1e21f, 0.0f, 1e-3f};
+  std::vector<SimdLevel> levels = simd_levels_to_compare();
+  for (StateDType dtype : {StateDType::kBFloat16, StateDType::kInt8}) {
+    for (std::int64_t n : {1, 17, 256, 300, 2048 + 77}) {
+      CompactState scalar(dtype, n);
+      std::vector<CompactState> simd(levels.size(), scalar);
+      std::mt19937 rng(static_cast<std::uint32_t>(n));
+      std::normal_distribution<float> normal;
+      for (int step = 1; step <= 4; ++step) {
+        for (std::size_t i = 0; i < scalar.grad.size(); ++i) {
+          const std::size_t block = i / kStateBlock;
+          scalar.grad[i] = normal(rng) * magnitudes[(block + step) % magnitudes.size()];
+          if (i % 613 == 5) scalar.grad[i] = (i / 613 + step) % 2 == 0 ? inf : nan;
+        }
+        for (auto& state : simd) state.grad = scalar.grad;
+        const AdamCoefficients c = adam_coefficients(hyper_variant(4), step, 1.0f);
+        adam_update(SimdLevel::kScalar, c, scalar.buffers(), 0, n);
+        for (std::size_t l = 0; l < levels.size(); ++l) {
+          adam_update(levels[l], c, simd[l].buffers(), 0, n);
+        }
+      }
+      for (const auto& state : simd) CHECK(state == scalar);
+      // Scales are finite: no inf or NaN spoils a block.
+      for (float scale : scalar.exp_avg_scale) CHECK(std::isfinite(scale));
+      for (float scale : scalar.exp_avg_sq_scale) CHECK(std::isfinite(scale));
+    }
+  }
+}
+
+TEST_CASE("int8_parallel_step_equals_one_serial_pass") {
+  ThreadPool pool(3);
+  const std::vector<std::int64_t> sizes{0, 1, 300, 1 << 18, (1 << 17) + 7};
+  std::vector<CompactState> parallel, serial;
+  for (std::int64_t n : sizes) {
+    parallel.emplace_back(StateDType::kInt8, n);
+    std::mt19937 rng(static_cast<std::uint32_t>(n));
+    std::normal_distribution<float> normal;
+    for (float& g : parallel.back().grad) g = normal(rng);
+    serial.push_back(parallel.back());
+  }
+  for (int step = 1; step <= 2; ++step) {
+    const AdamCoefficients c = adam_coefficients(hyper_variant(0), step, 1.0f);
+    std::vector<AdamBuffers> buffers;
+    for (auto& state : parallel) buffers.push_back(state.buffers());
+    adam_step(pool, 4, active_simd_level(), std::vector<AdamCoefficients>(sizes.size(), c),
+              buffers);
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      adam_update(SimdLevel::kScalar, c, serial[k].buffers(), 0, sizes[k]);
+    }
+  }
+  for (std::size_t k = 0; k < sizes.size(); ++k) CHECK(parallel[k] == serial[k]);
+}
+
 TEST_CASE("grad_pass_variants_match_scalar_and_detect_non_finite") {
   const float inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();

@@ -37,7 +37,7 @@ from roundpipe.optim import adam_state
 from roundpipe.optim.copies import OptimizerCopy, gradient_of
 from roundpipe.torch_internals import version_of
 
-__all__ = ["Adam", "fused_writeback", "get_num_threads", "set_num_threads"]
+__all__ = ["Adam", "adam", "fused_writeback", "get_num_threads", "set_num_threads"]
 
 # One update per param group: (group, params, grads, low-precision targets).
 _GroupCall = tuple[dict[str, Any], list[Tensor], list[Tensor], list["Tensor | None"]]
@@ -160,16 +160,20 @@ class Adam(torch.optim.Optimizer):
     ``capturable=True`` and ``differentiable=True`` are not supported on the host (ValueError).
     ``lr`` and ``betas`` may be floats or one-element tensors (read at every step).
 
-    ``state_dtype`` (keyword only) is how the moments of dense float32 parameters are kept (the
-    master weights stay float32): ``torch.float32`` (default: torch's state, bit for bit as
-    before), ``torch.bfloat16`` (4 bytes per parameter instead of 8, stochastically rounded) or
+    ``state_dtype`` (keyword only; a group option like ``lr``, so a param group may set its
+    own) is how the moments of dense float32 parameters are kept (the master weights stay
+    float32): ``torch.float32`` (default: torch's state, bit for bit as before),
+    ``torch.bfloat16`` (4 bytes per parameter instead of 8, stochastically rounded) or
     ``torch.int8`` (2 bytes plus one float32 scale per 256 elements: block-wise 8-bit codes,
     stochastically rounded; see :mod:`roundpipe.optim.adam_state`). Compact moments move fewer bytes
-    per step (the step is memory-bound) and need ``amsgrad=False``. ``load_state_dict`` takes a
-    state of any form (torch's included) and converts it into ``state_dtype``; ``state_dict``
-    holds this optimizer's own form (for ``torch.int8`` also ``exp_avg_scale``,
-    ``exp_avg_sq_scale`` and ``int8_code``). Parameters that torch's code updates keep torch's
-    state.
+    per step (the step is memory-bound) and need ``amsgrad=False``. A group whose
+    ``state_dtype`` is changed converts its moments at its next step. ``state_dict`` is what
+    torch's Adam loads: bf16 moments as they are, 8-bit ones decoded into float32 values beside
+    their block scales (``exp_avg_scale``, ``exp_avg_sq_scale``, which torch ignores).
+    ``load_state_dict`` takes a state of any form (torch's included) and converts it into each
+    group's ``state_dtype`` (this optimizer's, not the saved one's); a state saved by an
+    optimizer of the same ``state_dtype`` comes back bit for bit. Parameters that torch's code
+    updates keep torch's state.
     """
 
     def __init__(
@@ -189,7 +193,7 @@ class Adam(torch.optim.Optimizer):
         decoupled_weight_decay: bool = False,
         state_dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.state_dtype = adam_state.check_state_dtype(state_dtype)
+        adam_state.check_state_dtype(state_dtype)
         if not 0.0 <= _as_float(lr, "lr"):
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -224,8 +228,15 @@ class Adam(torch.optim.Optimizer):
             "differentiable": differentiable,
             "fused": fused,
             "decoupled_weight_decay": decoupled_weight_decay,
+            "state_dtype": state_dtype,
         }
         super().__init__(params, defaults)
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The ``state_dtype`` of groups that do not set their own (the constructor's)."""
+        dtype: torch.dtype = self.defaults["state_dtype"]
+        return dtype
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a group after checking its parameters live on the host (see torch)."""
@@ -239,21 +250,27 @@ class Adam(torch.optim.Optimizer):
                     f"use torch.optim.Adam for device parameters, or for a RoundPipe model "
                     f"optimize model.optim_parameters() (host copies)"
                 )
-        if param_group.get("amsgrad", self.defaults.get("amsgrad")):
-            self._check_amsgrad()
+        _check_group({**self.defaults, **param_group})
         super().add_param_group({**param_group, "params": params})
 
-    def _check_amsgrad(self) -> None:
-        if self.state_dtype != torch.float32:
-            raise ValueError(
-                f"amsgrad=True needs state_dtype=torch.float32 (its running maximum is kept in "
-                f"fp32), got state_dtype={self.state_dtype}; drop amsgrad or the compact state"
-            )
+    def state_dict(self) -> dict[str, Any]:
+        """As torch's, in the form torch's Adam loads: 8-bit moments decoded into float32 values
+        (new tensors), beside their block scales, which torch ignores and :meth:`load_state_dict`
+        encodes the values against again, giving back the same codes."""
+        state_dict = super().state_dict()
+        state_dict["state"] = {
+            index: adam_state.exported(entry) if isinstance(entry, Mapping) else entry
+            for index, entry in state_dict["state"].items()
+        }
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, and the saved moments, in whatever form they were saved (fp32 as torch's
-        Adam saves them, bf16, or 8-bit codes with their scales), are converted into this
-        optimizer's ``state_dtype`` (a state already in that form is taken bit for bit)."""
+        Adam saves them, bf16, 8-bit codes with their scales, or :meth:`state_dict`'s decoded
+        8-bit moments), are converted into each group's ``state_dtype``: this optimizer's, which
+        the saved groups' do not replace. A state already in that form (or saved by
+        :meth:`state_dict` from it) is taken bit for bit."""
+        forms = [group["state_dtype"] for group in self.param_groups]
         saved = state_dict["state"]
         moment_keys = (
             *adam_state.MOMENT_KEYS,
@@ -274,11 +291,13 @@ class Adam(torch.optim.Optimizer):
             for index, entry in saved.items()
         }
         super().load_state_dict({**state_dict, "state": rest})
+        for group, form in zip(self.param_groups, forms, strict=True):
+            group["state_dtype"] = form
         saved_ids = [index for group in state_dict["param_groups"] for index in group["params"]]
-        params = [param for group in self.param_groups for param in group["params"]]
-        for index, param in zip(saved_ids, params, strict=True):
+        params = [(param, group) for group in self.param_groups for param in group["params"]]
+        for index, (param, group) in zip(saved_ids, params, strict=True):
             if moments.get(index):
-                form = self.state_dtype if self._takes_compact(param) else torch.float32
+                form = self._form_of(param, group)
                 self.state[param].update(adam_state.convert_moments(moments[index], param, form))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -287,7 +306,10 @@ class Adam(torch.optim.Optimizer):
         becomes a tensor. A parameter's non-empty state without ``step`` (another optimizer's,
         such as SGD's momentum) raises ``KeyError: 'step'`` there, as torch's does."""
         super().__setstate__(state)
+        # Pickled before state_dtype was a group option: fp32, the form those steps could run.
+        self.defaults.setdefault("state_dtype", torch.float32)
         for group in self.param_groups:
+            group.setdefault("state_dtype", self.defaults["state_dtype"])
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("foreach", None)
@@ -419,8 +441,7 @@ class Adam(torch.optim.Optimizer):
         other: list[_GroupCall] = []
         index = 0
         for group in self.param_groups:
-            if group["amsgrad"]:
-                self._check_amsgrad()
+            _check_group(group)
             split: dict[bool, _GroupCall] = {fast: (group, [], [], []) for fast in (True, False)}
             for param in group["params"]:
                 grad = gradient_of(param) if grads is None else grads[index]
@@ -442,11 +463,13 @@ class Adam(torch.optim.Optimizer):
                     )
                 if target is not None:
                     _check_companion(target, param, f"lowp_params[{index - 1}]", _LOWP_DTYPES)
-                fits = self._native_fits(param, grad)
-                if not fits and self.state_dtype != torch.float32 and self._takes_compact(param):
+                form = self._form_of(param, group)
+                self._convert_state(param, form)
+                fits = self._native_fits(param, grad, form)
+                if not fits and form != torch.float32:
                     # Compact moments have no torch path: the kernel reads a dense fp32 copy.
                     grad = grad.to(torch.float32).contiguous()
-                    fits = self._native_fits(param, grad)
+                    fits = self._native_fits(param, grad, form)
                 _, params, group_grads, lowp = split[fits]
                 params.append(param)
                 group_grads.append(grad)
@@ -457,7 +480,7 @@ class Adam(torch.optim.Optimizer):
                 other.append(split[False])
         return native, other
 
-    def _native_fits(self, param: Tensor, grad: Tensor) -> bool:
+    def _native_fits(self, param: Tensor, grad: Tensor, form: torch.dtype) -> bool:
         """Whether the native kernel, which works on dense fp32 memory in place, takes
         ``param``: else torch's own Adam updates it."""
         dense = (
@@ -471,23 +494,40 @@ class Adam(torch.optim.Optimizer):
         max_sq = state.get("max_exp_avg_sq")
         return (
             dense
-            and adam_state.in_form(state, param, self.state_dtype)
+            and adam_state.in_form(state, param, form)
             and (max_sq is None or (max_sq.dtype == torch.float32 and max_sq.is_contiguous()))
         )
 
-    def _takes_compact(self, param: Tensor) -> bool:
-        """Whether ``param``'s moments are kept in ``state_dtype`` (else in torch's form): the
-        native kernel's dense float32 host parameters."""
+    @staticmethod
+    def _takes_compact(param: Tensor) -> bool:
+        """Whether ``param``'s moments are kept in its group's ``state_dtype`` (else in torch's
+        form): the native kernel's dense float32 host parameters."""
         return param.dtype == torch.float32 and param.is_contiguous() and param.device.type == "cpu"
 
-    def _state_of(self, param: Tensor, amsgrad: bool) -> dict[str, Any]:
+    def _form_of(self, param: Tensor, group: Mapping[str, Any]) -> torch.dtype:
+        """The form of ``param``'s moments: its group's ``state_dtype``, or torch's (float32
+        for a float32 parameter) for parameters that torch's code updates."""
+        return group["state_dtype"] if self._takes_compact(param) else torch.float32
+
+    def _convert_state(self, param: Tensor, form: torch.dtype) -> None:
+        """Converts ``param``'s moments into ``form`` where they are in another one (its group's
+        ``state_dtype`` was changed, or an optimizer pickled before it was a group option)."""
+        state = self.state.get(param)
+        if not state or not self._takes_compact(param) or adam_state.in_form(state, param, form):
+            return
+        converted = adam_state.convert_moments(state, param, form)
+        for key in (*adam_state.SCALE_KEYS.values(), adam_state.CODE_KEY):
+            state.pop(key, None)
+        state.update(converted)
+
+    def _state_of(self, param: Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
         """``param``'s state, created as torch's Adam creates it on first use (the moments in
-        ``state_dtype``'s form where the native kernel updates ``param``)."""
+        its group's ``state_dtype`` where the native kernel updates ``param``)."""
         state: dict[str, Any] = self.state[param]
+        amsgrad = bool(group["amsgrad"])
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
-            form = self.state_dtype if self._takes_compact(param) else torch.float32
-            state.update(adam_state.fresh_moments(param, form))
+            state.update(adam_state.fresh_moments(param, self._form_of(param, group)))
             if amsgrad:
                 state["max_exp_avg_sq"] = torch.zeros_like(
                     param, memory_format=torch.preserve_format
@@ -505,7 +545,7 @@ class Adam(torch.optim.Optimizer):
         """torch's single-tensor Adam (what torch.optim.Adam runs on CPU) on the parameters the
         native kernel does not take, so their results are torch's bit for bit."""
         amsgrad = bool(group["amsgrad"])
-        states = [self._state_of(param, amsgrad) for param in params]
+        states = [self._state_of(param, group) for param in params]
         # Unscaled as GradScaler.unscale_ unscales .grad (in the parameter's dtype, computed in
         # at least float32), leaving the gradients themselves as they are.
         ready = [
@@ -552,13 +592,13 @@ class Adam(torch.optim.Optimizer):
         steps: list[Tensor] = []
         scales: dict[str, list[Tensor]] = {key: [] for key in adam_state.SCALE_KEYS.values()}
         for param in params:
-            state = self._state_of(param, bool(group["amsgrad"]))
+            state = self._state_of(param, group)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             if group["amsgrad"]:
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             steps.append(state["step"])
-            if self.state_dtype == torch.int8:
+            if group["state_dtype"] == torch.int8:
                 for key in scales:
                     scales[key].append(state[key])
         beta1, beta2 = group["betas"]
@@ -581,4 +621,151 @@ class Adam(torch.optim.Optimizer):
             lowp_params=lowp if any(t is not None for t in lowp) else None,
             exp_avg_scales=scales["exp_avg_scale"] or None,
             exp_avg_sq_scales=scales["exp_avg_sq_scale"] or None,
+        )
+
+
+def _check_group(group: Mapping[str, Any]) -> None:
+    """Checks a param group's ``state_dtype`` and that ``amsgrad`` goes with it."""
+    state_dtype = adam_state.check_state_dtype(group["state_dtype"])
+    if group["amsgrad"] and state_dtype != torch.float32:
+        raise ValueError(
+            f"amsgrad=True needs state_dtype=torch.float32 (its running maximum is kept in fp32), "
+            f"got state_dtype={state_dtype}; drop amsgrad or the compact state"
+        )
+
+
+def _native_takes(
+    param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, max_sq: Tensor | None
+) -> bool:
+    """Whether the native kernel updates this functional call's tensor (else torch's code)."""
+    dense = [param, grad, exp_avg, exp_avg_sq, *([] if max_sq is None else [max_sq])]
+    return (
+        param.dtype == torch.float32
+        and grad.dtype in _GRAD_DTYPES
+        and exp_avg.dtype in (torch.float32, torch.bfloat16)
+        and exp_avg_sq.dtype == exp_avg.dtype
+        and (max_sq is None or (max_sq.dtype == exp_avg.dtype == torch.float32))
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in dense)
+        and all(t.numel() == param.numel() for t in dense)
+    )
+
+
+def adam(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor],
+    state_steps: list[Tensor],
+    foreach: bool | None = None,
+    capturable: bool = False,
+    differentiable: bool = False,
+    fused: bool | None = None,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    has_complex: bool = False,
+    decoupled_weight_decay: bool = False,
+    *,
+    amsgrad: bool,
+    beta1: float | Tensor,
+    beta2: float | Tensor,
+    lr: float | Tensor,
+    weight_decay: float,
+    eps: float,
+    maximize: bool,
+) -> None:
+    """Functional Adam, as :func:`torch.optim.adam.adam`: one step over the given tensors, in
+    place, each ``state_steps`` tensor incremented (see :class:`Adam` for the algorithm).
+
+    Tensors that :class:`Adam` updates natively (a contiguous float32 CPU parameter; its
+    gradient float32, bf16 or fp16; ``exp_avgs``/``exp_avg_sqs`` float32, or bf16 for a compact
+    state, stochastically rounded; ``max_exp_avg_sqs`` float32) take the same native kernel, in
+    one multi-threaded pass; any other tensors torch's Adam accepts are updated by torch's own
+    single-tensor Adam, bit for bit as torch. ``foreach`` and ``fused`` are accepted for
+    compatibility, warned about once and ignored; ``has_complex`` is inferred.
+
+    Raises:
+        ValueError: ``capturable=True`` or ``differentiable=True`` (not supported on the host),
+            ``grad_scale`` or ``found_inf`` given (unscale the gradients first, or use
+            :meth:`Adam.step_fused`), ``max_exp_avg_sqs`` missing with ``amsgrad``, or lists
+            of different lengths.
+    """
+    for option, value in (("capturable", capturable), ("differentiable", differentiable)):
+        if value:
+            raise ValueError(
+                f"roundpipe.optim.adam.adam does not support {option}=True: it updates "
+                f"parameters on the host outside autograd; use torch.optim.adam.adam for that"
+            )
+    for name, tensor in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if tensor is not None:
+            raise ValueError(
+                f"roundpipe.optim.adam.adam does not take {name}: unscale the gradients first "
+                f"(GradScaler.unscale_), or use roundpipe.optim.Adam.step_fused(grad_scale_inv=...)"
+            )
+    for option, choice in (("foreach", foreach), ("fused", fused)):
+        if choice is not None:
+            _warn_once(option)
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    lists["state_steps"] = state_steps
+    if amsgrad:
+        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+    for name, values in lists.items():
+        if len(values) != len(params):
+            raise ValueError(
+                f"{name} has {len(values)} tensors but params has {len(params)}; pass one per "
+                f"parameter{' (max_exp_avg_sqs is needed with amsgrad=True)' if amsgrad else ''}"
+            )
+    if not all(isinstance(step, Tensor) for step in state_steps):
+        raise RuntimeError(
+            "API has changed, `state_steps` argument must contain a list of singleton tensors"
+        )
+    native: list[int] = []
+    other: list[int] = []
+    for k, param in enumerate(params):
+        max_sq = max_exp_avg_sqs[k] if amsgrad else None
+        step = state_steps[k]
+        takes = _native_takes(param, grads[k], exp_avgs[k], exp_avg_sqs[k], max_sq) and (
+            step.device.type == "cpu"
+            and step.numel() == 1
+            and step.dtype in (torch.float32, torch.float64)
+        )
+        (native if takes else other).append(k)
+    if native:
+        _C.adam_step(
+            [params[k] for k in native],
+            [grads[k] for k in native],
+            [exp_avgs[k] for k in native],
+            [exp_avg_sqs[k] for k in native],
+            [max_exp_avg_sqs[k] for k in native] if amsgrad else None,
+            [state_steps[k] for k in native],
+            lr=_as_float(lr, "lr"),
+            beta1=_as_float(beta1, "beta1"),
+            beta2=_as_float(beta2, "beta2"),
+            eps=float(eps),
+            weight_decay=float(weight_decay),
+            amsgrad=bool(amsgrad),
+            maximize=bool(maximize),
+            decoupled_weight_decay=bool(decoupled_weight_decay),
+        )
+    if other:
+        torch_adam(
+            [params[k] for k in other],
+            [grads[k] for k in other],
+            [exp_avgs[k] for k in other],
+            [exp_avg_sqs[k] for k in other],
+            [max_exp_avg_sqs[k] for k in other] if amsgrad else [],
+            [state_steps[k] for k in other],
+            foreach=False,
+            capturable=False,
+            differentiable=False,
+            fused=False,
+            has_complex=any(torch.is_complex(params[k]) for k in other),
+            decoupled_weight_decay=decoupled_weight_decay,
+            amsgrad=amsgrad,
+            beta1=beta1,
+            beta2=beta2,
+            lr=lr,
+            weight_decay=weight_decay,
+            eps=eps,
+            maximize=maximize,
         )

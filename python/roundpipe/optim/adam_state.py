@@ -12,6 +12,12 @@ conversions between them.
 
 A state in any form converts into any other (:func:`convert_moments`), so an optimizer loads the
 state of another ``state_dtype`` (torch's included) and keeps its own form.
+
+``state_dict()`` exports 8-bit moments decoded (:func:`exported`): ``exp_avg`` and ``exp_avg_sq``
+as the float32 values they stand for, which is what torch's Adam reads, beside their block scales,
+which torch ignores. Loading such a state back into 8-bit moments encodes the values against those
+scales and keeps the codes when they decode to the very same bits (always, unless the values were
+changed since), so the round trip is bit for bit while the values stay torch's.
 """
 
 from __future__ import annotations
@@ -144,12 +150,35 @@ def moment_values(entry: Mapping[str, Any], key: str) -> Tensor:
     return values
 
 
+def _encoded(entry: Mapping[str, Any], key: str, param: Tensor) -> tuple[Tensor, Tensor]:
+    """The 8-bit codes and scales of the moment ``key`` of ``entry`` (not in codes). Float32
+    values exported with their block scales (:func:`exported`) are encoded against those scales
+    and kept when they decode to the same bits; any other values are rounded to the nearest
+    codes against fresh scales (each block's largest magnitude)."""
+    values = moment_values(entry, key).to(param.device).contiguous()
+    is_exp_avg = key == "exp_avg"
+    codes = torch.empty(param.shape, dtype=CODE_DTYPES[key])
+    hint = entry.get(SCALE_KEYS[key])
+    exported_form = entry[key].dtype == torch.float32 and _is_scale_of(hint, param.numel())
+    if exported_form and isinstance(hint, Tensor):
+        scales = hint.detach().clone()
+        _C.quantize_moment(is_exp_avg, values, codes, scales, given_scales=True)
+        decoded = torch.empty(param.shape)
+        _C.dequantize_moment(is_exp_avg, codes, scales, decoded)
+        if torch.equal(decoded.view(-1).view(torch.int32), values.view(-1).view(torch.int32)):
+            return codes, scales
+    scales = torch.empty(blocks(param.numel()))
+    _C.quantize_moment(is_exp_avg, values, codes, scales)
+    return codes, scales
+
+
 def convert_moments(
     entry: Mapping[str, Any], param: Tensor, state_dtype: torch.dtype
 ) -> dict[str, Tensor]:
     """The moments of a saved state ``entry`` (any form) in ``state_dtype``'s form for
-    ``param``: copies, so the saved state is never aliased. A state already in that form is
-    copied as it is (bit for bit); fp32 values become int8 codes rounded to nearest."""
+    ``param``: copies, so the saved state is never aliased. A state already in that form, or
+    exported from it (:func:`exported`), gives the same bits; other fp32 values become int8
+    codes rounded to nearest."""
     moments: dict[str, Tensor] = {}
     if state_dtype == torch.int8 and any(key in entry for key in MOMENT_KEYS):
         moments[CODE_KEY] = code_tag()
@@ -162,15 +191,28 @@ def convert_moments(
             moments[key] = value.detach().clone(memory_format=torch.contiguous_format)
             moments[SCALE_KEYS[key]] = entry[SCALE_KEYS[key]].detach().clone()
         elif state_dtype == torch.int8:
-            values = moment_values(entry, key).contiguous()
-            moments[key] = torch.empty(param.shape, dtype=CODE_DTYPES[key])
-            moments[SCALE_KEYS[key]] = torch.empty(blocks(param.numel()))
-            _C.quantize_moment(key == "exp_avg", values, moments[key], moments[SCALE_KEYS[key]])
+            moments[key], moments[SCALE_KEYS[key]] = _encoded(entry, key, param)
         else:
             dtype = param.dtype if state_dtype == torch.float32 else state_dtype
             values = value if value.dtype == dtype else moment_values(entry, key)
             moments[key] = values.to(dtype=dtype, device=param.device, copy=True)
     return moments
+
+
+def exported(entry: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A parameter's state as ``state_dict()`` holds it: 8-bit moments as the float32 values
+    they stand for (what torch's Adam reads) beside their block scales (which it ignores), without
+    the code's tag; any other state as it is."""
+    if not any(
+        isinstance(entry.get(key), Tensor) and entry[key].dtype == CODE_DTYPES[key]
+        for key in MOMENT_KEYS
+    ):
+        return entry
+    return {
+        key: moment_values(entry, key) if key in MOMENT_KEYS else value
+        for key, value in entry.items()
+        if key != CODE_KEY
+    }
 
 
 def elementwise_state(entry: Mapping[str, Any]) -> dict[str, Any]:
