@@ -10,14 +10,16 @@
 namespace roundpipe::optim {
 
 namespace {
-// Elements per parallel task: large enough to amortise claiming a task, small enough to balance
-// the load across threads (a task touches about 1 MiB of optimizer state).
+// Elements per parallel task of the passes other than Adam's: large enough to amortise claiming a
+// task, small enough to balance the load across threads (about 1 MiB of memory per task).
 constexpr std::int64_t kChunkElements = 1 << 15;
-// Larger with 8-bit moments: threads take chunks in turn, so a thread's streams start cold at each
-// of its chunks (its prefetches past the previous one's end went to another thread's chunk), and
-// this kernel, with less slack between compute and memory time, lost much of two threads' speed
-// to that at the smaller size.
-constexpr std::int64_t kInt8ChunkElements = 1 << 17;
+// Adam's step claims runs of elements: a share of what is left (1 / (2 * threads)), within these
+// bounds, on multiples of kRunGrain. Each run is one contiguous stretch of every buffer a thread
+// streams through, its prefetches never landing in another thread's run but at its end; runs
+// shrink towards the end, so threads finish together even when one of them was slowed.
+constexpr std::int64_t kLargestRun = 1 << 20;
+constexpr std::int64_t kSmallestRun = 1 << 15;
+constexpr std::int64_t kRunGrain = kStateBlock;
 
 // murmur3's 32-bit finaliser.
 std::uint32_t mix(std::uint32_t h) {
@@ -87,19 +89,45 @@ void adam_update(SimdLevel level, const AdamCoefficients& coefficients, const Ad
 void adam_step(ThreadPool& pool, int num_threads, SimdLevel level,
                std::span<const AdamCoefficients> coefficients,
                std::span<const AdamBuffers> buffers) {
-  const std::vector<std::int64_t> numels = numels_of(buffers);
-  const bool int8 = std::any_of(buffers.begin(), buffers.end(), [](const AdamBuffers& b) {
-    return b.state_dtype == StateDType::kInt8;
+  // The buffers one after the other: a run may span several (small tensors share one).
+  std::vector<std::int64_t> offsets(buffers.size() + 1, 0);
+  for (std::size_t k = 0; k < buffers.size(); ++k) offsets[k + 1] = offsets[k] + buffers[k].numel;
+  const std::int64_t total = offsets.back();
+  if (total == 0) return;
+  const std::int64_t threads = std::max(num_threads, 1);
+  std::atomic<std::int64_t> next{0};
+  // Claims the next run; false once everything is claimed.
+  const auto claim = [&](std::int64_t& begin, std::int64_t& end) {
+    begin = next.load(std::memory_order_relaxed);
+    do {
+      if (begin >= total) return false;
+      const std::int64_t share =
+          std::clamp((total - begin) / (2 * threads), kSmallestRun, kLargestRun);
+      end = std::min(total, (begin + share + kRunGrain - 1) / kRunGrain * kRunGrain);
+    } while (!next.compare_exchange_weak(begin, end, std::memory_order_relaxed));
+    return true;
+  };
+  const std::int64_t runs =
+      std::min<std::int64_t>(threads, (total + kSmallestRun - 1) / kSmallestRun);
+  pool.run(runs, num_threads, [&](std::int64_t) {
+    std::int64_t begin = 0;
+    std::int64_t end = 0;
+    while (claim(begin, end)) {
+      auto k = static_cast<std::size_t>(std::upper_bound(offsets.begin(), offsets.end(), begin) -
+                                        offsets.begin() - 1);
+      for (; begin < end; ++k) {
+        const AdamBuffers& b = buffers[k];
+        std::int64_t first = begin - offsets[k];
+        std::int64_t last = std::min(end, offsets[k + 1]) - offsets[k];
+        if (b.state_dtype == StateDType::kInt8) {
+          first = block_boundary(first, b.numel);
+          last = block_boundary(last, b.numel);
+        }
+        if (first < last) adam_update(level, coefficients[k], b, first, last);
+        begin = std::max(begin, offsets[k + 1]);
+      }
+    }
   });
-  parallel_for_chunks(pool, num_threads, numels, int8 ? kInt8ChunkElements : kChunkElements,
-                      [&](std::size_t k, std::int64_t begin, std::int64_t end) {
-                        const AdamBuffers& b = buffers[k];
-                        if (b.state_dtype == StateDType::kInt8) {
-                          begin = block_boundary(begin, b.numel);
-                          end = block_boundary(end, b.numel);
-                        }
-                        if (begin < end) adam_update(level, coefficients[k], b, begin, end);
-                      });
 }
 
 void quantize_moment(ThreadPool& pool, int num_threads, bool is_exp_avg, const float* values,

@@ -4,15 +4,16 @@
 // instantiation stays private to the translation unit that was compiled with matching flags.
 //
 // An Isa provides: a vector type F of kWidth floats; set1, load, store (fp32); load_as<DType>
-// and store_as<DType> (exact bf16/fp16 conversions); add, sub, mul, div, sqrt, neg;
+// and store_as<DType> (exact bf16/fp16 conversions); add, sub, mul, div, sqrt;
 // max(a, b) = a > b ? a : b (as x86's maxps); and any_nan. For compact moments also: a vector I
 // of kWidth 32-bit integers and a mask type M; bits/from_bits (reinterpretation); iset1, iota
 // (0, 1, ...); iadd, iand, ior, ixor, imul (low 32 bits), imax (signed), umax (unsigned);
-// shl<n>, shr<n> (logical); less (ordered float a < b), is_nan; iselect(mask, if_true,
-// if_false); mul_add_where(mask, a, b, c) (a * b + c where mask, else a; fused or not, used only
-// where both round alike); load_half_codes<kSigned> (8-bit codes as the halves they stand for,
-// see the 8-bit codes below); store_codes and store_u16 (the low 8 or 16 bits of each lane);
-// hmax, humax (largest lane, signed and unsigned).
+// shr<n> (logical); is_nan; iselect(mask, if_true, if_false); or_where_negative(y, x, bits)
+// (x | bits in the lanes where y, as a signed integer, is negative); mul_add(a, b, c) (a * b + c,
+// fused or not, used only where both round alike); load_half_codes<kSigned> (8-bit codes as the
+// halves they stand for, see the 8-bit codes below); store_codes and store_u16 (the low 8 or 16
+// bits of each lane), store_u16_pair (two vectors' low 16 bits, one after the other); hmax,
+// humax (largest lane, signed and unsigned).
 //
 // The operation order mirrors torch.optim.Adam's single-tensor CPU path (lerp for the first
 // moment, mul + addcmul for the second, sqrt / bias correction + eps, addcdiv) so results stay
@@ -39,27 +40,45 @@ namespace roundpipe::optim::kernels {
 // bandwidth (benchmarks/adam_cpu.py measures the distances).
 inline constexpr std::int64_t kPrefetchAhead = 512;
 
-// The random bits of stochastic rounding: a hash (murmur3's finaliser) of the element's index
-// in its tensor and the step's seed, 16 bits for each moment (low half exp_avg, high exp_avg_sq).
+// The random bits of stochastic rounding of bf16 moments: a hash (murmur3's finaliser) of the
+// element's index in its tensor times an odd constant, mixed with the step's seed; 16 bits for each
+// moment (low half exp_avg, high exp_avg_sq). The vectors are consecutive, so the index's product
+// advances by one addition per vector (the same bits as multiplying each index, modulo 2^32).
 template <class Isa>
-typename Isa::I rounding_bits(std::int64_t i, std::uint32_t seed) {
-  using I = typename Isa::I;
-  I h = Isa::imul(Isa::iadd(Isa::iset1(static_cast<std::uint32_t>(i)), Isa::iota()),
-                  Isa::iset1(0x9E3779B1u));
-  h = Isa::ixor(h, Isa::iset1(seed));
-  h = Isa::ixor(h, Isa::template shr<16>(h));
-  h = Isa::imul(h, Isa::iset1(0x85EBCA6Bu));
-  h = Isa::ixor(h, Isa::template shr<13>(h));
-  h = Isa::imul(h, Isa::iset1(0xC2B2AE35u));
-  return Isa::ixor(h, Isa::template shr<16>(h));
-}
+class HashBits {
+ public:
+  static constexpr std::uint32_t kIndexFactor = 0x9E3779B1u;
 
-// bf16 with stochastic rounding: 16 random bits added below the kept ones, then truncated, so
-// a value rounds up with probability equal to its distance from the value below. NaN stays NaN.
+  HashBits(std::int64_t index, std::uint32_t seed)
+      : index_term_(Isa::imul(Isa::iadd(Isa::iset1(static_cast<std::uint32_t>(index)), Isa::iota()),
+                              Isa::iset1(kIndexFactor))),
+        stride_(Isa::iset1(kIndexFactor * static_cast<std::uint32_t>(Isa::kWidth))),
+        seed_(Isa::iset1(seed)) {}
+
+  // The bits of the next vector's elements.
+  typename Isa::I next() {
+    auto h = Isa::ixor(index_term_, seed_);
+    index_term_ = Isa::iadd(index_term_, stride_);
+    h = Isa::ixor(h, Isa::template shr<16>(h));
+    h = Isa::imul(h, Isa::iset1(0x85EBCA6Bu));
+    h = Isa::ixor(h, Isa::template shr<13>(h));
+    h = Isa::imul(h, Isa::iset1(0xC2B2AE35u));
+    return Isa::ixor(h, Isa::template shr<16>(h));
+  }
+
+ private:
+  typename Isa::I index_term_;
+  typename Isa::I stride_;
+  typename Isa::I seed_;
+};
+
+// bf16 with stochastic rounding, as bit patterns in the low 16 bits of each lane: 16 random bits
+// added below the kept ones, then truncated, so a value rounds up with probability equal to its
+// distance from the value below. NaN stays NaN.
 template <class Isa>
-void store_bf16_stochastic(void* base, std::int64_t i, typename Isa::F x, typename Isa::I random) {
+typename Isa::I bf16_stochastic(typename Isa::F x, typename Isa::I random) {
   const auto rounded = Isa::template shr<16>(Isa::iadd(Isa::bits(x), random));
-  Isa::store_u16(base, i, Isa::iselect(Isa::is_nan(x), Isa::iset1(0x7FC0u), rounded));
+  return Isa::iselect(Isa::is_nan(x), Isa::iset1(0x7FC0u), rounded);
 }
 
 // The 8-bit codes of kInt8 moments (the format adam.h describes): the top bits of an IEEE half
@@ -93,11 +112,12 @@ typename Isa::I encode_normal(typename Isa::F y, typename Isa::I random) {
 // lies in [2, 4): exponent field 128, whose steps are the subnormal ones, so one rounding serves
 // both. (y / 2 is exact there, or too small to change the sum, so a fused multiply-add gives the
 // same bits.)
+// For y >= 4 the sum is y or less, for y < 4 more than y: the larger of the two is the one to
+// encode (for NaN y, NaN).
 template <class Isa, bool kStochastic>
 typename Isa::I encode_magnitude(typename Isa::F y, typename Isa::I random) {
-  const auto small = Isa::less(y, Isa::set1(kSmallestNormal));
-  return encode_normal<Isa, kStochastic>(
-      Isa::mul_add_where(small, y, Isa::set1(0.5f), Isa::set1(2.0f)), random);
+  const auto subnormal = Isa::mul_add(y, Isa::set1(0.5f), Isa::set1(2.0f));
+  return encode_normal<Isa, kStochastic>(Isa::max(subnormal, y), random);
 }
 
 // exp_avg's code of `value`: sign in bit 7, magnitude code below. `inv_scale` is a BlockCoding's
@@ -108,7 +128,7 @@ typename Isa::I encode_exp_avg(typename Isa::F value, typename Isa::F inv_scale,
   const auto y = Isa::bits(Isa::mul(value, inv_scale));
   const auto magnitude = Isa::from_bits(Isa::iand(y, Isa::iset1(kMagnitudeMask)));
   const auto code = encode_magnitude<Isa, kStochastic>(magnitude, random);
-  return Isa::ior(code, Isa::iand(Isa::template shr<24>(y), Isa::iset1(0x80u)));
+  return Isa::or_where_negative(y, code, Isa::iset1(0x80u));
 }
 
 // exp_avg_sq's code of `value` >= 0, never below the smallest normal one: inf (NaN) gives code
@@ -234,13 +254,14 @@ std::int64_t adam_vectors(const AdamCoefficients& c, const AdamBuffers& b, std::
   float* const max_exp_avg_sq_ptr = b.max_exp_avg_sq;
   auto* const lowp_ptr = static_cast<std::uint16_t*>(b.lowp_param);
   const bool amsgrad = c.amsgrad;
-  const bool maximize = c.maximize;
   const bool l2_decay = c.l2_decay;
-  const bool decay_weights = c.decay_weights;
 
   const F grad_scale_inv = Isa::set1(c.grad_scale_inv);
+  // maximize negates the gradient (flips its sign bit); decay_weights multiplies the weight:
+  // both always applied, as a no-op (xor with 0, times 1: the same bits) when off.
+  const auto gradient_sign = Isa::iset1(c.maximize ? 0x80000000u : 0u);
+  const F decay_factor = Isa::set1(c.decay_weights ? c.decay_factor : 1.0f);
   const F l2_weight_decay = Isa::set1(c.l2_weight_decay);
-  const F decay_factor = Isa::set1(c.decay_factor);
   // torch's lerp: start + w * (end - start) for |w| < 0.5, else end - (end - start) * (1 - w).
   const bool small_lerp_weight = c.lerp_weight < 0.5f;
   const F lerp_weight = Isa::set1(small_lerp_weight ? c.lerp_weight : 1.0f - c.lerp_weight);
@@ -250,11 +271,16 @@ std::int64_t adam_vectors(const AdamCoefficients& c, const AdamBuffers& b, std::
   const F eps = Isa::set1(c.eps);
   const F neg_step_size = Isa::set1(c.neg_step_size);
 
-  const auto update = [&](std::int64_t i) {
+  HashBits<Isa> random(begin, c.rounding_seed);
+  // Updates the vector at i; returns its moments' bf16 bit patterns (S kBFloat16) for the caller to
+  // store, which stores two vectors' at once where it can.
+  struct Rounded {
+    typename Isa::I exp_avg, exp_avg_sq;
+  };
+  const auto update = [&](std::int64_t i) __attribute__((always_inline)) {
     F grad = Isa::mul(Isa::template load_as<G>(grad_ptr, i), grad_scale_inv);
-    if (maximize) grad = Isa::neg(grad);
-    F param = Isa::load(param_ptr + i);
-    if (decay_weights) param = Isa::mul(param, decay_factor);
+    grad = Isa::from_bits(Isa::ixor(Isa::bits(grad), gradient_sign));
+    F param = Isa::mul(Isa::load(param_ptr + i), decay_factor);
     if (l2_decay) grad = Isa::add(grad, Isa::mul(l2_weight_decay, param));
 
     F exp_avg = Isa::template load_as<kState>(exp_avg_ptr, i);
@@ -275,16 +301,27 @@ std::int64_t adam_vectors(const AdamCoefficients& c, const AdamBuffers& b, std::
     param = Isa::add(param, Isa::div(Isa::mul(neg_step_size, exp_avg), denom));
 
     Isa::store(param_ptr + i, param);
+    if constexpr (O != DType::kFloat32) Isa::template store_as<O>(lowp_ptr, i, param);
     if constexpr (S == StateDType::kFloat32) {
       Isa::store(exp_avg_ptr + i, exp_avg);
       Isa::store(exp_avg_sq_ptr + i, exp_avg_sq);
+      return Rounded{};
     } else {
-      const auto random = rounding_bits<Isa>(i, c.rounding_seed);
-      store_bf16_stochastic<Isa>(exp_avg_ptr, i, exp_avg, Isa::iand(random, Isa::iset1(0xFFFFu)));
-      store_bf16_stochastic<Isa>(exp_avg_sq_ptr, i, exp_avg_sq, Isa::template shr<16>(random));
+      const auto bits = random.next();
+      return Rounded{bf16_stochastic<Isa>(exp_avg, Isa::iand(bits, Isa::iset1(0xFFFFu))),
+                     bf16_stochastic<Isa>(exp_avg_sq, Isa::template shr<16>(bits))};
     }
-    if constexpr (O != DType::kFloat32) Isa::template store_as<O>(lowp_ptr, i, param);
   };
+  const auto update_one = [&](std::int64_t i) __attribute__((always_inline)) {
+    const Rounded r = update(i);
+    if constexpr (S != StateDType::kFloat32) {
+      Isa::store_u16(exp_avg_ptr, i, r.exp_avg);
+      Isa::store_u16(exp_avg_sq_ptr, i, r.exp_avg_sq);
+    }
+  };
+  // Two vectors of bf16 moments pack into one store per moment.
+  constexpr bool kPairs =
+      S != StateDType::kFloat32 && (64 / sizeof(float)) % (2 * Isa::kWidth) == 0;
 
   // One 64-byte line of each fp32 stream per iteration, each line prefetched once, kPrefetchAhead
   // elements ahead (also past `end`, into the next chunk, but never past the buffer).
@@ -302,9 +339,18 @@ std::int64_t adam_vectors(const AdamCoefficients& c, const AdamBuffers& b, std::
       if (amsgrad) __builtin_prefetch(max_exp_avg_sq_ptr + j, 1);
       if constexpr (O != DType::kFloat32) __builtin_prefetch(lowp_ptr + j, 1);
     }
-    for (std::int64_t k = 0; k < kLine; k += Isa::kWidth) update(i + k);
+    if constexpr (kPairs) {
+      for (std::int64_t k = 0; k < kLine; k += 2 * Isa::kWidth) {
+        const Rounded first = update(i + k);
+        const Rounded second = update(i + k + Isa::kWidth);
+        Isa::store_u16_pair(exp_avg_ptr, i + k, first.exp_avg, second.exp_avg);
+        Isa::store_u16_pair(exp_avg_sq_ptr, i + k, first.exp_avg_sq, second.exp_avg_sq);
+      }
+    } else {
+      for (std::int64_t k = 0; k < kLine; k += Isa::kWidth) update_one(i + k);
+    }
   }
-  for (; i + Isa::kWidth <= end; i += Isa::kWidth) update(i);
+  for (; i + Isa::kWidth <= end; i += Isa::kWidth) update_one(i);
   return i;
 }
 
@@ -339,17 +385,16 @@ void adam_int8_blocks(const AdamCoefficients& c, const AdamBuffers& b, std::int6
   auto* const lowp_ptr = static_cast<std::uint16_t*>(b.lowp_param);
   float* const exp_avg_scales = b.exp_avg_scale;
   float* const exp_avg_sq_scales = b.exp_avg_sq_scale;
-  const bool unscale = c.grad_scale_inv != 1.0f;
-  const bool maximize = c.maximize;
   const bool l2_decay = c.l2_decay;
-  const bool decay_weights = c.decay_weights;
   const std::uint32_t seed = c.rounding_seed;
   const float beta1 = c.beta1;
   const float beta2 = c.beta2;
 
   const F grad_scale_inv = Isa::set1(c.grad_scale_inv);
+  // As in adam_vectors: no-ops (the same bits) when off.
+  const I gradient_sign = Isa::iset1(c.maximize ? 0x80000000u : 0u);
+  const F decay_factor = Isa::set1(c.decay_weights ? c.decay_factor : 1.0f);
   const F l2_weight_decay = Isa::set1(c.l2_weight_decay);
-  const F decay_factor = Isa::set1(c.decay_factor);
   const F lerp_weight = Isa::set1(c.lerp_weight);
   const F one_minus_beta2 = Isa::set1(c.one_minus_beta2);
   const F inv_bias_correction2_sqrt = Isa::set1(c.inv_bias_correction2_sqrt);
@@ -386,11 +431,9 @@ void adam_int8_blocks(const AdamCoefficients& c, const AdamBuffers& b, std::int6
   // caller-saved), which measured far slower.
   const auto update = [&](const Block& k, Update& u,
                           std::int64_t i) __attribute__((always_inline)) {
-    F g = Isa::template load_as<G>(k.grad, i);
-    if (unscale) g = Isa::mul(g, grad_scale_inv);
-    if (maximize) g = Isa::neg(g);
-    F p = Isa::load(k.param + i);
-    if (decay_weights) p = Isa::mul(p, decay_factor);
+    F g = Isa::mul(Isa::template load_as<G>(k.grad, i), grad_scale_inv);
+    g = Isa::from_bits(Isa::ixor(Isa::bits(g), gradient_sign));
+    const F p = Isa::mul(Isa::load(k.param + i), decay_factor);
     if (l2_decay) g = Isa::add(g, Isa::mul(l2_weight_decay, p));
     const F m =
         Isa::add(Isa::mul(Isa::template load_half_codes<true>(k.exp_avg, i), u.exp_avg_decay),
@@ -439,15 +482,17 @@ void adam_int8_blocks(const AdamCoefficients& c, const AdamBuffers& b, std::int6
     e.random.advance();
   };
 
-  // Element j = ahead + i: one line of each fp32 stream per 16 elements, of each code stream per
-  // 64.
-  const auto prefetch_lines = [&](std::int64_t j, std::int64_t i) __attribute__((always_inline)) {
-    if (i % 16 != 0) return;
+  // One 64-byte line of each fp32 stream per kLine elements; a block's code lines all at its start.
+  constexpr std::int64_t kLine = 64 / sizeof(float);
+  static_assert(kLine % Isa::kWidth == 0 && kStateBlock % 64 == 0);
+  const auto prefetch_floats = [&](std::int64_t j) __attribute__((always_inline)) {
     __builtin_prefetch(param_ptr + j, 1);
     __builtin_prefetch(grad_ptr + j, 0);
-    if (i % 64 == 0) {
-      __builtin_prefetch(exp_avg_ptr + j, 1);
-      __builtin_prefetch(exp_avg_sq_ptr + j, 1);
+  };
+  const auto prefetch_codes = [&](std::int64_t j) __attribute__((always_inline)) {
+    for (std::int64_t line = 0; line < kStateBlock; line += 64) {
+      __builtin_prefetch(exp_avg_ptr + j + line, 1);
+      __builtin_prefetch(exp_avg_sq_ptr + j + line, 1);
     }
   };
   alignas(64) float fresh[2][2][kStateBlock];
@@ -456,8 +501,9 @@ void adam_int8_blocks(const AdamCoefficients& c, const AdamBuffers& b, std::int6
   const std::int64_t full_end = begin + (end - begin) / kStateBlock * kStateBlock;
   std::int64_t first = begin;
   for (int slot = 0; first < full_end; first += kStateBlock, slot ^= 1) {
-    const bool prefetch = first + kStateBlock + kInt8PrefetchAhead <= b.numel;
-    const std::int64_t ahead = first + kInt8PrefetchAhead;
+    // Near the buffer's end the prefetches go to the block itself (in cache) instead of past it.
+    const bool in_buffer = first + kStateBlock + kInt8PrefetchAhead <= b.numel;
+    const std::int64_t ahead = in_buffer ? first + kInt8PrefetchAhead : first;
     const Block current{param_ptr + first,
                         grad_ptr + first,
                         exp_avg_ptr + first,
@@ -466,23 +512,31 @@ void adam_int8_blocks(const AdamCoefficients& c, const AdamBuffers& b, std::int6
                         fresh[slot][0],
                         fresh[slot][1]};
     Update u = start(first);
+    prefetch_codes(ahead);
+    prefetch_floats(ahead);
     if (pending) {
       Encoding e = *pending;
-      if (prefetch) prefetch_lines(ahead, 0);
       Step waiting = update(current, u, 0);
       encode(previous, e, 0);
-      for (std::int64_t i = Isa::kWidth; i < kStateBlock; i += Isa::kWidth) {
-        if (prefetch) prefetch_lines(ahead + i, i);
+      // Updates vector i, finishes vector i - 1's weight, encodes the previous block's vector i.
+      const auto pipelined = [&](std::int64_t i) __attribute__((always_inline)) {
         const Step next = update(current, u, i);
         step(current, waiting, i - Isa::kWidth);
         waiting = next;
         encode(previous, e, i);
+      };
+      for (std::int64_t i = Isa::kWidth; i < kLine; i += Isa::kWidth) pipelined(i);
+      for (std::int64_t line = kLine; line < kStateBlock; line += kLine) {
+        prefetch_floats(ahead + line);
+        for (std::int64_t i = 0; i < kLine; i += Isa::kWidth) pipelined(line + i);
       }
       step(current, waiting, kStateBlock - Isa::kWidth);
     } else {
-      for (std::int64_t i = 0; i < kStateBlock; i += Isa::kWidth) {
-        if (prefetch) prefetch_lines(ahead + i, i);
-        step(current, update(current, u, i), i);
+      for (std::int64_t line = 0; line < kStateBlock; line += kLine) {
+        if (line > 0) prefetch_floats(ahead + line);
+        for (std::int64_t i = 0; i < kLine; i += Isa::kWidth) {
+          step(current, update(current, u, line + i), line + i);
+        }
       }
     }
     pending = finish(current, u, first, kStateBlock);

@@ -56,7 +56,6 @@ struct Avx2Isa {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
-  static F neg(F a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
   static bool any_nan(F a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
 
@@ -77,12 +76,15 @@ struct Avx2Isa {
   static I shr(I a) {
     return _mm256_srli_epi32(a, n);
   }
-  static M less(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
   static M is_nan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
-  static F mul_add_where(M mask, F a, F b, F c) {
-    return _mm256_blendv_ps(a, _mm256_fmadd_ps(a, b, c), _mm256_castsi256_ps(mask));
-  }
+  static F mul_add(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static I iselect(M mask, I a, I b) { return _mm256_blendv_epi8(b, a, mask); }
+  static I or_where_negative(I y, I x, I bits) {
+    // blendv picks by each lane's sign bit.
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(x),
+                                                _mm256_castsi256_ps(_mm256_or_si256(x, bits)),
+                                                _mm256_castsi256_ps(y)));
+  }
   template <bool kSigned>
   static F load_half_codes(const void* base, std::int64_t i) {
     const __m128i bytes = _mm_loadl_epi64(
@@ -112,6 +114,12 @@ struct Avx2Isa {
     const __m256i joined = _mm256_permute4x64_epi64(low_halves, 0xD8);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<std::uint16_t*>(base) + i),
                      _mm256_castsi256_si128(joined));
+  }
+  static void store_u16_pair(void* base, std::int64_t i, I a, I b) {
+    // Lanes hold 0..0xFFFF, so the saturating pack keeps them; it interleaves the 128-bit halves
+    // (a's low, b's low, a's high, b's high), which the permute puts in order.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<std::uint16_t*>(base) + i), packed);
   }
   static std::uint32_t hmax(I a) {
     __m128i m = _mm_max_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));

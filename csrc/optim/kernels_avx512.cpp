@@ -54,10 +54,6 @@ struct Avx512Isa {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
-  static F neg(F a) {
-    return _mm512_castsi512_ps(
-        _mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
-  }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static bool any_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
 
@@ -80,10 +76,12 @@ struct Avx512Isa {
   static I shr(I a) {
     return _mm512_srli_epi32(a, n);
   }
-  static M less(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
   static M is_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
-  static F mul_add_where(M mask, F a, F b, F c) { return _mm512_mask_fmadd_ps(a, mask, b, c); }
+  static F mul_add(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static I iselect(M mask, I a, I b) { return _mm512_mask_blend_epi32(mask, b, a); }
+  static I or_where_negative(I y, I x, I bits) {
+    return _mm512_mask_or_epi32(x, _mm512_cmplt_epi32_mask(y, _mm512_setzero_si512()), x, bits);
+  }
   template <bool kSigned>
   static F load_half_codes(const void* base, std::int64_t i) {
     const __m128i bytes = _mm_loadu_si128(
@@ -103,6 +101,10 @@ struct Avx512Isa {
   static void store_u16(void* base, std::int64_t i, I x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<std::uint16_t*>(base) + i),
                         _mm512_cvtepi32_epi16(x));
+  }
+  static void store_u16_pair(void* base, std::int64_t i, I a, I b) {
+    store_u16(base, i, a);
+    store_u16(base, i + kWidth, b);
   }
   static std::uint32_t hmax(I a) { return static_cast<std::uint32_t>(_mm512_reduce_max_epi32(a)); }
   static std::uint32_t humax(I a) { return _mm512_reduce_max_epu32(a); }

@@ -83,7 +83,6 @@ struct ScalarIsa {
   static F mul(F a, F b) { return a * b; }
   static F div(F a, F b) { return a / b; }
   static F sqrt(F a) { return std::sqrt(a); }
-  static F neg(F a) { return -a; }
   static F max(F a, F b) { return a > b ? a : b; }
   static bool any_nan(F a) { return std::isnan(a); }
 
@@ -104,9 +103,9 @@ struct ScalarIsa {
   static I shr(I a) {
     return a >> n;
   }
-  static M less(F a, F b) { return a < b; }
   static M is_nan(F a) { return std::isnan(a); }
-  static F mul_add_where(M mask, F a, F b, F c) { return mask ? a * b + c : a; }
+  static F mul_add(F a, F b, F c) { return a * b + c; }
+  static I or_where_negative(I y, I x, I bits) { return signed_of(y) < 0 ? x | bits : x; }
   static I iselect(M mask, I a, I b) { return mask ? a : b; }
   // The half whose top bits (after the sign) are the code: see kernel_impl.h.
   template <bool kSigned>
@@ -121,6 +120,10 @@ struct ScalarIsa {
   }
   static void store_u16(void* base, std::int64_t i, I x) {
     static_cast<std::uint16_t*>(base)[i] = static_cast<std::uint16_t>(x);
+  }
+  static void store_u16_pair(void* base, std::int64_t i, I a, I b) {
+    store_u16(base, i, a);
+    store_u16(base, i + 1, b);
   }
   static std::uint32_t hmax(I a) { return a; }
   static std::uint32_t humax(I a) { return a; }

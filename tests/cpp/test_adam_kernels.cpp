@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -269,8 +270,16 @@ struct CompactState {
     return b;
   }
 
+  // The same bits, but for NaN weights, which only need to be NaN alike: a NaN's payload and sign
+  // depend on which of two NaN operands an instruction passes on, which compilers may swap.
   bool operator==(const CompactState& other) const {
-    return same_bits(param, other.param) && same_bits(exp_avg_scale, other.exp_avg_scale) &&
+    const auto same_weight = [](float a, float b) {
+      return std::isnan(a) ? std::isnan(b)
+                           : std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b);
+    };
+    return std::equal(param.begin(), param.end(), other.param.begin(), other.param.end(),
+                      same_weight) &&
+           same_bits(exp_avg_scale, other.exp_avg_scale) &&
            same_bits(exp_avg_sq_scale, other.exp_avg_sq_scale) && exp_avg16 == other.exp_avg16 &&
            exp_avg_sq16 == other.exp_avg_sq16 && exp_avg8 == other.exp_avg8 &&
            exp_avg_sq8 == other.exp_avg_sq8;
