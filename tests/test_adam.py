@@ -533,23 +533,39 @@ def test_copies_of_the_optimizer_keep_every_setting_and_step_on(
         assert_same_optimizer_state(ours_copy, theirs_copy)
 
 
-def test_an_optimizer_pickled_without_state_dtype_steps_with_fp32_moments() -> None:
-    # One pickled before state_dtype was a group option holds it nowhere: fp32, torch's state.
-    reference = make_params([100])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+def test_an_optimizer_pickled_without_state_dtype_keeps_the_form_of_its_moments(
+    state_dtype: torch.dtype,
+) -> None:
+    # One pickled before state_dtype was a group option holds it nowhere: its moments tell, and
+    # the revived optimizer steps on exactly as the original does (fp32 also as torch's does).
+    reference = make_params([600])
     mine = [p.clone() for p in reference]
-    ours = Adam(mine, lr=1e-2)
+    ours = Adam(mine, lr=1e-2, state_dtype=state_dtype)
     theirs = torch.optim.Adam(reference, lr=1e-2, foreach=False)
     run_both(ours, theirs, steps=2)
-    old = ours.__getstate__()  # type: ignore[no-untyped-call]
+    old = copy.deepcopy(ours.__getstate__())  # type: ignore[no-untyped-call]
     old["defaults"] = {k: v for k, v in old["defaults"].items() if k != "state_dtype"}
     old["param_groups"] = [
         {k: v for k, v in g.items() if k != "state_dtype"} for g in old["param_groups"]
     ]
     revived = Adam.__new__(Adam)
     revived.__setstate__(old)
-    assert revived.state_dtype == torch.float32
-    run_both(revived, theirs, steps=2)
-    assert_same_optimizer_state(revived, theirs)
+    assert revived.state_dtype == state_dtype
+    assert revived.param_groups[0]["state_dtype"] == state_dtype
+    copies = revived.param_groups[0]["params"]
+    for step in range(2):
+        for p, q, r in zip(mine, copies, reference, strict=True):
+            p.grad = grads_for(mine, step)[0]
+            q.grad, r.grad = p.grad.clone(), p.grad.clone()
+        for optimizer in (ours, revived, theirs):
+            optimizer.step()
+    for p, q in zip(mine, copies, strict=True):
+        assert torch.equal(p, q)
+        for key, value in ours.state[p].items():
+            assert torch.equal(value, revived.state[q][key]), key
+    if state_dtype == torch.float32:
+        assert_same_optimizer_state(revived, theirs)
 
 
 def test_each_param_group_keeps_its_own_state_dtype_and_a_change_converts_it() -> None:

@@ -306,10 +306,11 @@ class Adam(torch.optim.Optimizer):
         becomes a tensor. A parameter's non-empty state without ``step`` (another optimizer's,
         such as SGD's momentum) raises ``KeyError: 'step'`` there, as torch's does."""
         super().__setstate__(state)
-        # Pickled before state_dtype was a group option: fp32, the form those steps could run.
-        self.defaults.setdefault("state_dtype", torch.float32)
+        # Pickled before state_dtype was a group option: the form its moments are in.
         for group in self.param_groups:
-            group.setdefault("state_dtype", self.defaults["state_dtype"])
+            group.setdefault("state_dtype", self._held_form(group))
+        self.defaults.setdefault("state_dtype", self.param_groups[0]["state_dtype"])
+        for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("foreach", None)
@@ -323,6 +324,15 @@ class Adam(torch.optim.Optimizer):
                     # torch keeps it in float32 for fused/capturable groups, which we ignore.
                     dtype = torch.float32 if fused or group["capturable"] else _scalar_dtype()
                     param_state["step"] = torch.tensor(float(param_state["step"]), dtype=dtype)
+
+    def _held_form(self, group: Mapping[str, Any]) -> torch.dtype:
+        """The form the moments of ``group``'s dense float32 parameters are in (float32 where
+        none has moments yet)."""
+        for param in group["params"]:
+            exp_avg = self.state.get(param, {}).get("exp_avg")
+            if self._takes_compact(param) and isinstance(exp_avg, Tensor):
+                return torch.int8 if exp_avg.dtype == torch.int8 else exp_avg.dtype
+        return torch.float32
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
