@@ -4,8 +4,8 @@ The config is built here (no downloads) and the data is synthetic: sequences tha
 from a random start, so the loss visibly falls within a few dozen steps. The progress bar shows
 the loss and the training throughput in tokens per second.
 
-    python examples/finetune_qwen3_tiny.py --steps 30
-    python examples/finetune_qwen3_tiny.py --loss-chunk-size 256   # never materialise logits
+    .venv/bin/python examples/finetune_qwen3_tiny.py --steps 30
+    .venv/bin/python examples/finetune_qwen3_tiny.py --loss-chunk-size 256  # no full logits
 """
 
 from __future__ import annotations

@@ -8,12 +8,13 @@ carries included, not just to copy digits. The
 model's state (weights, gradients, fp32 optimizer copies, Adam moments) lives in host memory;
 each batch streams the layers through the device pool (the GPU, or virtual CPU devices), and the
 optimizer steps on a host thread while the next batch trains. At the end it writes two pictures
-and prints their paths: the loss curve and the schedule of one training iteration (a RoundPipe
-trace drawn with ``roundpipe.plot``), answers a few sums and, with a GPU, says how much larger
-than the GPU's memory a model trained this way could be.
+and prints their paths: the loss curve and the schedule of one training iteration in the middle
+of training, with its optimizer update beside the next iteration (a RoundPipe trace drawn with
+``roundpipe.plot``; guide §11 explains its figures), answers a few sums and, with a GPU, says
+how much larger than the GPU's memory a model trained this way could be.
 
-    python examples/finetune_trainer.py           # about two minutes on 2 CPU cores
-    python examples/finetune_trainer.py --help    # steps, learning rate, digits, size
+    .venv/bin/python examples/finetune_trainer.py           # 2 to 3 minutes on 2 CPU cores
+    .venv/bin/python examples/finetune_trainer.py --help    # steps, learning rate, digits, size
 
 How many of the twenty sums at the end come out right depends on when the model finds the
 carries: 15 with the defaults on a 2-core CPU machine, fewer with a learning rate a little
@@ -93,12 +94,15 @@ class Sums(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         }
 
 
-class TraceOneStep(TrainerCallback):
-    """Records the RoundPipe schedule of one training step (forward, backward, optimizer).
+class TraceStepAndNext(TrainerCallback):
+    """Records the RoundPipe schedule of one training step in the middle of training and of the
+    next one's forward and backward: the picture shows the step's optimizer update running on
+    the host beside the next iteration, as it does throughout training.
 
-    The step's optimizer update runs on the host's optimizer thread after ``on_step_end``; the
-    recording waits for it (without publishing its weights, so the training is unchanged) before
-    it ends, or the picture would lack the update."""
+    The recording ends just before the next step's update is queued, after waiting for the
+    traced update (which that queueing would wait for anyway; the weights are not published, so
+    the training is unchanged). The traced step is one that is neither logged nor evaluated:
+    logging reads the update's gradient norm, so it waits for the update before going on."""
 
     def __init__(self, step: int, path: str, model: roundpipe.RoundPipe) -> None:
         self.step, self.path, self.model = step, path, model
@@ -111,13 +115,30 @@ class TraceOneStep(TrainerCallback):
             self.recording = roundpipe.trace(self.path)
             self.recording.__enter__()
 
-    def on_step_end(
+    def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any
     ) -> None:
-        if self.recording is not None and state.global_step == self.step:
-            self.model.wait_for_step()
-            self.recording.__exit__(None, None, None)
-            self.recording = None
+        if self.recording is not None and state.global_step == self.step:  # the next step's
+            self.end()
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any
+    ) -> None:
+        if self.recording is not None:  # no next step: the update alone
+            self.end()
+
+    def end(self) -> None:
+        self.model.wait_for_step()
+        self.recording.__exit__(None, None, None)
+        self.recording = None
+
+
+def traced_step(args: argparse.Namespace, logging_steps: int, eval_steps: int) -> int:
+    """The middle step, or the first after it that is neither logged nor evaluated."""
+    step = max(1, args.steps // 2)
+    while step < args.steps - 1 and (step % logging_steps == 0 or step % eval_steps == 0):
+        step += 1
+    return step
 
 
 def parse_args() -> argparse.Namespace:
@@ -248,7 +269,8 @@ def main() -> None:
         run_config=RoundPipeRunConfig(num_microbatch=args.num_microbatch),
     )
     assert isinstance(trainer.roundpipe_model, roundpipe.RoundPipe)  # Qwen3 has a preset
-    trainer.add_callback(TraceOneStep(args.steps - 1, trace_path, trainer.roundpipe_model))
+    traced = traced_step(args, training.logging_steps, training.eval_steps)
+    trainer.add_callback(TraceStepAndNext(traced, trace_path, trainer.roundpipe_model))
     start = time.perf_counter()
     trainer.train()
     elapsed = time.perf_counter() - start
@@ -271,7 +293,11 @@ def main() -> None:
     loss_png = os.path.join(args.out, "loss.png")
     schedule_png = os.path.join(args.out, "iteration.png")
     plot_losses(trainer.state.log_history, loss_png)
-    plot_trace(trace_path, schedule_png, title=f"one training iteration (step {args.steps - 1})")
+    plot_trace(
+        trace_path,
+        schedule_png,
+        title=f"training step {traced} of {args.steps}, then the next one's forward and backward",
+    )
     print(f"loss curve: {loss_png}\nschedule of one iteration: {schedule_png}")
     if not losses[-1] < 0.7 * losses[0]:
         raise SystemExit("the loss did not fall by 30%: something is wrong")

@@ -4,7 +4,7 @@ The base model stays in pageable host memory (``pin_model="off"``, which also su
 loaded with mmap); only the adapters get gradients and optimizer copies. The PEFT wrapper stays
 the user-facing model: ``save_pretrained`` on the RoundPipe saves just the adapters.
 
-    python examples/lora.py --steps 20 --out /tmp/lora-adapter
+    .venv/bin/python examples/lora.py --steps 20 --out /tmp/lora-adapter
 """
 
 from __future__ import annotations

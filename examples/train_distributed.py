@@ -1,9 +1,10 @@
 """Data-parallel training with torch.distributed: one RoundPipe replica per rank.
 
-Run with ``torchrun --standalone --nproc-per-node 2 examples/train_distributed.py`` (gloo: works
-on a CPU-only machine; one GPU per rank works the same). Every rank builds the same bf16 model
-(fp32 optimizer copies), trains on its own ``1 / world_size`` of each global batch, and steps
-only its shard of the optimizer; gradients are averaged like
+    .venv/bin/torchrun --standalone --nproc-per-node 2 examples/train_distributed.py
+
+(gloo: works on a CPU-only machine; one GPU per rank works the same). Every rank builds the same
+bf16 model (fp32 optimizer copies), trains on its own ``1 / world_size`` of each global batch,
+and steps only its shard of the optimizer; gradients are averaged like
 ``DistributedDataParallel``. The loss must fall; the script exits non-zero if it does not.
 """
 

@@ -4,9 +4,14 @@ A stack of residual MLP blocks learns a fixed random teacher. Parameters live in
 stages run round-robin on the device pool, and the optimizer steps asynchronously on the host.
 The loss must fall; the script exits non-zero if it does not.
 
-``--trace run.json`` records the last two iterations as a timeline and writes the planner's
-prediction for one iteration beside it (``run.predicted.json``); draw both with
-``python -m roundpipe.plot run.json --predicted run.predicted.json -o run.png``.
+    .venv/bin/python examples/train_tiny.py
+    ROUNDPIPE_CPU_DEVICES=3 .venv/bin/python examples/train_tiny.py --trace run.json
+    .venv/bin/python -m roundpipe.plot run.json --predicted run.predicted.json -o run.png
+
+``--trace run.json`` records a timeline of one iteration in the middle of training and of the
+next one's forward and backward, beside which the first one's optimizer step runs, and writes
+the planner's prediction for one iteration beside it (``run.predicted.json``); the plot draws
+both (docs/trace_train_tiny.png is this picture; guide §11 explains its figures).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--trace", help="write a timeline of the last two iterations here")
+    parser.add_argument("--trace", help="write a timeline of two iterations here")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -68,13 +73,17 @@ def main() -> None:
     first = last = None
     start = time.perf_counter()
     tracing = contextlib.ExitStack()
+    traced = max(1, args.steps // 2)
     for step in range(1, args.steps + 1):
-        if args.trace and step == args.steps - 1:
+        if args.trace and step == traced:
             tracing.enter_context(roundpipe.trace(args.trace))
         x = torch.randn(args.batch, args.width)
         with torch.no_grad():
             y = teacher(x)
         loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=config)
+        if args.trace and step == traced + 1:  # the traced step ran beside this iteration
+            model.wait_for_step()
+            tracing.close()
         model.step(step_fn)
         loss = loss.item() / config.num_microbatch
         first = loss if first is None else first
