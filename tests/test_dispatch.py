@@ -645,7 +645,12 @@ def test_a_layer_without_hooks_is_called_without_module_calls_frames() -> None:
     model = RoundPipe(nn.Sequential(nn.Linear(6, 6), _SeesItsCaller(), nn.Linear(6, 6)))
     layer = model.model[1]
     assert isinstance(layer, _SeesItsCaller)
-    config = RoundPipeRunConfig(num_microbatch=2)
+    # Layer 1 in a forward stage and a backward stage, whatever the planner would choose from
+    # timings taken on a busy machine (a fused stage over it would call it once per microbatch).
+    plan = roundpipe.ModelExecutePlan()
+    plan.fwd_plan = [range(0, 2)]
+    plan.bwd_plan = [range(2, 3), range(0, 2)]
+    config = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
     module_call = {"_call_impl", "inner"}  # nn.Module.__call__'s frames, without and with hooks
     _train_step(model, 6, config)
     assert len(layer.callers) == 4  # forward and recompute of 2 microbatches
