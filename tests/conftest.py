@@ -1,5 +1,9 @@
 """Shared test conventions.
 
+* Two tiers: ``pytest`` runs everything (the README's test command, CI); ``pytest -m "not slow"``
+  is the quick tier (minutes on 2 cores), which leaves out the tests marked
+  ``@pytest.mark.slow`` (long trainings, soaks, subprocess scenarios, parametrisations beyond the
+  first) and keeps at least one test of every file, so that every part still runs.
 * ``@pytest.mark.requires_cuda``: the test needs a CUDA device; it is skipped cleanly without one.
 * ``num_devices`` fixture: runs a test on 1 and on 3 virtual CPU devices and, when this build has
   CUDA and a GPU is visible, twice more: on the CUDA devices (id ``cuda``; the value is then the

@@ -58,6 +58,7 @@ def assert_same_optimizer_state(ours: torch.optim.Optimizer, theirs: torch.optim
             torch.testing.assert_close(ours.state[p][key], value, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items())
 )
@@ -142,6 +143,7 @@ torch.save({"params": params, "lowp": lowp, "state": optimizer.state_dict()}, sy
 """
 
 
+@pytest.mark.slow
 def test_every_simd_level_gives_identical_results(tmp_path: object) -> None:
     detected = _C.build_info()["simd_detected"]
     levels = ["scalar", "avx2", "avx512"]
@@ -286,6 +288,7 @@ def test_grad_accumulate_matches_torch_and_detects_non_finite(
             assert _C.grad_accumulate([dst], [src], False)
 
 
+@pytest.mark.slow
 def test_optimizer_threads_follow_affinity_and_local_ranks_not_torch_and_exit_cleanly() -> None:
     # torchrun sets OMP_NUM_THREADS=1 for several ranks per machine; the optimizer ignores it.
     script = """
@@ -322,6 +325,7 @@ def test_optimizer_threads_follow_affinity_and_local_ranks_not_torch_and_exit_cl
         assert lines[2:] == [[3], [per_rank]]
 
 
+@pytest.mark.slow
 def test_optimizer_threads_environment_override_is_checked() -> None:
     script = "from roundpipe import optim; print(optim.get_num_threads())"
     for value, expected in (("3", "3"), ("zero", "ROUNDPIPE_OPTIMIZER_THREADS must be")):

@@ -195,6 +195,7 @@ torch.save(out, sys.argv[1])
 """
 
 
+@pytest.mark.slow
 def test_every_simd_level_gives_identical_compact_states(tmp_path: Path) -> None:
     detected = _C.build_info()["simd_detected"]
     levels = ["scalar", "avx2", "avx512"]
@@ -583,6 +584,7 @@ TRAIN = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
 def test_checkpoint_mid_async_training_with_compact_state_continues_bit_identically(
     tmp_path: Path, state_dtype: str
@@ -636,6 +638,7 @@ def test_lora_adapters_train_with_int8_state() -> None:
     assert losses[-1] < 0.9 * losses[0]
 
 
+@pytest.mark.slow
 def test_data_parallel_int8_state_matches_one_process_and_resumes_at_other_world_sizes(
     tmp_path: Path,
 ) -> None:

@@ -574,6 +574,7 @@ def test_pack_output_rejects_mismatched_structures() -> None:
         pack_output([(1, 2), (1,)], [None, None])
 
 
+@pytest.mark.slow
 def test_importing_the_api_does_not_import_torch_pipelining() -> None:
     # torch.distributed.pipelining takes over a second to import; markers are looked up lazily.
     code = (

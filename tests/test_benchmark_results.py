@@ -102,6 +102,7 @@ def _run_cpp_bench(executable: Path, results_dir: Path) -> subprocess.CompletedP
     )
 
 
+@pytest.mark.slow
 def test_cpp_bench_records_what_the_executable_measured(tmp_path: Path) -> None:
     rows = [{"name": "hand-over, 1 CPU device(s)", "issue_us": 1.25, "total_us": 2.5}]
     output = (
@@ -117,6 +118,7 @@ def test_cpp_bench_records_what_the_executable_measured(tmp_path: Path) -> None:
     assert "| hand-over, 1 CPU device(s) | 1.25 | 2.50 |" in text
 
 
+@pytest.mark.slow
 def test_cpp_bench_writes_nothing_when_the_executable_skipped(tmp_path: Path) -> None:
     done = _run_cpp_bench(_fake_bench(tmp_path, "skipped: no CUDA device\n"), tmp_path / "results")
     assert "measured nothing" in done.stdout

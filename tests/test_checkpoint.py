@@ -74,6 +74,7 @@ def run(mode: str, path: Path, script: Path) -> None:
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 def test_checkpoint_mid_async_training_continues_bit_identically(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(TRAIN)

@@ -370,6 +370,7 @@ KILLED_SAVER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_killed_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
     script = tmp_path / "saver.py"
     script.write_text(KILLED_SAVER)

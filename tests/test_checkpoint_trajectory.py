@@ -147,6 +147,7 @@ def assert_bits(a: Any, b: Any, where: str = "") -> None:
         assert a == b, f"{where}: {a} != {b}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_saving_does_not_change_training_and_loading_continues_it(
     setup: str, num_devices: int

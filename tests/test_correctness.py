@@ -141,6 +141,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("models", [2, 3])
 def test_threads_calling_each_others_model_from_inside_a_call_do_not_hang(
     num_devices: int, models: int

@@ -289,6 +289,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_native_views_and_slots_refuse_what_lies_out_of_reach() -> None:
     """Offsets and counts so large that their sums or products overflow 64 bits were let
     through, giving tensors past the buffer (a crash on first use) or tables of no slots: each
@@ -714,6 +715,7 @@ def test_layer_loop_keeps_private_copies_of_the_inputs_asked_for() -> None:
         loop.run_keeping(1, 3, 9, [torch.ones(3)], [1], kept, keeper)  # no microbatch 9
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_cpu_device")
 def test_layer_loop_runs_the_inputs_it_was_given_when_a_layer_empties_their_list() -> None:
     """A layer that changes the caller's list of inputs while the loop runs (here: empties it)

@@ -121,6 +121,7 @@ def assert_matches(
         torch.testing.assert_close(copies[name], value, rtol=rtol, atol=atol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "is_async", "chunk", "delay", "reduce"),
     [
@@ -166,6 +167,7 @@ def test_fp64_ranks_equal_one_process(
             assert len(stages) >= worker.ITERATIONS and reduced == stages, (reduced, stages)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reduce", ["host", "stage"])
 def test_bf16_weights_fp32_copies_equal_one_process(tmp_path: Path, reduce: str):
     # bf16 Linear weights and an fp32 LayerNorm (two gradient dtypes, in one shard),
@@ -179,6 +181,7 @@ def test_bf16_weights_fp32_copies_equal_one_process(tmp_path: Path, reduce: str)
         torch.testing.assert_close(copies[name], value, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_grad_scaler_overflow_on_one_rank_skips_everywhere(tmp_path: Path):
     # The last rank alone sees an inf in its shard at iteration 1: every rank must skip that step
     # (else rank 0 steps its shard and its weights leave the reference's) and back off alike.
@@ -187,6 +190,7 @@ def test_grad_scaler_overflow_on_one_rank_skips_everywhere(tmp_path: Path):
     assert_matches(results, ref, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_replicas_start_from_rank_0s_weights_as_ddp_makes_them(tmp_path: Path):
     # Rank 1 builds its model from another seed: as DistributedDataParallel broadcasts rank
     # 0's parameters and buffers at construction, ours does, and training equals one process
@@ -195,12 +199,14 @@ def test_replicas_start_from_rank_0s_weights_as_ddp_makes_them(tmp_path: Path):
     assert_matches(results, ref, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_world_size_one_group_is_no_group(tmp_path: Path):
     # The same training as without a group (only thread counts differ: rounding-level bounds).
     results, ref, _ = run(tmp_path, 1)
     assert_matches(results, ref, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.slow
 def test_mismatched_models_raise_on_every_rank(tmp_path: Path):
     results, _, _ = run(tmp_path, 2, reference=False, scenario="mismatch")
     for result in results:
@@ -210,6 +216,7 @@ def test_mismatched_models_raise_on_every_rank(tmp_path: Path):
         assert "parameters[0]" in error and "(11, 6)" in error, error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["raise", "exit"])
 def test_failed_rank_makes_the_others_raise(tmp_path: Path, scenario: str):
     # Rank 1 raises in step_fn (and stays alive) or exits: rank 0 must raise a clear error
@@ -230,6 +237,7 @@ def test_failed_rank_makes_the_others_raise(tmp_path: Path, scenario: str):
         assert codes[1] == 3
 
 
+@pytest.mark.slow
 def test_dead_rank_during_stage_reduces_makes_the_others_raise(tmp_path: Path):
     # Rank 1 exits before its second call: rank 0 waits in that call's first reduce and must
     # raise a clear error within the group's timeout (5 s here), naming the phase.
@@ -241,6 +249,7 @@ def test_dead_rank_during_stage_reduces_makes_the_others_raise(tmp_path: Path):
     assert codes[1] == 3
 
 
+@pytest.mark.slow
 def test_stage_reduce_refuses_ranks_out_of_step(tmp_path: Path):
     # Rank 1 runs one backward call more before its step: reducing it with rank 0's next
     # iteration would train on mixed-up gradients. Both ranks must raise instead, rank 0 naming
@@ -294,6 +303,7 @@ def test_clip_grad_norm_without_data_parallel_is_torchs():
         torch.testing.assert_close(copy.grad, param.grad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("is_async", [True, False], ids=["async", "sync"])
 def test_sharded_checkpoint_resumes_at_other_world_sizes(tmp_path: Path, is_async: bool):
     # 2 ranks save a checkpoint folder after iteration 1 (an asynchronous step in flight: the
@@ -318,6 +328,7 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes(tmp_path: Path, is_asyn
     assert_matches([alone], ref, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_one_process_checkpoint_file_gives_each_rank_its_pieces(tmp_path: Path):
     # A model state of one process (whole optimizer copies) loads into 3 ranks, each keeping
     # its piece; load_checkpoint of that file refuses clearly (its optimizer state is whole).
@@ -358,6 +369,7 @@ def test_reduce_mode_resolution():
             roundpipe.distributed.resolve_reduce_mode("stage", [gpu0])
 
 
+@pytest.mark.slow
 def test_example_runs_under_torchrun_on_cpu():
     # The guide's command for examples/train_distributed.py, on this CPU-only machine.
     example = Path(__file__).resolve().parents[1] / "examples" / "train_distributed.py"
@@ -392,6 +404,7 @@ def plain_tied_training() -> dict[str, torch.Tensor]:
     return {name: param.detach() for name, param in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "reduce", "is_async"),
     [
@@ -419,6 +432,7 @@ def test_tied_weights_train_as_one_process(tmp_path: Path, world: int, reduce: s
         assert len(empty) == 1, [r["shard"] for r in results if r is not None]
 
 
+@pytest.mark.slow
 def test_empty_shard_rank_saves_and_resumes(tmp_path: Path):
     # 3 ranks with a rank whose shard holds no trainable element save a checkpoint folder;
     # 2 ranks resume from it and end where an uninterrupted run ends.
@@ -447,6 +461,7 @@ def test_empty_shard_rank_saves_and_resumes(tmp_path: Path):
     assert_matches(resumed, {**ref, "norms": ref["norms"][2:]}, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "reduce"), [(2, "host"), (3, "stage")])
 def test_buffers_follow_rank_0_as_under_ddp(tmp_path: Path, world: int, reduce: str):
     # BatchNorm statistics: every rank computes with rank 0's, as DistributedDataParallel
@@ -482,6 +497,7 @@ def test_buffers_follow_rank_0_as_under_ddp(tmp_path: Path, world: int, reduce: 
         torch.testing.assert_close(value, rank0["buffers"][name], rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["buffer_mismatch", "buffer_shape"])
 def test_mismatched_buffers_raise_on_every_rank(tmp_path: Path, scenario: str):
     # Rank 1 keeps no BatchNorm statistics, or has a buffer of another size: the construction
@@ -511,6 +527,7 @@ def test_group_read_before_init_process_group_is_refused(monkeypatch: pytest.Mon
     assert roundpipe.RoundPipe(other, data_parallel_group=None).data_parallel_size == 1
 
 
+@pytest.mark.slow
 def test_stage_reduce_refuses_an_extra_call_before_a_synchronous_step(tmp_path: Path):
     # Rank 1 runs one forward_backward more, rank 0 steps synchronously: both raise the
     # ValueError of the asynchronous case within seconds (they used to wait out the timeout).
@@ -530,6 +547,7 @@ def test_stage_reduce_refuses_an_extra_call_before_a_synchronous_step(tmp_path: 
         assert "must run the same backward calls" in error, error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reduce", ["host", "stage"])
 def test_save_on_rank_0_alone_raises_on_every_rank(tmp_path: Path, reduce: str):
     # DDP's habit, `if rank == 0: save`: gloo aborted rank 0 (its save's collectives met rank
@@ -551,6 +569,7 @@ def test_save_on_rank_0_alone_raises_on_every_rank(tmp_path: Path, reduce: str):
         assert error.startswith("ValueError") and "every rank calls them" in error, error
 
 
+@pytest.mark.slow
 def test_per_rank_folders_raise_on_every_rank_and_keep_the_checkpoint(tmp_path: Path):
     # Every rank saves to a folder of its own at iteration 1; each rank must see the others'
     # files, so all raise, and no folder keeps this save's files or gets a manifest.
@@ -575,6 +594,7 @@ def test_per_rank_folders_raise_on_every_rank_and_keep_the_checkpoint(tmp_path: 
         assert not list(folder.glob("data-*")), list(folder.iterdir())
 
 
+@pytest.mark.slow
 def test_per_rank_extra_is_refused_on_every_rank(tmp_path: Path):
     ckpt = tmp_path / "ckpt"
     results, _, _ = run(
@@ -610,6 +630,7 @@ def misuse_errors(tmp_path: Path, scenario: str) -> list[str]:
     return [result.get("error", "") for result in results]
 
 
+@pytest.mark.slow
 def test_a_rank_whose_extra_raises_makes_every_rank_raise(tmp_path: Path):
     # Rank 1's extra() raises before anything is written: rank 1 raises its own error, rank 0
     # hears of it at once (not at the group timeout), and nothing is written.
@@ -620,6 +641,7 @@ def test_a_rank_whose_extra_raises_makes_every_rank_raise(tmp_path: Path):
     assert not (tmp_path / "ckpt" / "MANIFEST.json").exists()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_folder_rank_0_cannot_create_makes_every_rank_raise(tmp_path: Path):
     # The ranks see different filesystems: the folder's parent exists on rank 1's only. Rank 0
     # refuses the path; rank 1, waiting at the save's agreement, hears of it at once.
@@ -629,6 +651,7 @@ def test_a_checkpoint_folder_rank_0_cannot_create_makes_every_rank_raise(tmp_pat
     assert not list((tmp_path / "present").glob("**/data-*"))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_folder_rank_1_cannot_see_makes_every_rank_raise_on_load(tmp_path: Path):
     errors = misuse_errors(tmp_path, "load_folder_missing_on_rank1")
     assert errors[1].startswith("FileNotFoundError"), errors
@@ -636,6 +659,7 @@ def test_a_checkpoint_folder_rank_1_cannot_see_makes_every_rank_raise_on_load(tm
     assert "load_checkpoint" in errors[0], errors
 
 
+@pytest.mark.slow
 def test_equal_extras_built_in_another_key_order_are_saved(tmp_path: Path):
     assert misuse_errors(tmp_path, "save_extra_in_another_key_order") == ["", ""]
     assert (tmp_path / "ckpt" / "MANIFEST.json").exists()

@@ -27,6 +27,7 @@ def run_example(name: str, *args: str, cwd: Path) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_the_main_job_trains_and_draws_its_pictures(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the main job trains through RoundPipeTrainer")
     out = run_example("finetune_trainer.py", "--steps", "60", "--out", "job", cwd=tmp_path)

@@ -81,6 +81,7 @@ needs_vmhwm = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 @needs_vmhwm
 def test_wrapping_does_not_hold_the_weights_twice() -> None:
     """Moving 64 MiB of bf16 weights into the arena (and creating the gradient arena) peaks at
@@ -116,6 +117,7 @@ def test_wrapping_does_not_hold_the_weights_twice() -> None:
     assert result["after"] - result["built"] < 0.5, result
 
 
+@pytest.mark.slow
 @needs_vmhwm
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
 def test_training_peak_stays_near_the_floor(is_async: bool) -> None:
@@ -145,6 +147,7 @@ def test_training_peak_stays_near_the_floor(is_async: bool) -> None:
     assert result["peak"] < floor + 0.5 + (128 << 20) / params, result
 
 
+@pytest.mark.slow
 @needs_vmhwm
 @pytest.mark.parametrize("pin_model", ["alloc", "off"])
 def test_a_frozen_base_costs_no_stage_memory(pin_model: str) -> None:

@@ -106,6 +106,7 @@ FORK_SCRIPT = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["exit", "inference", "train", "new_model"])
 def test_forked_child_after_training_with_a_step_in_flight(case: str) -> None:
     result = _run(FORK_SCRIPT, case)
@@ -150,6 +151,7 @@ FORK_DURING_A_CALL_SCRIPT = """
 """
 
 
+@pytest.mark.slow
 def test_fork_while_another_thread_is_in_a_call_gives_the_child_a_usable_model() -> None:
     """fork() waits for calls in flight on other threads: the child does not inherit a model
     lock held by a thread it does not have (its first call would wait for ever), and computes
@@ -219,6 +221,7 @@ DATALOADER_SCRIPT = """
 """
 
 
+@pytest.mark.slow
 def test_dataloader_with_fork_workers_feeds_training_and_exits() -> None:
     result = _run(DATALOADER_SCRIPT)
     assert result.returncode == 0, result.stderr
@@ -282,6 +285,7 @@ def _interrupt(*args: str) -> tuple[float, float, int, str]:
     return arrived, exited, process.returncode, stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", ["slow", "blocked"])
 @pytest.mark.parametrize("where", ["synchronize", "training"])
 def test_ctrl_c_exits_within_seconds_with_a_step_in_flight(step: str, where: str) -> None:

@@ -66,6 +66,7 @@ FORK_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_forked_child_runs_inference_and_training_then_exits(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-c", FORK_SCRIPT, str(tmp_path / "child.pt")],
@@ -150,6 +151,7 @@ WAIT_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wait", ["synchronize", "block_current_stream"])
 def test_ctrl_c_interrupts_a_wait_on_an_event(wait: str) -> None:
     process = subprocess.Popen(
@@ -194,6 +196,7 @@ STUCK_COPY_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exit_kind", ["error", "ctrl_c"])
 def test_exit_with_a_stuck_copy_is_bounded(exit_kind: str) -> None:
     """The exit's wait for queued native work gives up after an error (within the exit bound)

@@ -523,6 +523,7 @@ def test_an_error_in_a_pass_on_the_calling_thread_is_torchs_and_the_model_stays_
     _train_and_compare(plain, wrapped, grain)
 
 
+@pytest.mark.slow
 def test_the_switch_sends_every_pass_to_the_engine() -> None:
     # ROUNDPIPE_LOCAL_BACKWARD=0 (read at import) switches the calling-thread passes off; the
     # training is then torch's engine's, and still plain PyTorch's numbers (checked above, and

@@ -178,6 +178,7 @@ def wrapped_with_adam(
     return model, Adam(model.optim_parameters(), lr=LR), GradScaler(8192.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_preset", [True, False])
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_minimum(num_devices: int, family: str, use_preset: bool) -> None:
@@ -200,6 +201,7 @@ def test_minimum(num_devices: int, family: str, use_preset: bool) -> None:
     assert_close_losses(losses, reference_losses(family, False), 0.005, family)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("use_preset", "is_async"), [(True, True), (True, False), (False, True), (False, False)]
 )
@@ -221,6 +223,7 @@ def test_classic(num_devices: int, family: str, use_preset: bool, is_async: bool
     assert_close_losses(losses, reference_losses(family, is_async), 0.01, family)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_classic_accumulate(num_devices: int, family: str) -> None:
     # One sample per call, the whole batch's target count as num_items_in_batch.
@@ -243,6 +246,7 @@ def test_classic_accumulate(num_devices: int, family: str) -> None:
     assert_close_losses(losses, reference_losses(family, True, per_sample=True), 0.01, family)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("is_async", "grain"), [(True, "stage"), (False, "stage"), (True, "layer")]
 )
@@ -268,6 +272,7 @@ def test_fused(num_devices: int, family: str, is_async: bool, grain: str) -> Non
     assert_close_losses(losses, reference_losses(family, is_async), 0.01, family)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_fused_label(num_devices: int, family: str) -> None:
     # 0.1.1's Llama fused loop: the labels split as forward_backward's label, each microbatch's
@@ -340,6 +345,7 @@ def test_auto_forward(num_devices: int, family: str) -> None:
     assert_close_losses(losses, ref, 0.005, family, batches)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_preset_forward(num_devices: int, family: str) -> None:
     # The preset's forward with router logits, without logits, each microbatch's loss its share
@@ -387,6 +393,7 @@ def test_preset_forward(num_devices: int, family: str) -> None:
     assert sum(aux_diff) / len(aux_diff) < 0.01, (aux_losses, ref_aux)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_fused_accumulate(num_devices: int, family: str) -> None:
     model, optim, scaler = wrapped_with_adam(family, RoundPipeRunConfig(num_microbatch=1), True)

@@ -37,6 +37,7 @@ def test_build_info_reports_what_was_compiled() -> None:
     assert info["simd_active"] in {"scalar", "avx2", "avx512"}
 
 
+@pytest.mark.slow
 def test_import_touches_no_device_and_starts_no_thread() -> None:
     result = run_python(
         """
@@ -51,6 +52,7 @@ def test_import_touches_no_device_and_starts_no_thread() -> None:
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 def test_import_starts_no_native_thread() -> None:
     # OS-level threads, which threading.active_count() does not see.
     result = run_python(
@@ -69,6 +71,7 @@ def test_import_starts_no_native_thread() -> None:
     assert after == before
 
 
+@pytest.mark.slow
 def test_mismatched_torch_build_is_refused_with_a_readable_error() -> None:
     result = run_python(
         """
@@ -90,6 +93,7 @@ def test_native_stub_matches_the_module() -> None:
     assert stubbed == exported
 
 
+@pytest.mark.slow
 def test_environment_variables_configure_the_devices() -> None:
     result = run_python(
         "import roundpipe; print(roundpipe.device_kind(), roundpipe.device_count())",
@@ -100,12 +104,14 @@ def test_environment_variables_configure_the_devices() -> None:
     assert result.stdout.split() == ["cpu", "4"]
 
 
+@pytest.mark.slow
 def test_bad_environment_variable_names_itself() -> None:
     result = run_python("import roundpipe; roundpipe.device_count()", ROUNDPIPE_CPU_DEVICES="many")
     assert result.returncode != 0
     assert "ROUNDPIPE_CPU_DEVICES must be an integer" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["0", "65", "three"])
 def test_bad_logical_cuda_device_count_names_itself(value: str) -> None:
     # Read at first use whatever the device kind, so a typo fails on a CPU machine too.
@@ -118,6 +124,7 @@ def test_bad_logical_cuda_device_count_names_itself(value: str) -> None:
     )
 
 
+@pytest.mark.slow
 def test_logical_cuda_device_count_is_read_from_the_environment() -> None:
     result = run_python(
         "import roundpipe; print(roundpipe.device.num_cuda_devices())",

@@ -112,6 +112,7 @@ def reference_loss(reference: nn.Module, batch: dict[str, Any], num_microbatch: 
     return total.detach()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("padding", [False, True], ids=["nopad", "pad"])
 @pytest.mark.parametrize("num_microbatch", [1, 3])
@@ -143,6 +144,7 @@ def test_preset_matches_the_unwrapped_model(
     assert_same_grads(reference, wrapped)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
 @pytest.mark.parametrize("num_microbatch", [1, 3])
 @pytest.mark.parametrize("mode", ["forward", "forward_backward"])
@@ -296,6 +298,7 @@ def test_num_items_in_batch_gives_whole_batch_token_weighting(
         assert merged.logits.shape[0] == batch["input_ids"].shape[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("in_config", [False, True], ids=["per_call", "config"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_router_auxiliary_loss_matches_the_unwrapped_model(
@@ -365,6 +368,7 @@ def test_bad_call_arguments_name_the_fix() -> None:
         wrapped(labels=batch["labels"])
 
 
+@pytest.mark.slow
 def test_importing_roundpipe_does_not_import_transformers() -> None:
     code = "import sys, roundpipe; print('transformers' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

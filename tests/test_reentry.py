@@ -53,8 +53,20 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("call", ["synchronize", "state_dict", "step", "forward"])
-@pytest.mark.parametrize("mode", ["async", "sync"])
+# The quick tier keeps one case (a subprocess each): synchronize from an asynchronous step.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "synchronize",
+        pytest.param("state_dict", marks=SLOW),
+        pytest.param("step", marks=SLOW),
+        pytest.param("forward", marks=SLOW),
+    ],
+)
+@pytest.mark.parametrize("mode", ["async", pytest.param("sync", marks=SLOW)])
 def test_calls_from_step_fn_raise_instead_of_deadlocking(call: str, mode: str) -> None:
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT, call, mode],

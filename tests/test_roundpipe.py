@@ -599,6 +599,7 @@ def rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow
 def test_soak_memory_and_threads_stay_flat() -> None:
     roundpipe.configure_devices(kind="cpu", num_cpu_devices=3)
     model = RoundPipe(mlp(6, width=32))

@@ -221,6 +221,7 @@ _KILLED_SAVE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
     save_folder(folder, {"w": torch.full((1000,), 1.0)}, {}, None)

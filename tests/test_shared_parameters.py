@@ -95,6 +95,7 @@ def assert_grads(ours: nn.Module, reference: nn.Module, exact: bool) -> None:
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grain", ["stage", "layer"])
 @pytest.mark.parametrize("plan_name", sorted(FUSED_PLANS))
 @pytest.mark.parametrize("build", sorted(MODELS))
@@ -254,6 +255,7 @@ BUFFER_PLANS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("microbatches", [1, MICROBATCHES])
 @pytest.mark.parametrize("plan_name", sorted(BUFFER_PLANS))
 def test_shared_module_buffers_advance_at_every_use(
@@ -337,6 +339,7 @@ def lm_batch(seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", [True, False], ids=["preset", "plain_wrapping"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_tied_embeddings_train_like_pytorch(num_devices: int, family: str, preset: bool) -> None:

@@ -233,6 +233,7 @@ def test_step_rejects_bad_arguments(call: Callable, error: type, match: str) -> 
         call(RoundPipe(mlp()))
 
 
+@pytest.mark.slow
 def test_optimizer_thread_starts_lazily() -> None:
     import os
     import subprocess
@@ -262,6 +263,7 @@ def test_optimizer_thread_starts_lazily() -> None:
     assert roundpipe.device_count() >= 1
 
 
+@pytest.mark.slow
 def test_exit_right_after_asynchronous_work_is_clean() -> None:
     """Native workers must not release Python-owned tensors during interpreter shutdown: exits
     right after async steps, write-backs and copies end with status 0, every time."""

@@ -201,6 +201,7 @@ def test_unknown_phase_or_lane_raises() -> None:
             tracer.record("forward", model="m", device=0, lane="optimizer", start=0, end=1)
 
 
+@pytest.mark.slow
 def test_environment_variable_traces_an_unchanged_script(tmp_path: Path) -> None:
     # A script that knows nothing of tracing and exits with an asynchronous step still running.
     script = (

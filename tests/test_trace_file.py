@@ -114,6 +114,7 @@ def test_the_file_is_a_valid_trace_while_recording(tmp_path: Path) -> None:
     assert rt.Trace.load(path).events == result.events
 
 
+@pytest.mark.slow
 def test_memory_stays_bounded_however_long_the_trace(tmp_path: Path) -> None:
     # Held in memory, events cost about 1 KB each; streamed, only those not yet written stay.
     count = 5 * 8 * rt.FLUSH_EVENTS
@@ -158,6 +159,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("ending", "cause", "returncode"),
     [
@@ -203,6 +205,7 @@ def test_the_trace_survives_whatever_ends_the_process(
     assert loaded.cut_short is not None and cause in loaded.cut_short
 
 
+@pytest.mark.slow
 def test_a_process_that_ends_normally_writes_a_whole_trace(tmp_path: Path) -> None:
     path = tmp_path / "ok.json"
     script = (
@@ -217,6 +220,7 @@ def test_a_process_that_ends_normally_writes_a_whole_trace(tmp_path: Path) -> No
     assert "roundpipe/ok/fused/L0-0/mb0" in [e["name"] for e in data["traceEvents"]]
 
 
+@pytest.mark.slow
 def test_processes_sharing_roundpipe_trace_write_files_of_their_own(tmp_path: Path) -> None:
     path = tmp_path / "shared.json"
     held = TraceFile(str(path), {})  # as if another rank were writing it
@@ -238,6 +242,7 @@ def test_processes_sharing_roundpipe_trace_write_files_of_their_own(tmp_path: Pa
     assert complete_events(path) == []
 
 
+@pytest.mark.slow
 def test_a_forked_child_leaves_the_parents_trace_alone(tmp_path: Path) -> None:
     path = tmp_path / "fork.json"
     script = textwrap.dedent(

@@ -111,6 +111,7 @@ def assert_logs_match(ours: list[dict[str, float]], theirs: list[dict[str, float
             assert mine[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-9), (key, mine, ref)
 
 
+@pytest.mark.slow
 def test_losses_match_trainer(tmp_path: Path, reference: list[dict[str, float]]) -> None:
     trainer = RoundPipeTrainer(
         tiny_qwen3(),
@@ -125,6 +126,7 @@ def test_losses_match_trainer(tmp_path: Path, reference: list[dict[str, float]])
     assert_logs_match(ours, reference)
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_steps_after_the_checkpoint(tmp_path: Path) -> None:
     def run(out: Path, resume: str | None) -> RoundPipeTrainer:
         trainer = RoundPipeTrainer(
@@ -377,6 +379,7 @@ def run_ranks(out: Path, which: str) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_match_trainer_under_ddp(tmp_path: Path) -> None:
     # 2 ranks under torchrun (gloo): RoundPipeTrainer takes the data-parallel group (replicas,
     # sharded host optimizer) and logs what plain Trainer logs under DistributedDataParallel.
@@ -390,6 +393,7 @@ def test_torchrun_ranks_match_trainer_under_ddp(tmp_path: Path) -> None:
     assert_logs_match(logs["roundpipe"], logs["trainer"])
 
 
+@pytest.mark.slow
 def test_torchrun_checkpoint_model_files_hold_the_steps_weights(tmp_path: Path) -> None:
     # With data parallelism each rank steps a piece of every weight: checkpoint-3, written while
     # step 3 is in flight, still holds the whole weights after step 3 (a 3-step run's).
@@ -422,6 +426,7 @@ def test_fp16_trains_an_fp16_model_with_fp32_copies_and_a_scaler(
         assert mine["loss"] == pytest.approx(ref["loss"], rel=2e-3), (mine, ref)
 
 
+@pytest.mark.slow
 def test_weight_decay_reaches_a_model_without_preset(tmp_path: Path) -> None:
     # GPT-2 has no preset: wrapped as an AutoRoundPipe, whose optimizer copies are named after
     # the model it holds. Trainer's weight-decay groups must still find them.
@@ -458,6 +463,7 @@ class ZLoss:
         return (loss, logits) if return_outputs else loss
 
 
+@pytest.mark.slow
 def test_a_subclass_compute_loss_is_what_trains(tmp_path: Path) -> None:
     class PlainZ(ZLoss, Trainer):
         pass

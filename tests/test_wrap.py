@@ -256,6 +256,7 @@ def sgd_reference_steps(reference: Net, steps: int) -> None:
         optimizer.zero_grad()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
 def test_step_updates_parts_and_host_glue_as_one_model(num_devices: int, is_async: bool) -> None:
     reference, wrapped = make_pair(skip_norm)
@@ -282,6 +283,7 @@ def test_step_updates_parts_and_host_glue_as_one_model(num_devices: int, is_asyn
         torch.testing.assert_close(param, expected[name.replace(".model.", ".")], msg=name)
 
 
+@pytest.mark.slow
 def test_checkpoint_mid_async_training_continues_exactly(num_devices: int) -> None:
     """fp64 optimizer copies of an fp32 model: the parts' and the glue's copies hold more than
     the parameters, so a resumed run matches only if the checkpoint carries them."""
