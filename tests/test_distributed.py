@@ -369,7 +369,6 @@ def test_reduce_mode_resolution():
             roundpipe.distributed.resolve_reduce_mode("stage", [gpu0])
 
 
-@pytest.mark.slow
 def test_example_runs_under_torchrun_on_cpu():
     # The guide's command for examples/train_distributed.py, on this CPU-only machine.
     example = Path(__file__).resolve().parents[1] / "examples" / "train_distributed.py"
