@@ -2,7 +2,6 @@
 
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/grad_mode.h>
-#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
@@ -22,6 +21,15 @@ py::object call_python(const py::handle& callable, const Args&... args) {
                                          sizeof...(Args) | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
   if (result == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(result);
+}
+
+// Whether `value` is a torch.Tensor (or of a subclass), then unpacked into `tensor`: torch's own
+// conversion, which python_variable.h would inline at the price of the autograd headers.
+bool unpack_tensor(const py::handle& value, at::Tensor& tensor) {
+  py::detail::make_caster<at::Tensor> caster;
+  if (!caster.load(value, /*convert=*/false)) return false;
+  tensor = std::move(static_cast<at::Tensor&>(caster));
+  return true;
 }
 
 bool shares_memory(const at::Tensor& a, const at::Tensor& b) {
@@ -97,9 +105,9 @@ py::list LayerLoop::run_keeping(std::int64_t first, std::int64_t stop,
       const bool keeping = next != keep.end() && *next == layer;
       if (keeping) {
         point(layer, mb);
-        if (kept && THPVariable_Check(value.ptr())) {
+        at::Tensor tensor;
+        if (kept && unpack_tensor(value, tensor)) {
           // Requiring grad as the input did: the recompute's input then does too.
-          const at::Tensor& tensor = THPVariable_Unpack(value.ptr());
           at::Tensor copy = plain_copy(tensor);
           if (tensor.requires_grad()) copy.set_requires_grad(true);
           kept->keep(layer, microbatch, std::move(copy));
@@ -256,8 +264,8 @@ std::optional<at::Tensor> LayerLoop::segment(std::int64_t begin, std::int64_t en
   std::shared_ptr<TimingMark> start_mark;
   if (timing_ == Timing::kDevice) start_mark = std::make_shared<TimingMark>(*stream_);
   set_running(false);
-  if (THPVariable_Check(output.ptr())) {
-    const at::Tensor result = THPVariable_Unpack(output.ptr());
+  at::Tensor result;
+  if (unpack_tensor(output, result)) {
     if (result.requires_grad() && has_grad) {
       const torch_internals::BackwardScope scope;
       py::gil_scoped_release no_gil;
@@ -291,8 +299,8 @@ py::object LayerLoop::step(std::int64_t layer, std::int64_t microbatch, const py
   context_.attr(saved_key_) = py::bool_(false);
   py::object output = call(layer, mb, value);
   if (cut_.is_none()) return output;
-  if (THPVariable_Check(output.ptr())) {
-    const at::Tensor& tensor = THPVariable_Unpack(output.ptr());
+  at::Tensor tensor;
+  if (unpack_tensor(output, tensor)) {
     return tensor.requires_grad() ? py::cast(graph_cut(tensor)) : output;
   }
   return call_python(cut_, output);

@@ -1,6 +1,7 @@
 #include "call/stage.h"
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <cstdint>
 #include <cstring>

@@ -1,6 +1,6 @@
 #include "call/transfers.h"
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/strides.h>
 
 #include <algorithm>
