@@ -145,6 +145,31 @@ def test_preset_matches_the_unwrapped_model(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("num_microbatch", [1, 2])
+def test_outputs_index_like_the_models_own(num_devices: int, num_microbatch: int) -> None:
+    # Hugging Face code indexes outputs (out[0] is the loss): loss_fn's per-microbatch outputs
+    # and the returned outputs (one microbatch, which nothing merges, included) allow it, and the
+    # returned outputs are the model's own output type.
+    reference, wrapped = make_pair("llama")
+    batch = make_batch(padding=False)
+    whole = reference(**batch)
+    config = RoundPipeRunConfig(num_microbatch=num_microbatch)
+    seen: list[bool] = []
+
+    def loss_fn(out: Any, _label: Any) -> torch.Tensor:
+        seen.append(out[0] is out.loss and out[1] is out.logits and len(out.to_tuple()) == 2)
+        return out[0] / num_microbatch
+
+    loss, outputs = wrapped.forward_backward(
+        input_kwargs=batch, loss_fn=loss_fn, return_outputs=True, run_config=config
+    )
+    assert seen == [True] * num_microbatch
+    assert type(outputs) is type(whole)
+    assert outputs[1] is outputs.logits
+    torch.testing.assert_close(outputs.logits, whole.logits.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss, reference_loss(reference, batch, num_microbatch))
+
+
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
 @pytest.mark.parametrize("num_microbatch", [1, 3])
 @pytest.mark.parametrize("mode", ["forward", "forward_backward"])

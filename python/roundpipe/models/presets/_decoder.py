@@ -96,7 +96,7 @@ class DecoderFamily:
                 f"loss_chunk_size must be None or an int >= 1, got {loss_chunk_size!r}"
             )
         sequential = self.build(base_model_of(model), loss_chunk_size)
-        wrapped = RoundPipe(
+        wrapped = PresetRoundPipe(
             sequential,
             model_run_config=_with_preset_rules(model_run_config),
             name=name or type(model).__name__,
@@ -144,6 +144,24 @@ class MicrobatchOutput(dict[str, Any]):
         except KeyError:
             raise AttributeError(f"MicrobatchOutput has no field {name!r}") from None
 
+    def __getitem__(self, key: str | int | slice) -> Any:
+        """A field by name, or by position among the fields that are set, as a Hugging Face
+        ``ModelOutput`` indexes (``out[0]`` is the loss when there is one)."""
+        if isinstance(key, str):
+            return super().__getitem__(key)
+        return self.to_tuple()[key]
+
+    def to_tuple(self) -> tuple[Any, ...]:
+        """The fields that are not ``None``, in order (``ModelOutput.to_tuple``)."""
+        return tuple(value for value in self.values() if value is not None)
+
+    def as_model_output(self) -> Any:
+        """The same fields as the model's own output type."""
+        from transformers import modeling_outputs
+
+        fields = {name: value for name, value in self.items() if value is not None}
+        return getattr(modeling_outputs, self.output_type)(**fields)
+
 
 register_pytree_node(
     MicrobatchOutput,
@@ -153,6 +171,35 @@ register_pytree_node(
     ),
     serialized_type_name="roundpipe.models.presets.MicrobatchOutput",
 )
+
+
+class PresetRoundPipe(RoundPipe):
+    """The RoundPipe of a preset: its calls return the model's own output type (a Hugging Face
+    ``ModelOutput``) also for one microbatch, which no merge function sees; ``loss_fn`` and
+    ``merge_output`` get :class:`MicrobatchOutput` values."""
+
+    def forward(
+        self,
+        *args: Any,
+        roundpipe_run_config: RoundPipeRunConfig | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """:meth:`RoundPipe.forward`, a lone microbatch's output as the model's output type."""
+        output = super().forward(*args, roundpipe_run_config=roundpipe_run_config, **kwargs)
+        return _model_output(output)
+
+    def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`RoundPipe.forward_backward`, a lone microbatch's output (with
+        ``return_outputs=True``) as the model's output type."""
+        result = super().forward_backward(*args, **kwargs)
+        if isinstance(result, tuple):
+            loss, outputs = result
+            return loss, _model_output(outputs)
+        return result
+
+
+def _model_output(output: Any) -> Any:
+    return output.as_model_output() if isinstance(output, MicrobatchOutput) else output
 
 
 # -------------------------------------------------------------------------------------------
@@ -502,6 +549,7 @@ __all__ = [
     "DecoderLayerStage",
     "DecoderPrefix",
     "MicrobatchOutput",
+    "PresetRoundPipe",
     "all_layers",
     "chunked_causal_lm_loss",
     "chunked_linear_cross_entropy",
