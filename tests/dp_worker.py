@@ -148,6 +148,7 @@ def train(cfg: dict[str, Any], rank: int, world: int, group: Any, result: dict[s
         model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=microbatches),
         data_parallel_group=group,
         data_parallel_reduce=cfg.get("reduce", "auto"),
+        optim_offload=cfg.get("offload"),
     )
     if cfg["dtype"] == "float64":
         optimizer: Any = torch.optim.Adam(model.optim_parameters(), lr=0.02)

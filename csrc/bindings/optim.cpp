@@ -6,6 +6,7 @@
 
 #include "bindings/bindings.h"
 #include "optim/adam.h"
+#include "optim/disk_state.h"
 #include "optim/host_ops.h"
 
 namespace py = pybind11;
@@ -27,6 +28,32 @@ void bind_optim(py::module_& m) {
         "the new weights also into lowp_params (bf16/fp16) where given. Moments are fp32, bf16 "
         "(stochastically rounded) or 8-bit codes (int8 exp_avg, uint8 exp_avg_sq) with one "
         "float32 scale per block of state_block elements in exp_avg_scales/exp_avg_sq_scales.");
+  m.def("adam_step_streamed", &optim::host_ops::adam_step_streamed, py::arg("files"),
+        py::arg("regions"), py::arg("grads"), py::arg("steps"), py::arg("lowp_params"),
+        py::kw_only(), py::arg("state_dtype"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("eps"), py::arg("weight_decay"), py::arg("maximize"),
+        py::arg("decoupled_weight_decay"), py::arg("grad_scale_inv"), py::arg("chunk_elements"),
+        py::arg("buffers"), py::arg("io_threads"), py::arg("num_threads") = py::none(), no_gil(),
+        "One Adam/AdamW step over tensors whose master weights and moments lie in files, "
+        "streamed through a few aligned buffers (roundpipe.optim.offload). Returns bytes read, "
+        "bytes written and the I/O threads' seconds reading and writing. A failed read or write "
+        "raises OSError with its errno and file.");
+  m.def(
+      "disk_grain", [] { return optim::kDiskGrain; },
+      "Elements on whose multiples an offloaded tensor's chunks start.");
+  m.def(
+      "disk_align", [] { return optim::kDiskAlign; },
+      "Alignment in bytes of every offloaded region, request and buffer.");
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const optim::DiskError& disk_error) {
+      py::object os_error =
+          py::module_::import("builtins")
+              .attr("OSError")(disk_error.error_number(), disk_error.what(), disk_error.path());
+      PyErr_SetObject(PyExc_OSError, os_error.ptr());
+    }
+  });
   m.def("quantize_moment", &optim::host_ops::quantize_moment, py::arg("is_exp_avg"),
         py::arg("values"), py::arg("codes"), py::arg("scales"), py::arg("given_scales") = false,
         no_gil(),

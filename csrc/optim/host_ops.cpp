@@ -10,6 +10,7 @@
 #include "common/host_threads.h"
 #include "common/thread_pool.h"
 #include "optim/adam.h"
+#include "optim/disk_state.h"
 #include "torch_internals/torch_internals.h"
 
 namespace roundpipe::optim::host_ops {
@@ -109,6 +110,25 @@ StateDType check_moments(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq
   return StateDType::kInt8;
 }
 
+void check_step(const at::Tensor& step, std::size_t k) {
+  TORCH_CHECK_VALUE(step.device().is_cpu() && step.numel() == 1 &&
+                        (step.scalar_type() == at::kFloat || step.scalar_type() == at::kDouble),
+                    item_name("steps", k), " must be a one-element float32 or float64 CPU tensor");
+}
+
+// Increments a step count and returns it: in float32 like torch's state["step"] += 1, so long
+// runs count identically.
+double advance_step(const at::Tensor& step) {
+  if (step.scalar_type() == at::kFloat) {
+    float* count = step.data_ptr<float>();
+    *count += 1.0f;
+    return *count;
+  }
+  double* count = step.data_ptr<double>();
+  *count += 1.0;
+  return *count;
+}
+
 // In-place writes through raw pointers bypass ATen, so bump the version counters ATen would have
 // bumped; autograd then still detects a tensor it saved being modified.
 void bump_versions(const TensorList& tensors) {
@@ -183,11 +203,7 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
     const DType grad_dtype = dtype_of(grads[k], grad_name, true);
     check_host_dense(grads[k], grad_name);
     check_same_numel(grads[k], grad_name, params[k], param_name);
-    const at::Tensor& step = steps[k];
-    TORCH_CHECK_VALUE(step.device().is_cpu() && step.numel() == 1 &&
-                          (step.scalar_type() == at::kFloat || step.scalar_type() == at::kDouble),
-                      item_name("steps", k),
-                      " must be a one-element float32 or float64 CPU tensor");
+    check_step(steps[k], k);
     AdamBuffers& b = buffers[k];
     b = {params[k].data_ptr<float>(),
          grads[k].data_ptr(),
@@ -224,18 +240,8 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
                         weight_decay, amsgrad, maximize, decoupled_weight_decay};
   std::vector<AdamCoefficients> coefficients(n);
   for (std::size_t k = 0; k < n; ++k) {
-    double step_count = 0.0;
-    if (steps[k].scalar_type() == at::kFloat) {
-      // float32 like torch's state["step"] += 1, so long runs count identically.
-      float* count = steps[k].data_ptr<float>();
-      *count += 1.0f;
-      step_count = *count;
-    } else {
-      double* count = steps[k].data_ptr<double>();
-      *count += 1.0;
-      step_count = *count;
-    }
-    coefficients[k] = adam_coefficients(hyper, step_count, static_cast<float>(grad_scale_inv));
+    coefficients[k] =
+        adam_coefficients(hyper, advance_step(steps[k]), static_cast<float>(grad_scale_inv));
   }
   for (const TensorList* list : {&params, &exp_avgs, &exp_avg_sqs, &steps}) bump_versions(*list);
   if (amsgrad) bump_versions(*max_exp_avg_sqs);
@@ -290,6 +296,85 @@ void dequantize_moment(bool is_exp_avg, const at::Tensor& codes, const at::Tenso
   torch_internals::bump_version(values);
   optim::dequantize_moment(ThreadPool::global(), threads, is_exp_avg, codes.data_ptr(),
                            scales.data_ptr<float>(), values.data_ptr<float>(), values.numel());
+}
+
+StreamedStats adam_step_streamed(const std::vector<std::pair<int, std::string>>& files,
+                                 const std::vector<std::vector<std::int64_t>>& regions,
+                                 const TensorList& grads, const TensorList& steps,
+                                 const OptionalTensorList& lowp_params, at::ScalarType state_dtype,
+                                 double lr, double beta1, double beta2, double eps,
+                                 double weight_decay, bool maximize, bool decoupled_weight_decay,
+                                 double grad_scale_inv, std::int64_t chunk_elements, int buffers,
+                                 int io_threads, std::optional<int> num_threads) {
+  const std::size_t n = grads.size();
+  check_length(regions.size(), "regions", n, "grads");
+  check_length(steps.size(), "steps", n, "grads");
+  check_length(lowp_params.size(), "lowp_params", n, "grads");
+  TORCH_CHECK_TYPE(
+      state_dtype == at::kFloat || state_dtype == at::kBFloat16 || state_dtype == at::kChar,
+      "state_dtype must be torch.float32, torch.bfloat16 or torch.int8, got ", state_dtype);
+  TORCH_CHECK_VALUE(chunk_elements >= 1 && buffers >= 1 && io_threads >= 1,
+                    "chunk_elements, buffers and io_threads must be at least 1");
+  const int threads = resolve_threads(num_threads);
+  std::vector<DiskFile> disk_files;
+  for (const auto& [fd, path] : files) disk_files.push_back({fd, path});
+  std::vector<StreamedTensor> tensors(n);
+  for (std::size_t k = 0; k < n; ++k) {
+    const std::string grad_name = item_name("grads", k);
+    check_host_dense(grads[k], grad_name);
+    check_step(steps[k], k);
+    TORCH_CHECK_VALUE(regions[k].size() == 10, item_name("regions", k),
+                      " must hold (file, offset) of the master weights, exp_avg, exp_avg_sq, "
+                      "exp_avg_scale and exp_avg_sq_scale");
+    StreamedTensor& t = tensors[k];
+    t.numel = grads[k].numel();
+    FileRegion* parts[] = {&t.param, &t.exp_avg, &t.exp_avg_sq, &t.exp_avg_scale,
+                           &t.exp_avg_sq_scale};
+    for (std::size_t part = 0; part < 5; ++part) {
+      const std::int64_t file = regions[k][2 * part];
+      const std::int64_t offset = regions[k][2 * part + 1];
+      const bool needed = part < 3 || state_dtype == at::kChar;
+      TORCH_CHECK_VALUE(!needed || (file >= 0 && file < static_cast<std::int64_t>(files.size()) &&
+                                    offset >= 0 && offset % kDiskAlign == 0),
+                        item_name("regions", k), " names no file or an unaligned offset");
+      *parts[part] = {static_cast<int>(file), offset};
+    }
+    t.grad = grads[k].data_ptr();
+    t.grad_dtype = dtype_of(grads[k], grad_name, true);
+    t.lowp_param = nullptr;
+    t.lowp_dtype = DType::kBFloat16;
+    if (lowp_params[k].has_value()) {
+      const at::Tensor& lowp = *lowp_params[k];
+      const std::string lowp_name = item_name("lowp_params", k);
+      t.lowp_dtype = dtype_of(lowp, lowp_name, false);
+      check_host_dense(lowp, lowp_name);
+      TORCH_CHECK_VALUE(lowp.numel() == t.numel, lowp_name, " has ", lowp.numel(), " elements but ",
+                        grad_name, " has ", t.numel);
+      t.lowp_param = lowp.data_ptr();
+    }
+  }
+  const AdamHyper hyper{lr,           beta1, beta2,    eps,
+                        weight_decay, false, maximize, decoupled_weight_decay};
+  for (std::size_t k = 0; k < n; ++k) {
+    tensors[k].coefficients =
+        adam_coefficients(hyper, advance_step(steps[k]), static_cast<float>(grad_scale_inv));
+  }
+  bump_versions(steps);
+  for (const auto& lowp : lowp_params) {
+    if (lowp) torch_internals::bump_version(*lowp);
+  }
+  StreamOptions options;
+  options.state_dtype = state_dtype == at::kFloat      ? StateDType::kFloat32
+                        : state_dtype == at::kBFloat16 ? StateDType::kBFloat16
+                                                       : StateDType::kInt8;
+  options.chunk_elements = chunk_elements;
+  options.buffers = buffers;
+  options.io_threads = io_threads;
+  options.compute_threads = threads;
+  options.level = active_simd_level();
+  const StreamStats stats =
+      optim::adam_step_streamed(ThreadPool::global(), disk_files, tensors, options);
+  return {stats.bytes_read, stats.bytes_written, stats.read_seconds, stats.write_seconds};
 }
 
 }  // namespace roundpipe::optim::host_ops

@@ -6,7 +6,11 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace roundpipe::optim::host_ops {
@@ -27,6 +31,25 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
                double grad_scale_inv, const std::optional<OptionalTensorList>& lowp_params,
                std::optional<int> num_threads, const std::optional<TensorList>& exp_avg_scales,
                const std::optional<TensorList>& exp_avg_sq_scales);
+
+// Bytes read, bytes written, and the seconds the I/O threads spent reading and writing.
+using StreamedStats = std::tuple<std::int64_t, std::int64_t, double, double>;
+
+// One Adam/AdamW step (no amsgrad) over tensors whose fp32 master weights and moments (in
+// state_dtype: float32, bfloat16 or int8 codes with block scales) lie in `files` (fd, path) at
+// `regions` (per tensor: file index and byte offset of the master weights, exp_avg, exp_avg_sq,
+// exp_avg_scale, exp_avg_sq_scale; the scales only for int8), streamed through `buffers` chunks
+// of `chunk_elements` with `io_threads` requests in flight (optim/disk_state.h). The same bits as
+// adam_step on the same state in memory. Increments steps; writes the new weights into
+// lowp_params where given. A failed read or write throws optim::DiskError naming the file.
+StreamedStats adam_step_streamed(const std::vector<std::pair<int, std::string>>& files,
+                                 const std::vector<std::vector<std::int64_t>>& regions,
+                                 const TensorList& grads, const TensorList& steps,
+                                 const OptionalTensorList& lowp_params, at::ScalarType state_dtype,
+                                 double lr, double beta1, double beta2, double eps,
+                                 double weight_decay, bool maximize, bool decoupled_weight_decay,
+                                 double grad_scale_inv, std::int64_t chunk_elements, int buffers,
+                                 int io_threads, std::optional<int> num_threads);
 
 // dsts[k] (fp32) = srcs[k] cast to fp32 (`overwrite`), or += it; without `overwrite` (nullopt)
 // only the check. True iff every src is finite.

@@ -128,6 +128,29 @@ def adam_step(
     exp_avg_scales: list[Tensor] | None = None,
     exp_avg_sq_scales: list[Tensor] | None = None,
 ) -> None: ...
+def adam_step_streamed(
+    files: list[tuple[int, str]],
+    regions: list[list[int]],
+    grads: list[Tensor],
+    steps: list[Tensor],
+    lowp_params: list[Tensor | None],
+    *,
+    state_dtype: torch.dtype,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+    decoupled_weight_decay: bool,
+    grad_scale_inv: float,
+    chunk_elements: int,
+    buffers: int,
+    io_threads: int,
+    num_threads: int | None = None,
+) -> tuple[int, int, float, float]: ...
+def disk_grain() -> int: ...
+def disk_align() -> int: ...
 def state_block() -> int: ...
 def quantize_moment(
     is_exp_avg: bool, values: Tensor, codes: Tensor, scales: Tensor, given_scales: bool = False

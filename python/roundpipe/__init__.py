@@ -20,6 +20,7 @@ from roundpipe.context import (
 from roundpipe.device import configure_devices, device_count, device_kind, devices
 from roundpipe.models import wrap_model_to_roundpipe
 from roundpipe.optim.grad_scaler import GradScaler
+from roundpipe.optim.offload import OptimOffload
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.scheduler import ModelExecutePlan
@@ -33,6 +34,7 @@ __all__ = [
     "GradScaler",
     "ModelExecutePlan",
     "ModelTimer",
+    "OptimOffload",
     "OptimizerCtx",
     "RoundPipe",
     "RoundPipePackedData",

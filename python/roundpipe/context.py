@@ -171,9 +171,14 @@ def locate_error(error: BaseException, where: str) -> BaseException:
     if isinstance(error, (KeyboardInterrupt, SystemExit)):
         return error
     message = f"{where}: {error}"
+    annotated: BaseException
     try:
-        annotated = copy.copy(error)
-        annotated.args = (message,)
+        if isinstance(error, OSError) and error.errno is not None:
+            # errno and file kept, so that the caller can tell a full disk from a missing file.
+            annotated = type(error)(error.errno, message, error.filename)
+        else:
+            annotated = copy.copy(error)
+            annotated.args = (message,)
         if message not in str(annotated):
             raise TypeError("message not taken from args")
     except Exception:

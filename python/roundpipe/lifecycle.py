@@ -10,7 +10,9 @@ which each event reaches them, whatever the order their modules were imported in
 2. ``optimizer thread`` (:mod:`roundpipe.optim.step_thread`): at exit the queued optimizer steps
    and native workers are drained (bounded after an uncaught exception); before ``fork()`` too,
    so the child inherits finished steps; the child forgets the parent's jobs.
-3. ``trace`` (:mod:`roundpipe.timeline.tracing`): at exit the trace being recorded is finished,
+3. ``optimizer offload`` (:mod:`roundpipe.optim.offload`): at exit, after the last steps, the
+   lock files of offload folders are released and removed.
+4. ``trace`` (:mod:`roundpipe.timeline.tracing`): at exit the trace being recorded is finished,
    after the last steps it shows; the child forgets the parent's trace.
 
 Then, last of the parent's ``fork()`` hooks, a Ctrl-C that came during those waits is raised
@@ -35,7 +37,7 @@ from typing import Any, Final
 
 from roundpipe._native import _C
 
-PARTICIPANTS: Final = ("call locks", "optimizer thread", "trace")
+PARTICIPANTS: Final = ("call locks", "optimizer thread", "optimizer offload", "trace")
 
 # How long interpreter exit waits for work in flight after a KeyboardInterrupt (or another
 # uncaught exception) before it leaves without it.

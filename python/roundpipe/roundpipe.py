@@ -40,6 +40,7 @@ from roundpipe.distributed import (
 from roundpipe.forwarding import ForwardingModule
 from roundpipe.gradients import GradientOutcome, GradientPolicy, GradientState
 from roundpipe.memory import ModelMemory, checked_shared_parameters, module_bytes
+from roundpipe.optim.offload import OptimOffload, check_optim_offload, open_store
 from roundpipe.optim.step import StepPipeline
 from roundpipe.optim.step_thread import in_step_job
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, resolve_run_config
@@ -176,6 +177,12 @@ class RoundPipe(ForwardingModule):
             parameter's ``.grad`` when its gradients are handed over (``step()``,
             ``synchronize()``, :meth:`hand_over_shared_grads`); it keeps no optimizer copy of
             them. Not with data parallelism.
+        optim_offload: a folder on a fast local disk (or a ``roundpipe.OptimOffload``, which
+            also sizes the I/O buffers) that keeps the fp32 optimizer copies, and the moments of
+            ``roundpipe.optim.Adam`` given them, in files instead of host memory (needs
+            ``optim_dtype=torch.float32``; ``docs/guide.md``, "Optimizer state on disk"). Other
+            optimizers cannot step them (``TypeError``). An existing, writable folder serving
+            one model per rank at a time (else ``ValueError``); its files are scratch space.
     """
 
     name: str
@@ -200,6 +207,7 @@ class RoundPipe(ForwardingModule):
         data_parallel_reduce: str = "auto",
         *,
         shared_parameters: Iterable[nn.Parameter] = (),
+        optim_offload: str | os.PathLike[str] | OptimOffload | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -222,6 +230,7 @@ class RoundPipe(ForwardingModule):
         model_run_config = copy.deepcopy(model_run_config)
         if pin_model not in _PIN_MODES:
             raise ValueError(f"pin_model must be one of {_PIN_MODES}, got {pin_model!r}")
+        offload_config = check_optim_offload(optim_offload, optim_dtype)
         data_parallel_size = check_group(data_parallel_group)
         check_reduce_mode(data_parallel_reduce)
         shared = checked_shared_parameters(model, shared_parameters)
@@ -253,7 +262,9 @@ class RoundPipe(ForwardingModule):
             stage_reduce = None
         param_names = list(model.named_parameters(remove_duplicate=False))
         gradients = GradientState(memory, name, {id(p): n for n, p in param_names})
-        steps = StepPipeline(memory, optim_dtype, name, data_parallel)
+        rank = 0 if data_parallel is None else data_parallel.rank
+        offload = open_store(offload_config, name, rank)  # optimizer copies on disk, or None
+        steps = StepPipeline(memory, optim_dtype, name, data_parallel, offload)
         runtime = _Runtime(
             memory=memory,
             timer=timer,

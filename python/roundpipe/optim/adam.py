@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.optim.adam import adam as torch_adam
 
 from roundpipe._native import _C
-from roundpipe.optim import adam_state
+from roundpipe.optim import adam_state, offload
 from roundpipe.optim.copies import OptimizerCopy, gradient_of
 from roundpipe.torch_internals import version_of
 
@@ -175,6 +175,9 @@ class Adam(torch.optim.Optimizer):
     optimizer of the same ``state_dtype`` comes back bit for bit. Parameters that torch's code
     updates keep torch's state.
     """
+
+    # Steps the optimizer copies RoundPipe keeps on disk (optim_offload) by streaming them.
+    streams_offloaded_state = True
 
     def __init__(
         self,
@@ -473,6 +476,11 @@ class Adam(torch.optim.Optimizer):
                     )
                 if target is not None:
                     _check_companion(target, param, f"lowp_params[{index - 1}]", _LOWP_DTYPES)
+                if group["amsgrad"] and offload.store_of(param) is not None:
+                    raise ValueError(
+                        "amsgrad=True is not supported on optimizer copies kept on disk "
+                        "(RoundPipe's optim_offload): drop amsgrad or optim_offload"
+                    )
                 form = self._form_of(param, group)
                 self._convert_state(param, form)
                 fits = self._native_fits(param, grad, form)
@@ -537,7 +545,12 @@ class Adam(torch.optim.Optimizer):
         amsgrad = bool(group["amsgrad"])
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
-            state.update(adam_state.fresh_moments(param, self._form_of(param, group)))
+            store = offload.store_of(param)
+            form = self._form_of(param, group)
+            if store is None:
+                state.update(adam_state.fresh_moments(param, form))
+            else:
+                state.update(store.fresh_moments(param, form))
             if amsgrad:
                 state["max_exp_avg_sq"] = torch.zeros_like(
                     param, memory_format=torch.preserve_format
@@ -596,6 +609,9 @@ class Adam(torch.optim.Optimizer):
         grad_scale_inv: float,
         lowp: list[Tensor | None],
     ) -> None:
+        params, grads, lowp = self._update_offloaded(group, params, grads, grad_scale_inv, lowp)
+        if not params:
+            return
         exp_avgs: list[Tensor] = []
         exp_avg_sqs: list[Tensor] = []
         max_exp_avg_sqs: list[Tensor] = []
@@ -632,6 +648,48 @@ class Adam(torch.optim.Optimizer):
             exp_avg_scales=scales["exp_avg_scale"] or None,
             exp_avg_sq_scales=scales["exp_avg_sq_scale"] or None,
         )
+
+    def _update_offloaded(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        grad_scale_inv: float,
+        lowp: list[Tensor | None],
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor | None]]:
+        """Streams the step of the parameters kept on disk (RoundPipe's optim_offload), store by
+        store; returns the others."""
+        rest: tuple[list[Tensor], list[Tensor], list[Tensor | None]] = ([], [], [])
+        by_store: dict[int, tuple[offload.OffloadStore, list[int]]] = {}
+        for k, param in enumerate(params):
+            store = offload.store_of(param)
+            if store is None:
+                rest[0].append(param)
+                rest[1].append(grads[k])
+                rest[2].append(lowp[k])
+            else:
+                by_store.setdefault(id(store), (store, []))[1].append(k)
+        beta1, beta2 = group["betas"]
+        hyper = {
+            "lr": _as_float(group["lr"], "lr"),
+            "beta1": _as_float(beta1, "betas[0]"),
+            "beta2": _as_float(beta2, "betas[1]"),
+            "eps": float(group["eps"]),
+            "weight_decay": float(group["weight_decay"]),
+            "maximize": bool(group["maximize"]),
+            "decoupled_weight_decay": bool(group["decoupled_weight_decay"]),
+        }
+        for store, indices in by_store.values():
+            store.adam_step(
+                group,
+                [params[k] for k in indices],
+                [grads[k] for k in indices],
+                [self._state_of(params[k], group) for k in indices],
+                [lowp[k] for k in indices],
+                grad_scale_inv,
+                hyper,
+            )
+        return rest
 
 
 def _check_group(group: Mapping[str, Any]) -> None:

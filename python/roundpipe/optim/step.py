@@ -51,6 +51,7 @@ from roundpipe.memory import ModelMemory, clear_arena
 from roundpipe.optim import step_thread
 from roundpipe.optim.adam import fused_writeback
 from roundpipe.optim.copies import OptimizerCopy
+from roundpipe.optim.offload import OffloadStore
 from roundpipe.optim.step_thread import raise_detached_errors, submit, wait_for_job
 from roundpipe.timeline.tracing import active_tracer
 from roundpipe.torch_internals import version_of
@@ -97,8 +98,16 @@ class StepPipeline:
         optim_dtype: torch.dtype | None,
         name: str = "model",
         data_parallel: DataParallel | None = None,
+        offload: OffloadStore | None = None,
     ) -> None:
         self.memory, self.name = memory, name
+        # The files of the optimizer copies kept on disk (optim_offload), or None.
+        self.offload = offload
+        # Asynchronous steps on offloaded copies: the arena (in the parameters' layout) where the
+        # step's fused pass writes the new low-precision weights, so that the write-back reads
+        # them from memory instead of the copies on disk.
+        self._weight_staging: torch.Tensor | None = None
+        self._fused_into: torch.Tensor | None = None  # that arena, for the last step's _fused
         # With data parallelism: the own shard's layout and the collectives of every step.
         self.data_parallel = data_parallel
         # How step_fn's errors name the step.
@@ -124,14 +133,19 @@ class StepPipeline:
     def copies(self) -> dict[int, OptimizerCopy]:
         """Optimizer copies keyed by ``id`` of the model parameter, created on first use."""
         if self._copies is None:
-            self._copies = {
-                id(param): OptimizerCopy(
-                    self.piece_of(param, param.detach()).to(
-                        self.optim_dtype or param.dtype, copy=True
-                    )
+            if self.offload is not None:
+                self._copies = self.offload.masters(
+                    {id(p): self.piece_of(p, p.detach()) for p in self._stepped_params()}
                 )
-                for param in self._stepped_params()
-            }
+            else:
+                self._copies = {
+                    id(param): OptimizerCopy(
+                        self.piece_of(param, param.detach()).to(
+                            self.optim_dtype or param.dtype, copy=True
+                        )
+                    )
+                    for param in self._stepped_params()
+                }
             self.note_agreement()
         return self._copies
 
@@ -242,7 +256,16 @@ class StepPipeline:
         # their uploads before they return), so Adam may write the new weights right there.
         # Asynchronous: the iteration in flight still reads it, and the write-back casts them from
         # the copies. With data parallelism the fused pass writes into the staging shard.
-        targets = {} if is_async and dp is None else self._fused_targets(copies, slots)
+        staging = None
+        if is_async and dp is None and self.offload is not None:
+            if self._weight_staging is None:
+                self._weight_staging = self.memory.new_grad_arena()
+            staging = self._weight_staging
+        targets = (
+            {}
+            if is_async and dp is None and staging is None
+            else self._fused_targets(copies, slots, staging)
+        )
         # Copies of parameters frozen now (requires_grad_(False) after wrapping).
         frozen = {
             copies[id(slot.param)]
@@ -268,7 +291,7 @@ class StepPipeline:
                 # What step_fn changed after the fused pass wrote it (a clamp, a projection) is
                 # written back like the rest.
                 fused = {copy for copy, version in in_place.items() if version_of(copy) == version}
-                self._fused = fused
+                self._fused, self._fused_into = fused, staging
             except Exception as error:
                 raise locate_error(error, f"{self.where} (step_fn)") from error
             finally:
@@ -412,19 +435,25 @@ class StepPipeline:
             copies = self.copies()
             self._job = submit(lambda: self._gather_weights(dp, copies, set()))
         self._job_iteration = step_thread.restored_iteration()
-        self._fused = set()
+        self._fused, self._fused_into = set(), None
 
     def _fused_targets(
-        self, copies: dict[int, OptimizerCopy], slots: list[Any]
+        self,
+        copies: dict[int, OptimizerCopy],
+        slots: list[Any],
+        staging: torch.Tensor | None = None,
     ) -> dict[torch.Tensor, torch.Tensor]:
         """fp32 optimizer copy -> where our Adam writes its bf16/fp16 parameter's new weights in
         the same pass as the update: the parameter itself (synchronous steps only: nothing reads
         the parameter arena meanwhile; through a ``.data`` alias, which leaves its version
-        counter alone, see ``take_edits``) or, with data parallelism, the piece's place in the
-        staging arena that is all-gathered."""
+        counter alone, see ``take_edits``), its place in ``staging`` (asynchronous steps on
+        offloaded copies) or, with data parallelism, the piece's place in the staging arena that
+        is all-gathered."""
         dp = self.data_parallel
         return {
-            copies[id(slot.param)]: slot.param.data
+            copies[id(slot.param)]: (
+                slot.param.data if staging is None else self.memory.grad_view(slot, staging)
+            )
             if dp is None
             else dp.target_of(dp.piece_by_param[id(slot.param)])
             for slot in slots
@@ -450,10 +479,19 @@ class StepPipeline:
                 if s.primary is None and s.grad_offset is not None and id(s.param) not in skip
             ]
             if dp is None:
+                staged = self._fused_into  # the fused pass's weights wait there, if not in place
                 slots = [
-                    s for s in slots if id(s.param) in copies and copies[id(s.param)] not in done
+                    s
+                    for s in slots
+                    if id(s.param) in copies
+                    and (staged is not None or copies[id(s.param)] not in done)
                 ]
-                news = [copies[id(slot.param)].detach() for slot in slots]
+                news = [
+                    self.memory.grad_view(slot, staged)
+                    if staged is not None and copies[id(slot.param)] in done
+                    else copies[id(slot.param)].detach()
+                    for slot in slots
+                ]
             else:
                 news = [self.memory.grad_view(slot, dp.staged()) for slot in slots]
             if slots:

@@ -1,0 +1,321 @@
+"""Optimizer state on disk (RoundPipe's ``optim_offload``): the same bits as the same model and
+``roundpipe.optim.Adam`` with their state in host memory (itself checked against torch's Adam in
+test_adam.py and test_fused_path.py), the folder's faults, and who may step the copies."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import socket
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import roundpipe
+import torch
+from reference import MICROBATCHES
+from roundpipe import OptimOffload, RoundPipe, RoundPipeRunConfig
+from torch import nn
+
+CONFIG = RoundPipeRunConfig(num_microbatch=MICROBATCHES)
+WORKER = Path(__file__).with_name("dp_worker.py")
+# Small chunks and buffers, so that the wide layer's state streams in several chunks.
+SMALL = {"chunk_elements": 1, "buffers": 3, "io_threads": 2}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def model() -> nn.Sequential:
+    """bf16; its first weight (700 x 600) spans two chunks of 262,144 elements."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(600, 700), nn.Tanh(), nn.Linear(700, 4)).to(torch.bfloat16)
+
+
+def data(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One batch, ``count`` times (the loss falls)."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 600, generator=generator).to(torch.bfloat16)
+    return [(x, torch.randn(4, 4, generator=generator).to(torch.bfloat16))] * count
+
+
+def mse(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return ((output.float() - label.float()) ** 2).mean()
+
+
+def train(
+    rp: RoundPipe, optimizer: torch.optim.Optimizer, steps: int, is_async: bool
+) -> list[torch.Tensor]:
+    losses = []
+    for x, y in data(steps):
+        loss = rp.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+        losses.append(loss.detach().clone())
+        rp.step(lambda: (optimizer.step(), optimizer.zero_grad()), is_async=is_async)
+    rp.synchronize()
+    return losses
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1), b.view(-1))
+
+
+def assert_same_state(ours: torch.optim.Optimizer, theirs: torch.optim.Optimizer) -> None:
+    for p, q in zip(ours.param_groups[0]["params"], theirs.param_groups[0]["params"], strict=True):
+        assert same_bits(p.detach(), q.detach())
+        mine, other = ours.state[p], theirs.state[q]
+        assert mine.keys() == other.keys()
+        for key, value in mine.items():
+            assert same_bits(value, other[key]), key
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_same_bits_as_in_memory(
+    num_devices: int, tmp_path: Path, state_dtype: torch.dtype, is_async: bool
+) -> None:
+    reference = model()
+    in_memory = RoundPipe(copy.deepcopy(reference), optim_dtype=torch.float32)
+    on_disk = RoundPipe(
+        copy.deepcopy(reference),
+        optim_dtype=torch.float32,
+        optim_offload=OptimOffload(tmp_path, **SMALL),
+    )
+    theirs = roundpipe.optim.Adam(
+        in_memory.optim_parameters(), lr=0.001, weight_decay=0.1, state_dtype=state_dtype
+    )
+    ours = roundpipe.optim.Adam(
+        on_disk.optim_parameters(), lr=0.001, weight_decay=0.1, state_dtype=state_dtype
+    )
+    expected = train(in_memory, theirs, 4, is_async)
+    got = train(on_disk, ours, 4, is_async)
+    assert [float(v) for v in got] == [float(v) for v in expected]
+    if not is_async:  # (the stale steps of this tiny run overshoot at first)
+        assert float(got[-1]) < float(got[0])
+    for p, q in zip(on_disk.model.parameters(), in_memory.model.parameters(), strict=True):
+        assert same_bits(p.detach(), q.detach())
+    assert_same_state(ours, theirs)
+    # The state is on disk: one lock file is all the folder shows (the data files are unlinked).
+    assert sorted(os.listdir(tmp_path)) == ["roundpipe-rank0.lock"]
+
+
+def test_checkpoint_resumes_bit_exactly(tmp_path: Path) -> None:
+    """A checkpoint of offloaded state resumes, in a new model on a new folder, as the run that
+    never stopped (its own state on disk too)."""
+    reference = model()
+    folders = [tmp_path / name for name in ("a", "b")]
+    for folder in folders:
+        folder.mkdir()
+    straight = RoundPipe(
+        copy.deepcopy(reference),
+        optim_dtype=torch.float32,
+        optim_offload=OptimOffload(folders[0], **SMALL),
+    )
+    adam = roundpipe.optim.Adam(straight.optim_parameters(), lr=0.01, state_dtype=torch.int8)
+    train(straight, adam, 2, is_async=True)
+    path = tmp_path / "checkpoint.pt"
+    roundpipe.save_checkpoint(path, straight, adam)
+    expected = train(straight, adam, 2, is_async=True)
+
+    resumed = RoundPipe(
+        model(), optim_dtype=torch.float32, optim_offload=OptimOffload(folders[1], **SMALL)
+    )
+    adam2 = roundpipe.optim.Adam(resumed.optim_parameters(), lr=0.01, state_dtype=torch.int8)
+    roundpipe.load_checkpoint(path, resumed, adam2)
+    got = train(resumed, adam2, 2, is_async=True)
+    assert [float(v) for v in got] == [float(v) for v in expected]
+    for p, q in zip(resumed.model.parameters(), straight.model.parameters(), strict=True):
+        assert same_bits(p.detach(), q.detach())
+    assert_same_state(adam2, adam)
+
+
+def test_other_optimizers_are_refused(tmp_path: Path) -> None:
+    rp = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
+    sgd = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
+    x, y = data(1)[0]
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    with pytest.raises(TypeError, match=r"roundpipe\.optim\.Adam"):
+        rp.step(sgd.step, is_async=False)
+    # In-memory parameters stay any optimizer's.
+    plain = nn.Linear(2, 2)
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+
+
+def test_needs_float32_copies(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"optim_dtype=torch\.float32"):
+        RoundPipe(model(), optim_offload=tmp_path)
+    with pytest.raises(TypeError, match="optim_offload"):
+        RoundPipe(model(), optim_dtype=torch.float32, optim_offload=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="buffers"):
+        OptimOffload(tmp_path, buffers=2)
+
+
+def test_amsgrad_is_refused(tmp_path: Path) -> None:
+    rp = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
+    adam = roundpipe.optim.Adam(rp.optim_parameters(), amsgrad=True)
+    x, y = data(1)[0]
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    with pytest.raises(ValueError, match="amsgrad"):
+        rp.step(adam.step, is_async=False)
+
+
+def test_missing_or_read_only_folder(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path / "missing")
+    plain_file = tmp_path / "file"
+    plain_file.write_text("")
+    with pytest.raises(ValueError, match="not a directory"):
+        RoundPipe(model(), optim_dtype=torch.float32, optim_offload=plain_file)
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    try:
+        if os.access(read_only, os.W_OK):
+            pytest.skip("this user writes into read-only folders (root)")
+        with pytest.raises(ValueError, match="not writable"):
+            RoundPipe(model(), optim_dtype=torch.float32, optim_offload=read_only)
+    finally:
+        read_only.chmod(0o755)
+
+
+def test_one_model_per_folder_and_files_removed(tmp_path: Path) -> None:
+    first = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
+    adam = roundpipe.optim.Adam(first.optim_parameters())
+    train(first, adam, 1, is_async=False)
+    with pytest.raises(ValueError, match="in use by another model or process"):
+        RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
+    script = textwrap.dedent(
+        f"""
+        import torch, roundpipe
+        try:
+            roundpipe.RoundPipe(torch.nn.Linear(2, 2).bfloat16(), optim_dtype=torch.float32,
+                                optim_offload={str(tmp_path)!r})
+        except ValueError as error:
+            print("refused:", error)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "refused:" in out.stdout and "in use" in out.stdout
+    del first, adam
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+    second = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
+    assert second.optim_parameters() is not None
+
+
+_FULL_DISK = """
+import errno, sys, torch, roundpipe
+from torch import nn
+folder = sys.argv[1]
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(600, 700), nn.Tanh(), nn.Linear(700, 4)).to(torch.bfloat16)
+rp = roundpipe.RoundPipe(net, optim_dtype=torch.float32, optim_offload=folder)
+adam = roundpipe.optim.Adam(rp.optim_parameters(), lr=0.01)
+x = torch.randn(4, 600).bfloat16()
+y = torch.randn(4, 4).bfloat16()
+loss_fn = lambda out, label: ((out.float() - label.float()) ** 2).mean()
+rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+try:
+    rp.step(adam.step, is_async=sys.argv[2] == "async")
+    rp.synchronize()
+except OSError as error:
+    cause = error.__cause__ if isinstance(error.__cause__, OSError) else error
+    print("errno", errno.errorcode.get(cause.errno), "file", cause.filename)
+    print("message", error)
+out = rp.forward(x)
+print("usable", bool(torch.isfinite(out.float()).all()))
+"""
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_full_disk_raises_naming_the_file(tmp_path: Path, mode: str) -> None:
+    """A 3 MiB tmpfs (mounted in a user and mount namespace of its own) holds the masters
+    (1.7 MB) but not the fp32 moments the first step writes (3.4 MB): ENOSPC."""
+    unshare, mount = shutil.which("unshare"), shutil.which("mount")
+    if unshare is None or mount is None:
+        pytest.skip("needs unshare and mount for a small filesystem")
+    folder = tmp_path / "small"
+    folder.mkdir()
+    script = tmp_path / "full_disk.py"
+    script.write_text(_FULL_DISK)
+    command = (
+        f"mount -t tmpfs -o size=3m tmpfs {folder} && "
+        f"exec {sys.executable} {script} {folder} {mode}"
+    )
+    env = dict(os.environ)
+    out = subprocess.run(
+        [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", command],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    if "mount" in out.stderr and out.returncode != 0 and "errno" not in out.stdout:
+        pytest.skip(f"cannot mount a small tmpfs here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr
+    assert f"errno {errno.errorcode[errno.ENOSPC]} file {folder}" in out.stdout, out.stdout
+    assert "optimizer step" in out.stdout  # the message names the model's phase
+    assert "usable True" in out.stdout
+
+
+def _run_ranks(tmp_path: Path, tag: str, **cfg: Any) -> list[dict[str, Any]]:
+    """tests/dp_worker.py's bf16 training at 2 gloo ranks; what each rank saved."""
+    out = tmp_path / tag
+    out.mkdir()
+    base = {"dtype": "bf16", "is_async": True, "scenario": "plain", "out": str(out)}
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(roundpipe.__file__).resolve().parent.parent)}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKER),
+                json.dumps({**base, **cfg, "rank": r, "world": 2, "port": port}),
+            ],
+            env={**env, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]
+    logs = [proc.communicate(timeout=300)[0].decode(errors="replace") for proc in procs]
+    results = []
+    for rank, log in enumerate(logs):
+        path = out / f"rank{rank}.pt"
+        assert path.exists(), log
+        result = torch.load(path)
+        assert "error" not in result, result["error"]
+        results.append(result)
+    return results
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
+def test_data_parallel_ranks_match_in_memory(tmp_path: Path, state_dtype: str) -> None:
+    """2 ranks, each with its shard's state in its own files of one shared folder: the same
+    bits as 2 ranks with their state in memory."""
+    folder = tmp_path / "offload"
+    folder.mkdir()
+    expected = _run_ranks(tmp_path, "memory", state_dtype=state_dtype)
+    got = _run_ranks(tmp_path, "disk", state_dtype=state_dtype, offload=str(folder))
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine["params"].keys() == theirs["params"].keys()
+        for name, value in mine["params"].items():
+            assert same_bits(value, theirs["params"][name]), name
+        for piece, other in zip(mine["shard"], theirs["shard"], strict=True):
+            assert piece[:4] == other[:4]
+            assert same_bits(piece[4], other[4]), piece[0]
+        assert mine["norms"] == theirs["norms"]
+    # Each rank's data files are gone with it; the ranks leave by os._exit, which runs no exit
+    # hook, so their (released) lock files stay, as after kill -9.
+    assert sorted(os.listdir(folder)) == ["roundpipe-rank0.lock", "roundpipe-rank1.lock"]
