@@ -22,6 +22,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+std::int64_t nanoseconds(Clock::time_point time) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(time.time_since_epoch()).count();
+}
+
 // Smallest run of elements one compute task takes (on kStateBlock multiples).
 constexpr std::int64_t kComputeRun = 1 << 15;
 
@@ -223,16 +227,19 @@ StreamStats adam_step_streamed(ThreadPool& pool, std::span<const DiskFile> files
         } catch (...) {
           error = std::current_exception();
         }
-        const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+        const auto end = Clock::now();
         {
           std::lock_guard lock(stats_mutex);
           (write ? stats.bytes_written : stats.bytes_read) += length;
-          (write ? stats.write_seconds : stats.read_seconds) += seconds;
+          (write ? stats.write_seconds : stats.read_seconds) +=
+              std::chrono::duration<double>(end - start).count();
+          stats.spans.push_back({write, nanoseconds(start), nanoseconds(end), length});
         }
         slot.finished(error);
       });
     }
   };
+  std::unique_ptr<std::uint16_t[]> lowp_staging;
   // Updates chunk `index` in its slot with the kernels, the gradients and low-precision weights
   // read and written in memory. The buffers stand at the chunk's place in a whole tensor, so the
   // kernels see the element indices (and the random bits of compact moments) of the in-memory
@@ -248,7 +255,13 @@ StreamStats adam_step_streamed(ThreadPool& pool, std::span<const DiskFile> files
     b.exp_avg = data + base[kExpAvg] - chunk.first * state_size;
     b.exp_avg_sq = data + base[kExpAvgSq] - chunk.first * state_size;
     b.max_exp_avg_sq = nullptr;
-    b.lowp_param = t.lowp_param;
+    // New weights that replace the gradients they come from (the same memory) are staged and
+    // copied over the chunk's gradients once the kernels have read them all.
+    const bool in_place = t.lowp_param != nullptr && t.lowp_param == t.grad;
+    if (in_place && !lowp_staging) {
+      lowp_staging = std::make_unique<std::uint16_t[]>(static_cast<std::size_t>(chunk_elements));
+    }
+    b.lowp_param = in_place ? lowp_staging.get() - chunk.first : t.lowp_param;
     b.lowp_dtype = t.lowp_dtype;
     b.numel = t.numel;
     b.state_dtype = options.state_dtype;
@@ -268,6 +281,10 @@ StreamStats adam_step_streamed(ThreadPool& pool, std::span<const DiskFile> files
       const std::int64_t end = std::min(chunk.last, begin + per);
       if (begin < end) adam_update(options.level, t.coefficients, b, begin, end);
     });
+    if (in_place) {
+      std::memcpy(static_cast<std::uint16_t*>(t.lowp_param) + chunk.first, lowp_staging.get(),
+                  static_cast<std::size_t>(count) * sizeof(std::uint16_t));
+    }
   };
 
   // Reads run slot_count - 2 chunks ahead, so that the chunk being updated overlaps both them

@@ -10,6 +10,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "common/cpu_features.h"
 #include "common/thread_pool.h"
@@ -52,7 +53,7 @@ struct StreamedTensor {
   FileRegion exp_avg_sq_scale;  // likewise
   const void* grad;
   DType grad_dtype;
-  void* lowp_param;  // optional: receives the new weights as lowp_dtype
+  void* lowp_param;  // optional: receives the new weights as lowp_dtype; may be `grad` itself
   DType lowp_dtype;
   AdamCoefficients coefficients;
 };
@@ -79,12 +80,22 @@ class DiskError : public std::runtime_error {
   std::string path_;
 };
 
-// Totals of one streamed step, for the caller's trace and benchmarks.
+// One read or write request: steady-clock nanoseconds (CLOCK_MONOTONIC, the host clock of
+// roundpipe's traces) of its start and end.
+struct IoSpan {
+  bool write;
+  std::int64_t start_ns;
+  std::int64_t end_ns;
+  std::int64_t bytes;
+};
+
+// Totals of one streamed step and its requests, for the caller's trace and benchmarks.
 struct StreamStats {
   std::int64_t bytes_read = 0;
   std::int64_t bytes_written = 0;
   double read_seconds = 0;   // summed over the I/O threads
   double write_seconds = 0;  // likewise
+  std::vector<IoSpan> spans;
 };
 
 // One Adam step over `tensors` with their state in `files`: per chunk, read, update, write back.

@@ -374,7 +374,13 @@ StreamedStats adam_step_streamed(const std::vector<std::pair<int, std::string>>&
   options.level = active_simd_level();
   const StreamStats stats =
       optim::adam_step_streamed(ThreadPool::global(), disk_files, tensors, options);
-  return {stats.bytes_read, stats.bytes_written, stats.read_seconds, stats.write_seconds};
+  std::vector<std::tuple<bool, std::int64_t, std::int64_t, std::int64_t>> spans;
+  spans.reserve(stats.spans.size());
+  for (const IoSpan& span : stats.spans) {
+    spans.emplace_back(span.write, span.start_ns, span.end_ns, span.bytes);
+  }
+  return {stats.bytes_read, stats.bytes_written, stats.read_seconds, stats.write_seconds,
+          std::move(spans)};
 }
 
 }  // namespace roundpipe::optim::host_ops

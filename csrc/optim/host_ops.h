@@ -32,8 +32,11 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
                std::optional<int> num_threads, const std::optional<TensorList>& exp_avg_scales,
                const std::optional<TensorList>& exp_avg_sq_scales);
 
-// Bytes read, bytes written, and the seconds the I/O threads spent reading and writing.
-using StreamedStats = std::tuple<std::int64_t, std::int64_t, double, double>;
+// Bytes read, bytes written, the seconds the I/O threads spent reading and writing, and every
+// request as (is_write, start_ns, end_ns, bytes) on the steady clock.
+using StreamedStats =
+    std::tuple<std::int64_t, std::int64_t, double, double,
+               std::vector<std::tuple<bool, std::int64_t, std::int64_t, std::int64_t>>>;
 
 // One Adam/AdamW step (no amsgrad) over tensors whose fp32 master weights and moments (in
 // state_dtype: float32, bfloat16 or int8 codes with block scales) lie in `files` (fd, path) at

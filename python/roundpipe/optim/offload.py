@@ -43,6 +43,7 @@ from roundpipe import lifecycle
 from roundpipe._native import _C
 from roundpipe.optim import adam_state
 from roundpipe.optim.copies import OptimizerCopy
+from roundpipe.timeline.tracing import active_tracer
 
 __all__ = ["OffloadStore", "OptimOffload", "check_optim_offload", "open_store", "store_of"]
 
@@ -262,6 +263,8 @@ class OffloadStore:
         self._masters: dict[int, _Region] = {}  # id of the copy -> its region
         self._moments: dict[tuple[int, str], _Region] = {}  # (id of the copy, key) -> region
         self._maps: dict[tuple[int, int], Tensor] = {}  # (file, offset) -> its memory map
+        # The last step's bytes read and written, and the I/O threads' seconds reading and
+        # writing (summed over the threads).
         self.last_stats: tuple[int, int, float, float] = (0, 0, 0.0, 0.0)
         _stores[id(self)] = self
         if not _hook_installed:
@@ -370,7 +373,7 @@ class OffloadStore:
                 row += [-1, 0] if region is None else [region.file, region.offset]
             regions.append(row)
         files = [(file.direct, file.path) for file in self._files]
-        self.last_stats = _C.adam_step_streamed(
+        *totals, spans = _C.adam_step_streamed(
             files,
             regions,
             list(grads),
@@ -383,3 +386,17 @@ class OffloadStore:
             io_threads=self.config.io_threads,
             **hyper,
         )
+        read, written, read_seconds, write_seconds = totals
+        self.last_stats = (int(read), int(written), float(read_seconds), float(write_seconds))
+        tracer = active_tracer()
+        if tracer is not None:
+            for write, start, end, nbytes in spans:
+                tracer.record(
+                    "disk_write" if write else "disk_read",
+                    model=self.name,
+                    device=None,
+                    lane="disk",
+                    start=start,
+                    end=end,
+                    bytes=nbytes,
+                )

@@ -32,6 +32,8 @@ Phase = Literal[
     "optimizer_step",
     "writeback",
     "wait",
+    "disk_read",
+    "disk_write",
 ]
 PHASES: Final[tuple[str, ...]] = get_args(Phase)
 #: Phases that keep a device busy computing (what busy % counts).
@@ -46,7 +48,7 @@ DEVICE_LANES: Final[tuple[str, ...]] = (
     "activation",
 )
 #: Threads of the host process, in display order; tid = position.
-HOST_LANES: Final[tuple[str, ...]] = ("main", "optimizer", "writer")
+HOST_LANES: Final[tuple[str, ...]] = ("main", "optimizer", "writer", "disk")
 #: pid of the host process (devices use their index).
 HOST_PID: Final[int] = 1 << 16
 

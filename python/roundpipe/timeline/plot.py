@@ -30,6 +30,8 @@ PHASE_COLORS: dict[str, str] = {
     "optimizer_step": "#8c564b",
     "writeback": "#e377c2",
     "wait": "#c7c7c7",
+    "disk_read": "#bcbd22",
+    "disk_write": "#dbdb8d",
 }
 
 _ROW_INCHES = 0.32
