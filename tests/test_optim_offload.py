@@ -161,6 +161,23 @@ def test_trace_shows_the_disk_requests(tmp_path: Path) -> None:
             assert nbytes == sum(3 * (-(-4 * n // 4096) * 4096) for n in numels), phase
 
 
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_gradients_after_the_step(tmp_path: Path, is_async: bool) -> None:
+    """A synchronous step leaves the gradients, as torch's Adam does; an asynchronous one writes
+    the new weights over them, so they are gone (None, as after zero_grad())."""
+    rp = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
+    adam = roundpipe.optim.Adam(rp.optim_parameters(), lr=0.001)
+    x, y = data(1)[0]
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+    rp.step(adam.step, is_async=is_async)
+    rp.synchronize()
+    grads = [p.grad for p in rp.optim_parameters()]
+    if is_async:
+        assert all(g is None for g in grads)
+    else:
+        assert all(g is not None and bool(g.abs().sum() > 0) for g in grads)
+
+
 def test_other_optimizers_are_refused(tmp_path: Path) -> None:
     rp = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
     sgd = torch.optim.SGD(rp.optim_parameters(), lr=0.1)

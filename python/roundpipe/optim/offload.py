@@ -386,6 +386,11 @@ class OffloadStore:
             io_threads=self.config.io_threads,
             **hyper,
         )
+        # A gradient whose memory now holds the new weights is gone: as after zero_grad().
+        for param, grad, target in zip(params, grads, lowp, strict=True):
+            if target is not None and target.data_ptr() == grad.data_ptr():
+                if isinstance(param, OptimizerCopy):
+                    param.drop_grad()
         read, written, read_seconds, write_seconds = totals
         self.last_stats = (int(read), int(written), float(read_seconds), float(write_seconds))
         tracer = active_tracer()

@@ -17,7 +17,10 @@ step also writes the new low-precision weights straight into the parameter arena
 (``roundpipe.optim.fused_writeback``). An asynchronous one cannot (the iteration in flight still
 reads the parameters) and has the write-back cast them from the copies: a staging arena for them
 would cost 2 bytes per parameter of host memory for the same traffic (the pass would write them
-and the writer read them, instead of the writer reading the 4-byte copies). GradScaler's inf/NaN
+and the writer read them, instead of the writer reading the 4-byte copies). With offloaded copies
+(``optim_offload``) the copies are on disk, and the pass writes the new weights over the
+gradients it has read in the handed-over arena instead, which is cleared once the write-back has
+read them. GradScaler's inf/NaN
 check is a read-only pass before it, since a step with a non-finite gradient must not change
 anything. The handed-over gradient arena is cleared by dropping its pages
 (:func:`roundpipe.memory.clear_arena`), so between steps it costs no memory.
@@ -103,11 +106,11 @@ class StepPipeline:
         self.memory, self.name = memory, name
         # The files of the optimizer copies kept on disk (optim_offload), or None.
         self.offload = offload
-        # Asynchronous steps on offloaded copies: the arena (in the parameters' layout) where the
-        # step's fused pass writes the new low-precision weights, so that the write-back reads
-        # them from memory instead of the copies on disk.
-        self._weight_staging: torch.Tensor | None = None
-        self._fused_into: torch.Tensor | None = None  # that arena, for the last step's _fused
+        # Asynchronous steps on offloaded copies: the handed-over gradient arena, where the
+        # step's fused pass wrote the new low-precision weights over the gradients it read, so
+        # that the write-back reads them from memory instead of the copies on disk (cleared
+        # before it takes gradients again: _release_staged).
+        self._fused_into: torch.Tensor | None = None
         # With data parallelism: the own shard's layout and the collectives of every step.
         self.data_parallel = data_parallel
         # How step_fn's errors name the step.
@@ -242,6 +245,7 @@ class StepPipeline:
         handed_over = self.memory.grads
         if self._spare_grads is None:
             self._spare_grads = self.memory.new_grad_arena()
+        self._release_staged()
         self.memory.grads, self._spare_grads = self._spare_grads, handed_over
         slots = self._trained
         iteration = step_thread.next_iteration()
@@ -256,11 +260,8 @@ class StepPipeline:
         # their uploads before they return), so Adam may write the new weights right there.
         # Asynchronous: the iteration in flight still reads it, and the write-back casts them from
         # the copies. With data parallelism the fused pass writes into the staging shard.
-        staging = None
-        if is_async and dp is None and self.offload is not None:
-            if self._weight_staging is None:
-                self._weight_staging = self.memory.new_grad_arena()
-            staging = self._weight_staging
+        # Offloaded copies: the new weights replace the gradients they come from, chunk by chunk.
+        staging = handed_over if is_async and dp is None and self.offload is not None else None
         targets = (
             {}
             if is_async and dp is None and staging is None
@@ -285,6 +286,7 @@ class StepPipeline:
             else:
                 pairs = self._reduce_gradients(dp, copies, handed_over)
             _hand_over(_without_frozen(pairs, frozen))
+            staged = False
             try:
                 with OptimizerCtx(), self._agreeing(), fused_writeback(targets) as in_place:
                     step_fn(*args, **kwargs)
@@ -292,6 +294,7 @@ class StepPipeline:
                 # written back like the rest.
                 fused = {copy for copy, version in in_place.items() if version_of(copy) == version}
                 self._fused, self._fused_into = fused, staging
+                staged = staging is not None
             except Exception as error:
                 raise locate_error(error, f"{self.where} (step_fn)") from error
             finally:
@@ -299,7 +302,8 @@ class StepPipeline:
                 # before their arena is reused.
                 for copy, _ in pairs:
                     copy.resolve_grad()
-                clear_arena(handed_over)
+                if not staged:
+                    clear_arena(handed_over)
             if dp is not None:
                 self._gather_weights(dp, copies, fused)
 
@@ -435,7 +439,18 @@ class StepPipeline:
             copies = self.copies()
             self._job = submit(lambda: self._gather_weights(dp, copies, set()))
         self._job_iteration = step_thread.restored_iteration()
-        self._fused, self._fused_into = set(), None
+        self._release_staged()
+        self._fused = set()
+
+    def _release_staged(self) -> None:
+        """Clear the arena that holds staged new weights (once their write-back has read them),
+        so that it takes gradients again."""
+        staged, self._fused_into = self._fused_into, None
+        if staged is None:
+            return
+        if self._written is not None:
+            self._written.synchronize()
+        clear_arena(staged)
 
     def _fused_targets(
         self,
