@@ -361,6 +361,23 @@ def test_data_parallel_ranks_match_in_memory(tmp_path: Path, state_dtype: str) -
     assert all(name.endswith(".lock") for name in os.listdir(folder)), os.listdir(folder)
 
 
+def test_data_parallel_sharded_checkpoint_resumes_bit_exactly(tmp_path: Path) -> None:
+    """2 ranks with offloaded state save a sharded checkpoint folder with a step in flight; 2 new
+    ranks (new offload folder) load it and end with the uninterrupted run's bits."""
+    folders = [tmp_path / "first", tmp_path / "second"]
+    for folder in folders:
+        folder.mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    common = {"state_dtype": "int8", "ckpt": ckpt}
+    straight = _run_ranks(tmp_path, "straight", **common, save_at=1, offload=str(folders[0]))
+    resumed = _run_ranks(tmp_path, "resumed", **common, resume=True, offload=str(folders[1]))
+    for mine, theirs in zip(resumed, straight, strict=True):
+        for name, value in mine["params"].items():
+            assert same_bits(value, theirs["params"][name]), name
+        for piece, other in zip(mine["shard"], theirs["shard"], strict=True):
+            assert same_bits(piece[4], other[4]), piece[0]
+
+
 _KILLED = """
 import os, signal, sys, torch, roundpipe
 sys.path.insert(0, sys.argv[1])

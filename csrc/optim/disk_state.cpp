@@ -1,5 +1,6 @@
 #include "optim/disk_state.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -40,8 +41,24 @@ std::int64_t state_element_size(StateDType dtype) {
   }
 }
 
-struct AlignedFree {
-  void operator()(void* memory) const { std::free(memory); }
+// Page-aligned memory of its own mapping, so that it goes back to the system when freed
+// (from malloc's heap it would stay with the process, and raise malloc's mmap threshold).
+class PageBuffer {
+ public:
+  explicit PageBuffer(std::int64_t bytes) : bytes_(static_cast<std::size_t>(bytes)) {
+    void* memory =
+        ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (memory == MAP_FAILED) throw std::bad_alloc();
+    memory_ = static_cast<char*>(memory);
+  }
+  ~PageBuffer() { ::munmap(memory_, bytes_); }
+  PageBuffer(const PageBuffer&) = delete;
+  PageBuffer& operator=(const PageBuffer&) = delete;
+  char* data() const { return memory_; }
+
+ private:
+  std::size_t bytes_;
+  char* memory_;
 };
 
 // The region kinds of a chunk, in buffer order.
@@ -50,11 +67,8 @@ enum Part { kParam, kExpAvg, kExpAvgSq, kExpAvgScale, kExpAvgSqScale, kParts };
 // One chunk's buffer and the requests on it in flight.
 class Slot {
  public:
-  explicit Slot(std::int64_t bytes)
-      : memory_(static_cast<char*>(std::aligned_alloc(kDiskAlign, bytes))) {
-    if (!memory_) throw std::bad_alloc();
-  }
-  char* data() const { return memory_.get(); }
+  explicit Slot(std::int64_t bytes) : memory_(bytes) {}
+  char* data() const { return memory_.data(); }
 
   void expect(int requests) {
     std::lock_guard lock(mutex_);
@@ -73,7 +87,7 @@ class Slot {
   }
 
  private:
-  std::unique_ptr<char, AlignedFree> memory_;
+  PageBuffer memory_;
   std::mutex mutex_;
   std::condition_variable done_;
   int pending_ = 0;
@@ -239,7 +253,7 @@ StreamStats adam_step_streamed(ThreadPool& pool, std::span<const DiskFile> files
       });
     }
   };
-  std::unique_ptr<std::uint16_t[]> lowp_staging;
+  std::unique_ptr<PageBuffer> lowp_staging;
   // Updates chunk `index` in its slot with the kernels, the gradients and low-precision weights
   // read and written in memory. The buffers stand at the chunk's place in a whole tensor, so the
   // kernels see the element indices (and the random bits of compact moments) of the in-memory
@@ -259,9 +273,11 @@ StreamStats adam_step_streamed(ThreadPool& pool, std::span<const DiskFile> files
     // copied over the chunk's gradients once the kernels have read them all.
     const bool in_place = t.lowp_param != nullptr && t.lowp_param == t.grad;
     if (in_place && !lowp_staging) {
-      lowp_staging = std::make_unique<std::uint16_t[]>(static_cast<std::size_t>(chunk_elements));
+      lowp_staging = std::make_unique<PageBuffer>(chunk_elements * sizeof(std::uint16_t));
     }
-    b.lowp_param = in_place ? lowp_staging.get() - chunk.first : t.lowp_param;
+    auto* const staged =
+        in_place ? reinterpret_cast<std::uint16_t*>(lowp_staging->data()) : nullptr;
+    b.lowp_param = in_place ? staged - chunk.first : t.lowp_param;
     b.lowp_dtype = t.lowp_dtype;
     b.numel = t.numel;
     b.state_dtype = options.state_dtype;
@@ -282,7 +298,7 @@ StreamStats adam_step_streamed(ThreadPool& pool, std::span<const DiskFile> files
       if (begin < end) adam_update(options.level, t.coefficients, b, begin, end);
     });
     if (in_place) {
-      std::memcpy(static_cast<std::uint16_t*>(t.lowp_param) + chunk.first, lowp_staging.get(),
+      std::memcpy(static_cast<std::uint16_t*>(t.lowp_param) + chunk.first, staged,
                   static_cast<std::size_t>(count) * sizeof(std::uint16_t));
     }
   };

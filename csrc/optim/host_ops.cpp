@@ -333,7 +333,7 @@ StreamedStats adam_step_streamed(const std::vector<std::pair<int, std::string>>&
     for (std::size_t part = 0; part < 5; ++part) {
       const std::int64_t file = regions[k][2 * part];
       const std::int64_t offset = regions[k][2 * part + 1];
-      const bool needed = part < 3 || state_dtype == at::kChar;
+      const bool needed = t.numel > 0 && (part < 3 || state_dtype == at::kChar);
       TORCH_CHECK_VALUE(!needed || (file >= 0 && file < static_cast<std::int64_t>(files.size()) &&
                                     offset >= 0 && offset % kDiskAlign == 0),
                         item_name("regions", k), " names no file or an unaligned offset");

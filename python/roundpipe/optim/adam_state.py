@@ -22,7 +22,7 @@ changed since), so the round trip is bit for bit while the values stay torch's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -77,18 +77,26 @@ def blocks(numel: int) -> int:
     return -(-numel // STATE_BLOCK)
 
 
-def fresh_moments(param: Tensor, state_dtype: torch.dtype) -> dict[str, Tensor]:
-    """Zero moments for ``param`` in ``state_dtype``'s form."""
+def fresh_moments(
+    param: Tensor,
+    state_dtype: torch.dtype,
+    zeros: Callable[[torch.Size, torch.dtype], Tensor] | None = None,
+) -> dict[str, Tensor]:
+    """Zero moments for ``param`` in ``state_dtype``'s form; ``zeros(shape, dtype)`` makes each
+    tensor where given (for a dense parameter), else torch's zeros in the parameter's layout."""
     if state_dtype != torch.int8:
         dtype = param.dtype if state_dtype == torch.float32 else state_dtype
+        if zeros is not None:
+            return {key: zeros(param.shape, dtype) for key in MOMENT_KEYS}
         return {
             key: torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
             for key in MOMENT_KEYS
         }
+    make = zeros or (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
     moments = {CODE_KEY: code_tag()}
     for key in MOMENT_KEYS:
-        moments[key] = torch.zeros(param.shape, dtype=CODE_DTYPES[key])
-        moments[SCALE_KEYS[key]] = torch.zeros(blocks(param.numel()))
+        moments[key] = make(param.shape, CODE_DTYPES[key])
+        moments[SCALE_KEYS[key]] = make(torch.Size([blocks(param.numel())]), torch.float32)
     return moments
 
 

@@ -50,6 +50,8 @@ __all__ = ["OffloadStore", "OptimOffload", "check_optim_offload", "open_store", 
 _ALIGN: int = _C.disk_align()
 # Bytes Python writes per request when it fills a region (a master copy at creation).
 _WRITE_SLICE = 1 << 26
+# Elements of a parameter converted to fp32 at a time when its master copy is written.
+_CONVERT_ELEMENTS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -263,6 +265,7 @@ class OffloadStore:
         self._masters: dict[int, _Region] = {}  # id of the copy -> its region
         self._moments: dict[tuple[int, str], _Region] = {}  # (id of the copy, key) -> region
         self._maps: dict[tuple[int, int], Tensor] = {}  # (file, offset) -> its memory map
+        self._map_regions: dict[int, _Region] = {}  # data_ptr of a memory map -> its region
         # The last step's bytes read and written, and the I/O threads' seconds reading and
         # writing (summed over the threads).
         self.last_stats: tuple[int, int, float, float] = (0, 0, 0.0, 0.0)
@@ -288,6 +291,7 @@ class OffloadStore:
         view = mmap.mmap(self._files[region.file].buffered, region.nbytes, offset=region.offset)
         mapped = torch.frombuffer(view, dtype=dtype, count=numel).view(shape)
         self._maps[key] = mapped
+        self._map_regions[mapped.data_ptr()] = region
         return mapped
 
     def _write(self, region: _Region, values: Tensor) -> None:
@@ -309,11 +313,14 @@ class OffloadStore:
         self._file(0, "masters")
         copies: dict[int, OptimizerCopy] = {}
         for key, value in values.items():
-            fp32 = value.detach().to(torch.float32)
-            nbytes = fp32.numel() * 4
+            nbytes = value.numel() * 4
             region = _Region(0, self._files[0].allocate(nbytes), nbytes)
-            self._write(region, fp32)
-            copy = OptimizerCopy(self._map(region, fp32.shape, torch.float32))
+            flat = value.detach().reshape(-1)
+            # Converted slice by slice: no fp32 copy of a whole parameter in memory.
+            for start in range(0, flat.numel(), _CONVERT_ELEMENTS):
+                piece = flat[start : start + _CONVERT_ELEMENTS].to(torch.float32)
+                self._write(_Region(0, region.offset + start * 4, piece.numel() * 4), piece)
+            copy = OptimizerCopy(self._map(region, value.shape, torch.float32))
             copy._offload_store = id(self)  # type: ignore[attr-defined]
             self._masters[id(copy)] = region
             copies[key] = copy
@@ -322,7 +329,14 @@ class OffloadStore:
     def fresh_moments(self, param: Tensor, state_dtype: torch.dtype) -> dict[str, Tensor]:
         """Zero moments for the offloaded copy ``param`` in ``state_dtype``'s form
         (:func:`roundpipe.optim.adam_state.fresh_moments`), in the moments' file."""
-        return self.placed(param, adam_state.fresh_moments(param, state_dtype))
+        self._file(1, "moments")
+
+        def zeros(shape: torch.Size, dtype: torch.dtype) -> Tensor:
+            nbytes = shape.numel() * torch.empty(0, dtype=dtype).element_size()
+            region = _Region(1, self._files[1].allocate(nbytes), nbytes)  # reads zeros
+            return self._map(region, shape, dtype)
+
+        return self.placed(param, adam_state.fresh_moments(param, state_dtype, zeros))
 
     def placed(self, param: Tensor, moments: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """``moments`` (the tensor entries of ``param``'s state) with every moment and scale in
@@ -336,6 +350,10 @@ class OffloadStore:
                 continue
             nbytes = value.numel() * value.element_size()
             region = self._moments.get((id(param), key))
+            own = self._map_regions.get(value.data_ptr()) if value.numel() else None
+            if region is None and own is not None and own.nbytes == nbytes:
+                self._moments[(id(param), key)] = own  # a fresh moment, mapped already
+                continue
             if region is None or region.nbytes != nbytes:
                 region = _Region(1, self._files[1].allocate(nbytes), nbytes)
                 self._moments[(id(param), key)] = region
