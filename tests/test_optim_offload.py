@@ -278,6 +278,34 @@ print("usable", bool(torch.isfinite(out.float()).all()))
 """
 
 
+def test_read_only_filesystem_is_refused_at_construction(tmp_path: Path) -> None:
+    """A folder on a filesystem mounted read-only (in a user and mount namespace of its own, so
+    that even root cannot write there): ValueError when the model is built."""
+    unshare = shutil.which("unshare")
+    if unshare is None or shutil.which("mount") is None:
+        pytest.skip("needs unshare and mount for a read-only filesystem")
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    script = (
+        "import torch, roundpipe\n"
+        "try:\n"
+        f"    roundpipe.RoundPipe(torch.nn.Linear(2, 2).bfloat16(), optim_dtype=torch.float32,"
+        f" optim_offload={str(folder)!r})\n"
+        "except ValueError as error:\n"
+        "    print('refused:', error)\n"
+    )
+    command = f'mount -t tmpfs -o size=1m,ro tmpfs {folder} && exec {sys.executable} -c "$0"'
+    out = subprocess.run(
+        [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", command, script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if out.returncode != 0 and "refused" not in out.stdout:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {out.stderr.strip()}")
+    assert "refused:" in out.stdout and "not writable" in out.stdout, out.stdout + out.stderr
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_full_disk_raises_naming_the_file(tmp_path: Path, mode: str) -> None:
     """A 3 MiB tmpfs (mounted in a user and mount namespace of its own) holds the masters
