@@ -151,6 +151,7 @@ def test_outputs_index_like_the_models_own(num_devices: int, num_microbatch: int
     # and the returned outputs (one microbatch, which nothing merges, included) allow it, and the
     # returned outputs are the model's own output type.
     reference, wrapped = make_pair("llama")
+    assert type(wrapped) is RoundPipe  # a preset's model is a RoundPipe, not a subclass
     batch = make_batch(padding=False)
     whole = reference(**batch)
     config = RoundPipeRunConfig(num_microbatch=num_microbatch)

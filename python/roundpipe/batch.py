@@ -791,17 +791,36 @@ def pack_output(outputs: list[Any], events: Sequence[Event | None]) -> Any:
     )
 
 
+# Output types that a layer returns in place of the caller's type, and their conversions (see
+# register_unmerged_output).
+_UNMERGED_OUTPUTS: dict[type, Callable[[Any], Any]] = {}
+
+
+def register_unmerged_output(cls: type, convert: Callable[[Any], Any]) -> None:
+    """Have a call of one microbatch return ``convert(output)`` where its output is a ``cls``.
+
+    For a last layer whose output stands in for the caller's type inside the pipeline (a preset's
+    :class:`~roundpipe.models.presets.MicrobatchOutput`, a Hugging Face ``ModelOutput`` there):
+    merge functions (its merge rule among them) receive the stand-ins and build the caller's type,
+    and one microbatch, which no merge function sees, is converted by ``convert``."""
+    _UNMERGED_OUTPUTS[cls] = convert
+
+
 def merge_or_pack(outputs: list[Any], events: list[Any], spec: Any) -> Any:
     """Per-microbatch outputs (their copies' events beside them) merged by ``spec`` (see
     :func:`merge_output`), or with ``spec=False`` packed with the events for a downstream
     RoundPipe to wait on. One microbatch's output is returned as it is: no merge function or
-    reducer runs (as in roundpipe 0.1.1)."""
+    reducer runs (as in roundpipe 0.1.1), only a conversion registered for its type
+    (:func:`register_unmerged_output`)."""
     if spec is False:
         return pack_output(outputs, events)
     for event in events:
         if event is not None:
             event.synchronize()
-    return outputs[0] if len(outputs) == 1 else merge_output(outputs, spec)
+    if len(outputs) > 1:
+        return merge_output(outputs, spec)
+    convert = _UNMERGED_OUTPUTS.get(type(outputs[0]))
+    return outputs[0] if convert is None else convert(outputs[0])
 
 
 if TYPE_CHECKING:
@@ -833,6 +852,7 @@ __all__ = [
     "merge_output",
     "pack_output",
     "packed_events",
+    "register_unmerged_output",
     "split_input",
     "split_label",
 ]

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from roundpipe.batch import guess_split_spec, merge_output, split_input
+from roundpipe.batch import guess_split_spec, merge_output, register_unmerged_output, split_input
 from roundpipe.context import doing_recompute, get_recompute_data, save_for_recompute
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
@@ -96,7 +96,7 @@ class DecoderFamily:
                 f"loss_chunk_size must be None or an int >= 1, got {loss_chunk_size!r}"
             )
         sequential = self.build(base_model_of(model), loss_chunk_size)
-        wrapped = PresetRoundPipe(
+        wrapped = RoundPipe(
             sequential,
             model_run_config=_with_preset_rules(model_run_config),
             name=name or type(model).__name__,
@@ -171,35 +171,8 @@ register_pytree_node(
     ),
     serialized_type_name="roundpipe.models.presets.MicrobatchOutput",
 )
-
-
-class PresetRoundPipe(RoundPipe):
-    """The RoundPipe of a preset: its calls return the model's own output type (a Hugging Face
-    ``ModelOutput``) also for one microbatch, which no merge function sees; ``loss_fn`` and
-    ``merge_output`` get :class:`MicrobatchOutput` values."""
-
-    def forward(
-        self,
-        *args: Any,
-        roundpipe_run_config: RoundPipeRunConfig | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """:meth:`RoundPipe.forward`, a lone microbatch's output as the model's output type."""
-        output = super().forward(*args, roundpipe_run_config=roundpipe_run_config, **kwargs)
-        return _model_output(output)
-
-    def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
-        """:meth:`RoundPipe.forward_backward`, a lone microbatch's output (with
-        ``return_outputs=True``) as the model's output type."""
-        result = super().forward_backward(*args, **kwargs)
-        if isinstance(result, tuple):
-            loss, outputs = result
-            return loss, _model_output(outputs)
-        return result
-
-
-def _model_output(output: Any) -> Any:
-    return output.as_model_output() if isinstance(output, MicrobatchOutput) else output
+# A call of one microbatch merges nothing: its output reaches the caller as the model's own type.
+register_unmerged_output(MicrobatchOutput, MicrobatchOutput.as_model_output)
 
 
 # -------------------------------------------------------------------------------------------
@@ -549,7 +522,6 @@ __all__ = [
     "DecoderLayerStage",
     "DecoderPrefix",
     "MicrobatchOutput",
-    "PresetRoundPipe",
     "all_layers",
     "chunked_causal_lm_loss",
     "chunked_linear_cross_entropy",
