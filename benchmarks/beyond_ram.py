@@ -6,7 +6,7 @@ A bf16 model of ``--params`` parameters (residual blocks ``x + Linear(x)`` of ``
 ``--width``) with fp32 optimizer copies and ``roundpipe.optim.Adam`` (``--state-dtype``, default
 int8) regresses a fixed random target on virtual CPU devices, its copies and moments in files
 under ``--folder``. Held in memory, the same state would take ``weights + gradients + copies +
-moments (+ the staging copy of an asynchronous step)`` bytes per parameter (about 12 with int8
+moments (+ a second gradient arena with asynchronous steps)`` bytes per parameter (about 12 with int8
 moments): the run says how that compares with the machine's memory, and refuses to start where
 the offloaded run itself (about 6 bytes per parameter) would not fit.
 
@@ -65,8 +65,8 @@ def _peak_rss() -> int:
 
 def in_memory_bytes(state_dtype: torch.dtype, is_async: bool) -> float:
     """Bytes per parameter of the same training with the state in memory: bf16 weights and
-    gradients, fp32 copies, two moments (and their block scales), the staging copy of the next
-    weights with asynchronous steps."""
+    gradients (a second gradient arena with asynchronous steps: one fills while the step reads
+    the other), fp32 copies, two moments (and their block scales)."""
     moment = {torch.float32: 4.0, torch.bfloat16: 2.0, torch.int8: 1.0 + 4 / 256}[state_dtype]
     return 2 + 2 + 4 + 2 * moment + (2 if is_async else 0)
 
