@@ -6,9 +6,9 @@ A bf16 model of ``--params`` parameters (residual blocks ``x + Linear(x)`` of ``
 ``--width``) with fp32 optimizer copies and ``roundpipe.optim.Adam`` (``--state-dtype``, default
 int8) regresses a fixed random target on virtual CPU devices, its copies and moments in files
 under ``--folder``. Held in memory, the same state would take ``weights + gradients + copies +
-moments (+ a second gradient arena with asynchronous steps)`` bytes per parameter (about 12 with int8
-moments): the run says how that compares with the machine's memory, and refuses to start where
-the offloaded run itself (about 6 bytes per parameter) would not fit.
+moments (+ a second gradient arena with asynchronous steps)`` bytes per parameter (about 12
+with int8 moments): the run says how that compares with the machine's memory, and refuses to
+start where the offloaded run itself (about 6 bytes per parameter) would not fit.
 
 Per iteration: the loss, the iteration's wall time, the step's (on the optimizer thread), the
 step's disk rate (bytes read and written over the step's time) and the peak RSS so far per
@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import roundpipe
-    from roundpipe import OptimOffload, RoundPipe, RoundPipeRunConfig
+    from roundpipe import RoundPipe, RoundPipeRunConfig
     from roundpipe.optim.offload import store_of
 
     out = Output()
