@@ -26,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_memory import CASES, Case, marginal_peak, measure
-from results import parse_count, write_result
+from results import meminfo, parse_count, write_result
 
 # Rows: Adam's state_dtype, and the case measured for it (asynchronous steps; the last row
 # shows what a synchronous step, with one gradient arena instead of two, saves).
@@ -40,15 +40,6 @@ STATE_CASES = {
 INT8_TARGET = 11.0
 # A generous bound on the fp32 case's peak per parameter, to check the machine can hold it.
 FP32_PEAK_ESTIMATE = 20.0
-
-
-def available_memory() -> int:
-    """MemAvailable of /proc/meminfo, in bytes."""
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
 def largest_model(memory: float, per_param: float, fixed: float) -> float:
@@ -80,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
 
     params = parse_count(args.params)
-    available = available_memory()
+    available = meminfo("MemAvailable")
     notes = [f"MemAvailable at start: {available / 2**30:.1f} GiB."]
     if FP32_PEAK_ESTIMATE * params > 0.8 * available:
         params = int(0.8 * available / FP32_PEAK_ESTIMATE) // 10**6 * 10**6

@@ -20,12 +20,11 @@ parameter (over the zero point after torch's first-use costs, as ``optim_offload
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 
 import torch
-from results import Output, parse_count, write_result
+from results import Output, meminfo, parse_count, peak_rss, rss, write_result
 
 
 class Residual(torch.nn.Module):
@@ -40,27 +39,6 @@ class Residual(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.linear(x)
-
-
-def _meminfo(key: str) -> int:
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/meminfo")
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def in_memory_bytes(state_dtype: torch.dtype, is_async: bool) -> float:
@@ -94,7 +72,7 @@ def main() -> None:
     is_async = not args.sync
     layers = max(1, round(parse_count(args.params) / args.width**2))
     params = layers * args.width**2
-    total, available = _meminfo("MemTotal"), _meminfo("MemAvailable")
+    total, available = meminfo("MemTotal"), meminfo("MemAvailable")
     in_memory = in_memory_bytes(state_dtype, is_async) * params
     offloaded = (6 if is_async else 4) * params
     out(
@@ -115,7 +93,7 @@ def main() -> None:
     warm = torch.nn.Linear(512, 512, dtype=torch.bfloat16)
     torch.optim.Adam(warm.parameters())
     warm(torch.randn(8, 512, dtype=torch.bfloat16)).float().sum().backward()
-    zero = _rss()
+    zero = rss()
 
     torch.manual_seed(0)
     start = time.perf_counter()
@@ -127,7 +105,7 @@ def main() -> None:
     assert store is not None
     out(
         f"built in {time.perf_counter() - start:.0f} s (the copies written to {folder}); "
-        f"peak RSS so far {(_peak_rss() - zero) / params:.2f} B/param"
+        f"peak RSS so far {(peak_rss() - zero) / params:.2f} B/param"
     )
 
     steps: list[tuple[float, int]] = []
@@ -162,12 +140,12 @@ def main() -> None:
             step_seconds, nbytes = steps[iteration]
             out(
                 f"| {iteration} | {float(loss):.4f} | {rows[-1][2]:.1f} | {step_seconds:.1f} | "
-                f"{nbytes / step_seconds / 1e9:.2f} | {(_peak_rss() - zero) / params:.2f} |"
+                f"{nbytes / step_seconds / 1e9:.2f} | {(peak_rss() - zero) / params:.2f} |"
             )
         else:  # asynchronous: printed with the next one
             out(
                 f"| {iteration} | {float(loss):.4f} | {rows[-1][2]:.1f} | (in flight) | | "
-                f"{(_peak_rss() - zero) / params:.2f} |"
+                f"{(peak_rss() - zero) / params:.2f} |"
             )
     model.synchronize()
     out()
@@ -176,7 +154,7 @@ def main() -> None:
         + ", ".join(f"{seconds:.1f} s at {nbytes / seconds / 1e9:.2f}" for seconds, nbytes in steps)
     )
     out(
-        f"peak RSS {(_peak_rss() - zero) / 2**30:.1f} GiB = {(_peak_rss() - zero) / params:.2f} "
+        f"peak RSS {(peak_rss() - zero) / 2**30:.1f} GiB = {(peak_rss() - zero) / params:.2f} "
         f"B/param (in memory: {in_memory / 2**30:.1f} GiB); loss {rows[0][1]:.4f} -> "
         f"{rows[-1][1]:.4f}"
     )

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results import parse_count, write_result
+from results import parse_count, peak_rss, reset_peak_rss, rss, write_result
 from roundpipe import RoundPipe
 from roundpipe.optim.adam_state import STATE_BLOCK
 
@@ -104,24 +104,6 @@ CASES = [
 # ------------------------------------------------------------------------------------------
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # resets VmHWM to the current RSS
-
-
 class LoRALinear(torch.nn.Module):
     """A frozen ``width x width`` weight plus a trainable rank-``rank`` update ``B @ A``."""
 
@@ -158,10 +140,10 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
     dtype = getattr(torch, case.dtype)
     # `import roundpipe` already brought torch.fx.experimental.symbolic_shapes (which
     # torch.autograd.backward imports when given gradients) through torch.distributed.checkpoint.
-    imported = _rss()
+    imported = rss()
     _pay_first_use_costs(dtype)
-    zero = _rss()
-    _reset_peak()
+    zero = rss()
+    reset_peak_rss()
 
     torch.manual_seed(0)
     if case.lora:
@@ -172,7 +154,7 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
         )
     x, y = torch.randn(8, width, dtype=dtype), torch.randn(8, width)
     if case.plain:
-        construction_peak = _peak_rss() - zero
+        construction_peak = peak_rss() - zero
         optimizer: torch.optim.Optimizer = torch.optim.Adam(
             [p for p in net.parameters() if p.requires_grad], lr=1e-4
         )
@@ -181,16 +163,16 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
                 ((net(xm).float() - ym) ** 2).mean().backward()
             optimizer.step()
             optimizer.zero_grad()
-        peak = _peak_rss()
+        peak = peak_rss()
         return _figures(
-            peak - zero, peak - imported, _rss() - zero, construction_peak, net, optimizer, net
+            peak - zero, peak - imported, rss() - zero, construction_peak, net, optimizer, net
         )
     model = RoundPipe(
         net,
         optim_dtype=None if case.optim_dtype is None else getattr(torch, case.optim_dtype),
         pin_model="off" if case.lora else "alloc",
     )
-    construction_peak = _peak_rss() - zero
+    construction_peak = peak_rss() - zero
     optimizer = roundpipe.optim.Adam(
         model.optim_parameters(), lr=1e-4, state_dtype=getattr(torch, case.state_dtype)
     )
@@ -216,8 +198,8 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
         for _ in range(case.accumulate):
             model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn, run_config=config)
         model.step(step_fn, case.is_async)
-    steady = _rss() - zero
-    peak = _peak_rss()
+    steady = rss() - zero
+    peak = peak_rss()
     model.synchronize()
     figures = _figures(
         peak - zero, peak - imported, steady, construction_peak, net, optimizer, model

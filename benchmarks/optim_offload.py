@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results import parse_count, write_result
+from results import parse_count, peak_rss, reset_peak_rss, rss, write_result
 
 WIDTH = 2048
 # glibc's malloc, left to itself, raises its mmap threshold to the size of the largest block
@@ -44,24 +44,6 @@ WIDTH = 2048
 # heaps that keep their freed memory: ~0.4-0.6 B/param more at 200-300M parameters, in memory and
 # on disk alike. A fixed threshold (the guide's advice for large models) is set for every case.
 MMAP = str(1 << 20)
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
 
 
 def run_case(
@@ -77,8 +59,8 @@ def run_case(
     warm = torch.nn.Linear(512, 512, dtype=torch.bfloat16)
     torch.optim.Adam(warm.parameters())
     warm(torch.randn(8, 512, dtype=torch.bfloat16)).float().sum().backward()
-    zero = _rss()
-    _reset_peak()
+    zero = rss()
+    reset_peak_rss()
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(
@@ -119,7 +101,7 @@ def run_case(
         iteration_seconds.append(time.perf_counter() - start)
         losses.append(float(loss))
     model.synchronize()
-    peak = _peak_rss() - zero
+    peak = peak_rss() - zero
     total = sum(p.numel() for p in net.parameters())
     later = slice(1, None) if iters > 2 else slice(None)  # the first step creates the state
     return {

@@ -57,6 +57,36 @@ RESULTS_DIR_VARIABLE = "ROUNDPIPE_BENCH_RESULTS"
 LOAD_AT_START = os.getloadavg()
 
 
+def meminfo(key: str) -> int:
+    """A field of /proc/meminfo (``"MemTotal"``, ``"MemAvailable"``...), in bytes."""
+    with open("/proc/meminfo") as fields:
+        for line in fields:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/meminfo")
+
+
+def rss() -> int:
+    """This process's resident memory now, in bytes."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory (VmHWM) since it started or reset_peak_rss()."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    """Sets the peak resident memory (VmHWM) to the current one."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
 def memory_total() -> str:
     """The machine's memory, as /proc/meminfo says."""
     try:
