@@ -7,8 +7,10 @@ from __future__ import annotations
 import copy
 import errno
 import gc
+import io
 import json
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -176,6 +178,39 @@ def test_gradients_after_the_step(tmp_path: Path, is_async: bool) -> None:
         assert all(g is None for g in grads)
     else:
         assert all(g is not None and bool(g.abs().sum() > 0) for g in grads)
+
+
+def _copied(optimizer: torch.optim.Optimizer, how: str) -> torch.optim.Optimizer:
+    if how == "deepcopy":
+        return copy.deepcopy(optimizer)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(optimizer))
+    buffer = io.BytesIO()
+    torch.save(optimizer, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copied_optimizer_steps_in_memory(tmp_path: Path, how: str) -> None:
+    """A copy of an optimizer over offloaded copies (deepcopy, pickle, torch.save + load) holds
+    its parameters and state in memory: it steps like the copy of the same optimizer trained in
+    memory, and leaves the model's copies on disk alone."""
+    copies = []
+    for folder in (tmp_path, None):
+        rp = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=folder)
+        adam = roundpipe.optim.Adam(rp.optim_parameters(), lr=0.01, state_dtype=torch.int8)
+        train(rp, adam, 2, is_async=False)
+        originals = [p.detach().clone() for p in rp.optim_parameters()]
+        copied = _copied(adam, how)
+        generator = torch.Generator().manual_seed(5)
+        for p in copied.param_groups[0]["params"]:
+            p.grad = torch.randn(p.shape, generator=generator)
+        copied.step()
+        on_disk = zip(rp.optim_parameters(), originals, strict=True)
+        assert all(same_bits(p.detach(), o) for p, o in on_disk)
+        copies.append(copied)
+    assert_same_state(*copies)
 
 
 def test_other_optimizers_are_refused(tmp_path: Path) -> None:

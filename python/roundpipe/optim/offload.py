@@ -218,9 +218,11 @@ _stores: weakref.WeakValueDictionary[int, OffloadStore] = weakref.WeakValueDicti
 
 
 def store_of(param: Tensor) -> OffloadStore | None:
-    """The store whose file holds ``param`` (an offloaded optimizer copy), else None."""
+    """The store whose file holds ``param`` (an offloaded optimizer copy), else None: also for
+    a copy of one (``copy.deepcopy``, ``pickle``, ``torch.load``), which lives in memory."""
     store_id = getattr(param, "_offload_store", None)
-    return None if store_id is None else _stores.get(store_id)
+    store = None if store_id is None else _stores.get(store_id)
+    return store if store is not None and store.holds(param) else None
 
 
 class OffloadStore:
@@ -262,7 +264,8 @@ class OffloadStore:
         self._lock = _FolderLock(lock, str(lock_path))
         self._prefix = folder / f"roundpipe-rank{rank}-{os.getpid()}-{id(self):x}"
         self._files: list[_StateFile] = []
-        self._masters: dict[int, _Region] = {}  # id of the copy -> its region
+        # id of the copy -> the copy (weakly: `holds`) and its region
+        self._masters: dict[int, tuple[weakref.ref[Tensor], _Region]] = {}
         self._moments: dict[tuple[int, str], _Region] = {}  # (id of the copy, key) -> region
         self._maps: dict[tuple[int, int], Tensor] = {}  # (file, offset) -> its memory map
         self._map_regions: dict[int, _Region] = {}  # data_ptr of a memory map -> its region
@@ -273,6 +276,11 @@ class OffloadStore:
         if not _hook_installed:
             register_optimizer_step_pre_hook(_refuse_other_optimizers)
             _hook_installed = True
+
+    def holds(self, param: Tensor) -> bool:
+        """Whether ``param`` is one of this store's optimizer copies (not a copy of one)."""
+        entry = self._masters.get(id(param))
+        return entry is not None and entry[0]() is param
 
     def _file(self, index: int, kind: str) -> _StateFile:
         while len(self._files) <= index:
@@ -322,7 +330,7 @@ class OffloadStore:
                 self._write(_Region(0, region.offset + start * 4, piece.numel() * 4), piece)
             copy = OptimizerCopy(self._map(region, value.shape, torch.float32))
             copy._offload_store = id(self)  # type: ignore[attr-defined]
-            self._masters[id(copy)] = region
+            self._masters[id(copy)] = (weakref.ref(copy), region)
             copies[key] = copy
         return copies
 
@@ -383,7 +391,7 @@ class OffloadStore:
         regions: list[list[int]] = []
         for param, state in zip(params, states, strict=True):
             state.update(self.placed(param, state))
-            master = self._masters[id(param)]
+            master = self._masters[id(param)][1]
             row = [master.file, master.offset]
             keys = (*adam_state.MOMENT_KEYS, *adam_state.SCALE_KEYS.values())
             for key in keys:
