@@ -24,7 +24,7 @@ import tempfile
 import time
 
 import torch
-from results import Output, meminfo, parse_count, peak_rss, rss, write_result
+from results import Output, meminfo, parse_count, pay_first_use_costs, peak_rss, rss, write_result
 
 
 class Residual(torch.nn.Module):
@@ -90,9 +90,7 @@ def main() -> None:
         )
 
     roundpipe.configure_devices(kind="cpu", num_cpu_devices=2)
-    warm = torch.nn.Linear(512, 512, dtype=torch.bfloat16)
-    torch.optim.Adam(warm.parameters())
-    warm(torch.randn(8, 512, dtype=torch.bfloat16)).float().sum().backward()
+    pay_first_use_costs(torch.bfloat16)
     zero = rss()
 
     torch.manual_seed(0)
@@ -123,7 +121,7 @@ def main() -> None:
     out()
     out("| iteration | loss | iteration s | step s | disk GB/s | peak RSS B/param |")
     out("|---|---|---|---|---|---|")
-    rows = []
+    losses: list[float] = []
     for iteration in range(args.iters):
         begin = time.perf_counter()
         loss = model.forward_backward(
@@ -134,20 +132,20 @@ def main() -> None:
         )
         model.step(step_fn, is_async)
         if iteration == args.iters - 1:
-            model.synchronize()
-        rows.append((iteration, float(loss), time.perf_counter() - begin))
-        if len(steps) >= len(rows):  # this iteration's step has finished
+            model.synchronize()  # the last step's figures, for its row
+        seconds = time.perf_counter() - begin
+        losses.append(float(loss))
+        if len(steps) > iteration:  # this iteration's step has finished
             step_seconds, nbytes = steps[iteration]
             out(
-                f"| {iteration} | {float(loss):.4f} | {rows[-1][2]:.1f} | {step_seconds:.1f} | "
+                f"| {iteration} | {losses[-1]:.4f} | {seconds:.1f} | {step_seconds:.1f} | "
                 f"{nbytes / step_seconds / 1e9:.2f} | {(peak_rss() - zero) / params:.2f} |"
             )
         else:  # asynchronous: printed with the next one
             out(
-                f"| {iteration} | {float(loss):.4f} | {rows[-1][2]:.1f} | (in flight) | | "
+                f"| {iteration} | {losses[-1]:.4f} | {seconds:.1f} | (in flight) | | "
                 f"{(peak_rss() - zero) / params:.2f} |"
             )
-    model.synchronize()
     out()
     out(
         "steps (s, disk GB/s): "
@@ -155,8 +153,8 @@ def main() -> None:
     )
     out(
         f"peak RSS {(peak_rss() - zero) / 2**30:.1f} GiB = {(peak_rss() - zero) / params:.2f} "
-        f"B/param (in memory: {in_memory / 2**30:.1f} GiB); loss {rows[0][1]:.4f} -> "
-        f"{rows[-1][1]:.4f}"
+        f"B/param (in memory: {in_memory / 2**30:.1f} GiB); loss {losses[0]:.4f} -> "
+        f"{losses[-1]:.4f}"
     )
     if args.record:
         path = write_result(

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results import parse_count, peak_rss, reset_peak_rss, rss, write_result
+from results import parse_count, pay_first_use_costs, peak_rss, reset_peak_rss, rss, write_result
 from roundpipe import RoundPipe
 from roundpipe.optim.adam_state import STATE_BLOCK
 
@@ -117,13 +117,6 @@ class LoRALinear(torch.nn.Module):
         return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
 
 
-def _pay_first_use_costs(dtype: torch.dtype) -> None:
-    """What a process pays once when it first trains with torch, whatever its model's size."""
-    layer = torch.nn.Linear(512, 512, dtype=dtype)
-    torch.optim.Adam(layer.parameters())  # imports torch._dynamo
-    layer(torch.randn(8, 512, dtype=dtype)).float().sum().backward()
-
-
 def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, float]:
     import roundpipe
     from roundpipe import GradScaler, RoundPipeRunConfig
@@ -141,7 +134,7 @@ def run_case(case: Case, params: int, iters: int, devices: int) -> dict[str, flo
     # `import roundpipe` already brought torch.fx.experimental.symbolic_shapes (which
     # torch.autograd.backward imports when given gradients) through torch.distributed.checkpoint.
     imported = rss()
-    _pay_first_use_costs(dtype)
+    pay_first_use_costs(dtype)
     zero = rss()
     reset_peak_rss()
 

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results import parse_count, peak_rss, reset_peak_rss, rss, write_result
+from results import parse_count, pay_first_use_costs, peak_rss, reset_peak_rss, rss, write_result
 
 WIDTH = 2048
 # glibc's malloc, left to itself, raises its mmap threshold to the size of the largest block
@@ -57,9 +57,7 @@ def run_case(
 
     roundpipe.configure_devices(kind="cpu", num_cpu_devices=2)
     layers = max(2, round(params / WIDTH**2))
-    warm = torch.nn.Linear(512, 512, dtype=torch.bfloat16)
-    torch.optim.Adam(warm.parameters())
-    warm(torch.randn(8, 512, dtype=torch.bfloat16)).float().sum().backward()
+    pay_first_use_costs(torch.bfloat16)
     zero = rss()
     reset_peak_rss()
 

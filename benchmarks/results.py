@@ -81,6 +81,14 @@ def peak_rss() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+def pay_first_use_costs(dtype: torch.dtype) -> None:
+    """What a process pays once when it first trains with torch, whatever its model's size: run
+    before taking the zero point of a memory measurement."""
+    layer = torch.nn.Linear(512, 512, dtype=dtype)
+    torch.optim.Adam(layer.parameters())  # imports torch._dynamo
+    layer(torch.randn(8, 512, dtype=dtype)).float().sum().backward()
+
+
 def reset_peak_rss() -> None:
     """Sets the peak resident memory (VmHWM) to the current one."""
     with open("/proc/self/clear_refs", "w") as clear_refs:

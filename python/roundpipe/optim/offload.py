@@ -218,8 +218,8 @@ _stores: weakref.WeakValueDictionary[int, OffloadStore] = weakref.WeakValueDicti
 
 
 def store_of(param: Tensor) -> OffloadStore | None:
-    """The store whose file holds ``param`` (an offloaded optimizer copy), else None: also for
-    a copy of one (``copy.deepcopy``, ``pickle``, ``torch.load``), which lives in memory."""
+    """The store whose file holds ``param`` (an offloaded optimizer copy), else None, also for a
+    copy of one (``copy.deepcopy``, ``pickle``, ``torch.load``), which lives in memory."""
     store_id = getattr(param, "_offload_store", None)
     store = None if store_id is None else _stores.get(store_id)
     return store if store is not None and store.holds(param) else None
