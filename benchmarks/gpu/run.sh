@@ -16,17 +16,21 @@
 #                stage with ROUNDPIPE_BUILD_BENCHMARKS=ON into its build folder), through
 #                benchmarks/cpp_bench.py --record
 #   bench-train  benchmarks/train_gpu.py --record: ours vs roundpipe 0.1.1 vs the GPU-resident bound
+#   bench-host   benchmarks/adam_state_step.py --record on 50M parameters as one tensor: the host
+#                Adam step RoundPipe runs (fp32, bf16 and int8 moments) against torch's fused Adam,
+#                on this machine's cores and memory
 #   test-core    the cuda and cuda3 cases of the core test files (correctness, local backward,
 #                fused path, step, compat, presets; cpu-smoke: their 3dev cases); reaching the
 #                stage's deadline stops it with what ran, which fails only if a test failed
 #   profile      the training benchmark, briefly, under nsys (else ncu on a few kernels)
-#   all          build test bench-micro bench-train profile
+#   all          build test bench-micro bench-train bench-host profile
 # Without `build`, a run that finds no usable build, or sources changed since it, builds first.
 # A failed build skips the later stages; any other failure is recorded and the next stage runs.
 #
 # proof: a first look in at most RUN_BUDGET=530 s: build, test-cuda, bench-micro, bench-train
-# (1K and 4K tokens on the ~1B model, one round) and test-core with whatever is left. Each stage
-# has a deadline of its own (build 200 s, test-cuda 90, bench-micro 30, bench-train 190), so a
+# (1K and 4K tokens on the ~1B model, one round), bench-host (three rounds) and test-core with
+# whatever is left. Each stage has a deadline of its own (build 200 s, test-cuda 90, bench-micro
+# 30, bench-train 190, bench-host 30), so a
 # hang in one leaves the later ones their time. roundpipe 0.1.1's Adam (compiled on first use) is
 # compiled in the background from the start.
 #
@@ -75,19 +79,21 @@ while [ $# -gt 0 ]; do
       shift
       ;;
     --out=*) out=${1#--out=} ;;
-    build | test | test-cuda | bench-train | bench-micro | test-core | profile) stages+=("$1") ;;
-    all) stages+=(build test bench-train bench-micro profile) ;;
+    build | test | test-cuda | bench-train | bench-micro | bench-host | test-core | profile)
+      stages+=("$1")
+      ;;
+    all) stages+=(build test bench-train bench-micro bench-host profile) ;;
     proof)
       proof=1
-      stages+=(build test-cuda bench-micro bench-train test-core)
+      stages+=(build test-cuda bench-micro bench-train bench-host test-core)
       ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (stages: build test test-cuda bench-micro" \
-      "bench-train test-core profile all proof; options --cpu-smoke, --out DIR)" >&2; exit 2 ;;
+      "bench-train bench-host test-core profile all proof; options --cpu-smoke, --out DIR)" >&2; exit 2 ;;
   esac
   shift
 done
-[ ${#stages[@]} -gt 0 ] || stages=(build test bench-train bench-micro profile)
+[ ${#stages[@]} -gt 0 ] || stages=(build test bench-train bench-micro bench-host profile)
 wanted() { [[ " ${stages[*]} " == *" $1 "* ]]; }
 
 [ -n "$out" ] || out="$repo/build/gpu-results/$(date -u +%Y%m%d-%H%M%S)"
@@ -130,6 +136,7 @@ proof_cap() {
     test-cuda) echo 90 ;;
     bench-micro) echo 30 ;;
     bench-train) echo 190 ;;
+    bench-host) echo 30 ;;
     *) echo "" ;;
   esac
 }
@@ -174,6 +181,7 @@ stage_results() {
         "$log" | tail -n 30 | sed 's/^/  /' >>"$summary" || true
       ;;
     bench-micro) grep -v -E '^(BENCH_JSON|=== )' "$log" | sed 's/^/  /' >>"$summary" || true ;;
+    bench-host) sed -n '/^### Ratios/,$p' "$log" | grep '^| ' | sed 's/^/  /' >>"$summary" || true ;;
     bench-train)
       sed -n '/^|/p; /^- largest/p; /^interrupted/p; /^peer warm-up: r/p; /^wrote /p' "$log" |
         sed 's/^/  /' >>"$summary" || true
@@ -429,6 +437,15 @@ stage_bench_micro() {
   return "$rc"
 }
 
+# The host's Adam step: fewer rounds under proof, a small size in a smoke run.
+stage_bench_host() {
+  local args=(--shapes one)
+  [ "$proof" = 0 ] || args+=(--rounds 3)
+  [ "$smoke" = 0 ] || args+=(--params 2M --rounds 2)
+  ROUNDPIPE_BENCH_RESULTS="$OUT/results" "$python" benchmarks/adam_state_step.py "${args[@]}" \
+    --record
+}
+
 stage_profile() {
   local args=() extra=()
   read -r -a args <<<"$(train_args)"
@@ -497,7 +514,7 @@ elif [ "$smoke" = 0 ] && [ "$(source_hash)" != "$(cat "$build_dir/source-hash" 2
   note "sources changed since the last build: running the build stage first"
   run_stage build || build_ok=0
 fi
-for stage in test test-cuda bench-micro bench-train test-core profile; do
+for stage in test test-cuda bench-micro bench-train bench-host test-core profile; do
   wanted "$stage" || continue
   if [ "$build_ok" = 0 ]; then
     note "stage $stage: skipped (build failed)"
