@@ -30,9 +30,8 @@
 # proof: a first look in at most RUN_BUDGET=530 s: build, test-cuda, bench-micro, bench-train
 # (1K and 4K tokens on the ~1B model, one round), bench-host (three rounds) and test-core with
 # whatever is left. Each stage has a deadline of its own (build 200 s, test-cuda 90, bench-micro
-# 30, bench-train 190, bench-host 30), so a
-# hang in one leaves the later ones their time. roundpipe 0.1.1's Adam (compiled on first use) is
-# compiled in the background from the start.
+# 30, bench-train 190, bench-host 30), so a hang in one leaves the later ones their time.
+# roundpipe 0.1.1's Adam (compiled on first use) is compiled in the background from the start.
 #
 # --cpu-smoke runs the same stages on virtual CPU devices with tiny sizes and no CUDA build (the
 # already-built roundpipe of the chosen python; its build stage builds only the C++
@@ -89,7 +88,8 @@ while [ $# -gt 0 ]; do
       ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (stages: build test test-cuda bench-micro" \
-      "bench-train bench-host test-core profile all proof; options --cpu-smoke, --out DIR)" >&2; exit 2 ;;
+      "bench-train bench-host test-core profile all proof; options --cpu-smoke, --out DIR)" >&2
+      exit 2 ;;
   esac
   shift
 done
