@@ -98,12 +98,9 @@ def reset_peak_rss() -> None:
 def memory_total() -> str:
     """The machine's memory, as /proc/meminfo says."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return f"{int(line.split()[1]) / 2**20:.1f} GiB"
-    except OSError:
-        pass
-    return "unknown"
+        return f"{meminfo('MemTotal') / 2**30:.1f} GiB"
+    except (OSError, RuntimeError):
+        return "unknown"
 
 
 def git_commit() -> str:

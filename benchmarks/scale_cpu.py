@@ -33,20 +33,12 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-from results import parse_count, write_result
+from results import parse_count, peak_rss, rss, write_result
 
 WIDTH = 1024
-
-
-def _rss_mib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def rank_main(cfg: dict[str, Any]) -> None:
@@ -66,7 +58,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
             cfg["backend"], rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
         )
         group = dist.group.WORLD
-    baseline = _rss_mib("VmRSS")
+    baseline = rss() / 2**20
     layers = max(1, cfg["params"] // (WIDTH * WIDTH))
     torch.manual_seed(0)
     model = roundpipe.RoundPipe(
@@ -103,9 +95,9 @@ def rank_main(cfg: dict[str, Any]) -> None:
         "call_ms": statistics.median(call_times) * 1e3,
         "step_ms": statistics.median(step_times) * 1e3,
         "adam_ms": statistics.median(adam_times[cfg["warmup"] :]) * 1e3,
-        "rss_mib": _rss_mib("VmRSS"),
-        "growth_mib": _rss_mib("VmRSS") - baseline,
-        "peak_mib": _rss_mib("VmHWM"),
+        "rss_mib": rss() / 2**20,
+        "growth_mib": rss() / 2**20 - baseline,
+        "peak_mib": peak_rss() / 2**20,
     }
     if world > 1:
         own = dist.new_group(backend="gloo")
