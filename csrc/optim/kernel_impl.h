@@ -40,36 +40,31 @@ namespace roundpipe::optim::kernels {
 // bandwidth (benchmarks/adam_cpu.py measures the distances).
 inline constexpr std::int64_t kPrefetchAhead = 512;
 
-// The random bits of stochastic rounding of bf16 moments: a hash (murmur3's finaliser) of the
-// element's index in its tensor times an odd constant, mixed with the step's seed; 16 bits for each
-// moment (low half exp_avg, high exp_avg_sq). The vectors are consecutive, so the index's product
-// advances by one addition per vector (the same bits as multiplying each index, modulo 2^32).
-template <class Isa>
-class HashBits {
+// The random bits of the stochastic rounding of compact moments: a Weyl sequence, the step's seed
+// plus the element's index in its tensor times an odd constant. The seed (a hash of the step)
+// makes each element's bits independent and uniform from step to step, which is all unbiased
+// rounding needs, and the next vector's bits are one addition away. exp_avg takes the top kBits
+// bits, exp_avg_sq the bottom ones.
+template <class Isa, int kBits>
+class WeylBits {
  public:
-  static constexpr std::uint32_t kIndexFactor = 0x9E3779B1u;
+  static constexpr std::uint32_t kStep = 0x9E3779B9u;
+  static_assert(kBits > 0 && kBits < 32);
 
-  HashBits(std::int64_t index, std::uint32_t seed)
-      : index_term_(Isa::imul(Isa::iadd(Isa::iset1(static_cast<std::uint32_t>(index)), Isa::iota()),
-                              Isa::iset1(kIndexFactor))),
-        stride_(Isa::iset1(kIndexFactor * static_cast<std::uint32_t>(Isa::kWidth))),
-        seed_(Isa::iset1(seed)) {}
+  WeylBits(std::int64_t index, std::uint32_t seed)
+      : state_(Isa::iadd(
+            Isa::imul(Isa::iadd(Isa::iset1(static_cast<std::uint32_t>(index)), Isa::iota()),
+                      Isa::iset1(kStep)),
+            Isa::iset1(seed))),
+        stride_(Isa::iset1(kStep * static_cast<std::uint32_t>(Isa::kWidth))) {}
 
-  // The bits of the next vector's elements.
-  typename Isa::I next() {
-    auto h = Isa::ixor(index_term_, seed_);
-    index_term_ = Isa::iadd(index_term_, stride_);
-    h = Isa::ixor(h, Isa::template shr<16>(h));
-    h = Isa::imul(h, Isa::iset1(0x85EBCA6Bu));
-    h = Isa::ixor(h, Isa::template shr<13>(h));
-    h = Isa::imul(h, Isa::iset1(0xC2B2AE35u));
-    return Isa::ixor(h, Isa::template shr<16>(h));
-  }
+  typename Isa::I exp_avg() const { return Isa::template shr<32 - kBits>(state_); }
+  typename Isa::I exp_avg_sq() const { return Isa::iand(state_, Isa::iset1((1u << kBits) - 1)); }
+  void advance() { state_ = Isa::iadd(state_, stride_); }
 
  private:
-  typename Isa::I index_term_;
+  typename Isa::I state_;
   typename Isa::I stride_;
-  typename Isa::I seed_;
 };
 
 // bf16 with stochastic rounding, as bit patterns in the low 16 bits of each lane: 16 random bits
@@ -201,34 +196,6 @@ inline BlockCoding settle_block(bool is_exp_avg, float* values, std::int64_t n,
   return code_against(is_exp_avg, values, n, std::bit_cast<float>(largest));
 }
 
-// The random bits of the stochastic rounding of 8-bit moments: a Weyl sequence, the step's seed
-// plus the element's index in its tensor times an odd constant. The seed (a hash of the step)
-// makes each element's bits independent and uniform from step to step, which is all unbiased
-// rounding needs, and the next vector's bits are one addition away. exp_avg takes the top
-// kCodeDropped bits, exp_avg_sq the bottom ones.
-template <class Isa>
-class WeylBits {
- public:
-  static constexpr std::uint32_t kStep = 0x9E3779B9u;
-
-  WeylBits(std::int64_t index, std::uint32_t seed)
-      : state_(Isa::iadd(
-            Isa::imul(Isa::iadd(Isa::iset1(static_cast<std::uint32_t>(index)), Isa::iota()),
-                      Isa::iset1(kStep)),
-            Isa::iset1(seed))),
-        stride_(Isa::iset1(kStep * static_cast<std::uint32_t>(Isa::kWidth))) {}
-
-  typename Isa::I exp_avg() const { return Isa::template shr<32 - kCodeDropped>(state_); }
-  typename Isa::I exp_avg_sq() const {
-    return Isa::iand(state_, Isa::iset1((1u << kCodeDropped) - 1));
-  }
-  void advance() { state_ = Isa::iadd(state_, stride_); }
-
- private:
-  typename Isa::I state_;
-  typename Isa::I stride_;
-};
-
 // Runs the Isa's full vectors over [begin, end) and returns where it stopped; the caller finishes
 // the remaining (fewer than kWidth) elements with the scalar kernel. `O` is the dtype written to
 // lowp_param; kFloat32 there means no low-precision copy is written. `S` is the moments' dtype,
@@ -271,7 +238,7 @@ std::int64_t adam_vectors(const AdamCoefficients& c, const AdamBuffers& b, std::
   const F eps = Isa::set1(c.eps);
   const F neg_step_size = Isa::set1(c.neg_step_size);
 
-  HashBits<Isa> random(begin, c.rounding_seed);
+  WeylBits<Isa, 16> random(begin, c.rounding_seed);
   // Updates the vector at i; returns its moments' bf16 bit patterns (S kBFloat16) for the caller to
   // store, which stores two vectors' at once where it can.
   struct Rounded {
@@ -307,9 +274,10 @@ std::int64_t adam_vectors(const AdamCoefficients& c, const AdamBuffers& b, std::
       Isa::store(exp_avg_sq_ptr + i, exp_avg_sq);
       return Rounded{};
     } else {
-      const auto bits = random.next();
-      return Rounded{bf16_stochastic<Isa>(exp_avg, Isa::iand(bits, Isa::iset1(0xFFFFu))),
-                     bf16_stochastic<Isa>(exp_avg_sq, Isa::template shr<16>(bits))};
+      const Rounded rounded{bf16_stochastic<Isa>(exp_avg, random.exp_avg()),
+                            bf16_stochastic<Isa>(exp_avg_sq, random.exp_avg_sq())};
+      random.advance();
+      return rounded;
     }
   };
   const auto update_one = [&](std::int64_t i) __attribute__((always_inline)) {
@@ -458,7 +426,7 @@ void adam_int8_blocks(const AdamCoefficients& c, const AdamBuffers& b, std::int6
                         };
   struct Encoding {
     F exp_avg_inverse, exp_avg_sq_inverse;
-    WeylBits<Isa> random;
+    WeylBits<Isa, kCodeDropped> random;
   };
   // Sets the block's new scales (its `n` fresh moments may be fixed up: settle_block); returns
   // its encoding.
@@ -469,7 +437,8 @@ void adam_int8_blocks(const AdamCoefficients& c, const AdamBuffers& b, std::int6
         settle_block(false, k.fresh_exp_avg_sq, n, Isa::humax(u.largest_exp_avg_sq));
     exp_avg_scales[block] = m.scale;
     exp_avg_sq_scales[block] = v.scale;
-    return Encoding{Isa::set1(m.factor), Isa::set1(v.factor), WeylBits<Isa>(first, seed)};
+    return Encoding{Isa::set1(m.factor), Isa::set1(v.factor),
+                    WeylBits<Isa, kCodeDropped>(first, seed)};
   };
   const auto encode = [](const Block& k, Encoding& e,
                          std::int64_t i) __attribute__((always_inline)) {
