@@ -112,6 +112,25 @@ def test_inference_matches_pytorch_and_keeps_no_graph(num_devices: int) -> None:
     assert all(p.grad is None for p in model.model.parameters())
 
 
+def test_inference_mode_matches_pytorch(num_devices: int) -> None:
+    """Under torch.inference_mode(), as plain PyTorch: the output, an inference tensor, and the
+    BatchNorm statistics of a train-mode model (was: a RuntimeError, inference tensors having
+    no version counter)."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.ReLU(inplace=True))
+    model = RoundPipe(copy.deepcopy(reference))
+    x = torch.randn(5, 6)
+    config = RoundPipeRunConfig(num_microbatch=1)
+    with torch.inference_mode():
+        out = model(x, roundpipe_run_config=config)
+        expected = reference(x)
+    assert out.is_inference() and torch.equal(out, expected)
+    assert torch.equal(model.model[1].running_mean, reference[1].running_mean)
+    model.eval(), reference.eval()
+    with torch.inference_mode():
+        assert torch.equal(model(x, roundpipe_run_config=config), reference(x))
+
+
 def test_gradients_accumulate_over_calls_until_cleared(num_devices: int) -> None:
     reference = mlp()
     model = RoundPipe(copy.deepcopy(reference))
