@@ -131,6 +131,45 @@ def test_inference_mode_matches_pytorch(num_devices: int) -> None:
         assert torch.equal(model(x, roundpipe_run_config=config), reference(x))
 
 
+@pytest.mark.parametrize("by_reference", [False, True], ids=["as_kept", "by_reference"])
+def test_input_changed_in_place_before_backward(
+    num_devices: int, by_reference: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward() input changed in place before the backward: plain PyTorch raises its
+    "modified by an inplace operation" error (Linear saved it); ours raises it too, or gives the
+    gradients of the input the forward saw, never those of the changed one. ``by_reference``:
+    the input kept as it is, as when the layers compute with a device copy (CUDA)."""
+    if by_reference:
+        monkeypatch.setattr(roundpipe.call.saved_inputs, "unshared", lambda saved, _: saved)
+    reference = mlp()
+    model = RoundPipe(
+        copy.deepcopy(reference), model_run_config=RoundPipeRunConfig(num_microbatch=1)
+    )
+    x = torch.randn(5, 6)
+    original, plain_x = x.clone(), x.clone()
+    plain_out = reference(plain_x)
+    plain_x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        plain_out.sum().backward()
+    reference.zero_grad()  # the layers after the first got theirs before the error
+    out = model(x)
+    x.add_(1.0)
+    try:
+        out.sum().backward()
+    except RuntimeError as error:
+        assert "modified by an inplace operation" in str(error)
+        assert all(p.grad is None for p in model.model.parameters())
+    else:
+        model.synchronize()
+        reference(original).sum().backward()
+        assert_same_grads(model.model, reference)
+    model.zero_grad(), reference.zero_grad()
+    reference(x).sum().backward()  # the model stays usable
+    model(x).sum().backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
 def test_gradients_accumulate_over_calls_until_cleared(num_devices: int) -> None:
     reference = mlp()
     model = RoundPipe(copy.deepcopy(reference))

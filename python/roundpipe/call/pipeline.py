@@ -142,7 +142,11 @@ class Call:
             # The fused stage recomputes nothing: it keeps its own graph.
             backward = self.plan.bwd_plan[1:] if self.run_type == "fused" else self.plan.bwd_plan
             self.saved = SavedInputs(
-                len(self.model.layers), self.num_microbatch, backward, self.recompute_grain
+                len(self.model.layers),
+                self.num_microbatch,
+                backward,
+                self.recompute_grain,
+                self.model.name,
             )
         if self.saving and self.preserve_rng_state:
             self.rng_states = _C.RngStates(len(self.model.layers), self.num_microbatch)
