@@ -370,7 +370,9 @@ class Call:
         if stage.layers.start == 0:
             moved = self._model_input(microbatch, value, stage.device_index)
             if self.saved is not None and 0 in self.saved.starts:
-                self.saved.keep_call_input(microbatch, value, moved)
+                # A chained model's packed outputs may still be written by its transfers.
+                in_flight = bool(self.input_events and self.input_events[microbatch])
+                self.saved.keep_call_input(microbatch, value, moved, check=not in_flight)
             return moved
         with self.mark("activation", stage.layers[:1], microbatch):
             return to_device(value, stage.device_index)

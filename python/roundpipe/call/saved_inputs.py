@@ -49,17 +49,18 @@ class SavedInputs:
                 kept.requires_grad_(True)
         self._host[(layer, microbatch)] = (saved, event)
 
-    def keep_call_input(self, microbatch: int, value: Any, moved: Any) -> None:
+    def keep_call_input(self, microbatch: int, value: Any, moved: Any, check: bool) -> None:
         """Keep the call's own input ``value`` (the input of layer 0) as it came in,
         ``requires_grad`` flags included; ``moved`` is its copy on the device, which may share
-        storage with it. Its tensors kept as they are (``moved`` is a copy: CUDA) must not
-        change before the backward recomputes from them: their versions are checked then."""
+        storage with it. With ``check``, its tensors kept as they are (``moved`` is a copy:
+        CUDA) must not change before the backward recomputes from them: their versions are
+        checked then."""
         saved = unshared(value, moved)
         self._host[(0, microbatch)] = (saved, None)
         self._versions[microbatch] = [
             (kept, kept._version)
             for kept, leaf in zip(flatten(saved)[0], flatten(value)[0], strict=True)
-            if isinstance(kept, torch.Tensor) and kept is leaf
+            if check and isinstance(kept, torch.Tensor) and kept is leaf
         ]
 
     def find(self, layer: int, microbatch: int) -> tuple[Any, Any]:
