@@ -15,6 +15,7 @@ import torch
 
 from roundpipe._native import _C
 from roundpipe.call.transfers import flatten, unshared
+from roundpipe.torch_internals import version_of
 
 
 class SavedInputs:
@@ -58,7 +59,7 @@ class SavedInputs:
         saved = unshared(value, moved)
         self._host[(0, microbatch)] = (saved, None)
         self._versions[microbatch] = [
-            (kept, kept._version)
+            (kept, version_of(kept))
             for kept, leaf in zip(flatten(saved)[0], flatten(value)[0], strict=True)
             if check and isinstance(kept, torch.Tensor) and kept is leaf
         ]
@@ -79,12 +80,12 @@ class SavedInputs:
         """PyTorch's error for a tensor its graph saved and the user changed in place since the
         forward: the recompute would compute from other values than the forward did."""
         for kept, version in self._versions.get(microbatch, []):
-            if kept._version != version:
+            if version_of(kept) != version:
                 raise RuntimeError(
                     f"RoundPipe model '{self.model}': one of the variables needed for gradient "
                     f"computation has been modified by an inplace operation: an input of the "
                     f"forward() call (microbatch {microbatch}, shape {tuple(kept.shape)}) is at "
-                    f"version {kept._version}; expected version {version} instead. The backward "
+                    f"version {version_of(kept)}; expected version {version} instead. The backward "
                     "recomputes the layers from it: do not change a forward()'s inputs in place "
                     "before its backward (clone them)."
                 )
