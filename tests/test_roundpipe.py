@@ -170,6 +170,39 @@ def test_input_changed_in_place_before_backward(
     assert_same_grads(model.model, reference)
 
 
+def test_hooks_on_the_wrapped_sequential_are_refused_not_skipped(num_devices: int) -> None:
+    """Plain PyTorch runs hooks registered on the Sequential itself at every call; a RoundPipe
+    call runs the layers one by one, so they are refused before any work (they were skipped,
+    and the output differed), and the same hooks on the RoundPipe model act as on the
+    Sequential."""
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    x = torch.randn(5, 6)
+    for register in (
+        lambda m: m.register_forward_pre_hook(lambda _, args: (args[0] * 3,)),
+        lambda m: m.register_forward_hook(lambda _, args, out: out + 1),
+        lambda m: m.register_full_backward_hook(lambda _, grad_in, grad_out: None),
+    ):
+        handle = register(model.model)
+        with pytest.raises(RuntimeError, match="wrapped Sequential has hooks of its own"):
+            model(x)
+        with pytest.raises(RuntimeError, match="wrapped Sequential has hooks of its own"):
+            model.forward_backward((x,), loss_fn=lambda out, _: out.sum())
+        handle.remove()
+    assert all(p.grad is None for p in model.model.parameters())
+    for module in (reference, model):
+        module.register_forward_pre_hook(lambda _, args: (args[0] * 3,))
+        module.register_forward_hook(lambda _, args, out: out + 1)
+    config = RoundPipeRunConfig(num_microbatch=1)
+    expected = reference(x)
+    out = model(x, roundpipe_run_config=config)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    expected.pow(2).sum().backward()
+    out.pow(2).sum().backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
 def test_gradients_accumulate_over_calls_until_cleared(num_devices: int) -> None:
     reference = mlp()
     model = RoundPipe(copy.deepcopy(reference))
