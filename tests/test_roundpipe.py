@@ -586,6 +586,22 @@ def test_attribute_forwarding_and_original_model() -> None:
     assert inner.training
 
 
+def test_full_backward_hook_on_the_model_runs_as_on_the_module(num_devices: int) -> None:
+    """register_full_backward_hook on a RoundPipe model runs once per backward with the output's
+    gradient, as on the unwrapped module (it never ran: its flag went to the wrapped module)."""
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    seen: dict[str, list[torch.Tensor]] = {"plain": [], "ours": []}
+    for key, module in (("plain", reference), ("ours", model)):
+        module.register_full_backward_hook(
+            lambda _, grad_in, grad_out, key=key: seen[key].append(grad_out[0])
+        )
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        module(x).pow(2).sum().backward()
+    assert len(seen["ours"]) == len(seen["plain"]) == 1
+    torch.testing.assert_close(seen["ours"][0], seen["plain"][0], rtol=1e-12, atol=1e-12)
+
+
 def test_default_name_is_the_caller_location() -> None:
     model = RoundPipe(mlp())
     assert model.name.startswith("test_roundpipe.py:")
