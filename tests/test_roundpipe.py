@@ -112,6 +112,97 @@ def test_inference_matches_pytorch_and_keeps_no_graph(num_devices: int) -> None:
     assert all(p.grad is None for p in model.model.parameters())
 
 
+def test_inference_mode_matches_pytorch(num_devices: int) -> None:
+    """Under torch.inference_mode(), as plain PyTorch: the output, an inference tensor, and the
+    BatchNorm statistics of a train-mode model (was: a RuntimeError, inference tensors having
+    no version counter)."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.ReLU(inplace=True))
+    model = RoundPipe(copy.deepcopy(reference))
+    x = torch.randn(5, 6)
+    config = RoundPipeRunConfig(num_microbatch=1)
+    with torch.inference_mode():
+        out = model(x, roundpipe_run_config=config)
+        expected = reference(x)
+    assert out.is_inference() and torch.equal(out, expected)
+    assert torch.equal(model.model[1].running_mean, reference[1].running_mean)
+    model.eval(), reference.eval()
+    with torch.inference_mode():
+        assert torch.equal(model(x, roundpipe_run_config=config), reference(x))
+
+
+@pytest.mark.parametrize("by_reference", [False, True], ids=["as_kept", "by_reference"])
+def test_input_changed_in_place_before_backward(
+    num_devices: int, by_reference: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward() input changed in place before the backward: plain PyTorch raises its
+    "modified by an inplace operation" error (Linear saved it); ours raises it too, or gives the
+    gradients of the input the forward saw, never those of the changed one. ``by_reference``:
+    the input kept as it is, as when the layers compute with a device copy (CUDA)."""
+    if by_reference:
+        monkeypatch.setattr(roundpipe.call.saved_inputs, "unshared", lambda saved, _: saved)
+    reference = mlp()
+    model = RoundPipe(
+        copy.deepcopy(reference), model_run_config=RoundPipeRunConfig(num_microbatch=1)
+    )
+    x = torch.randn(5, 6)
+    original, plain_x = x.clone(), x.clone()
+    plain_out = reference(plain_x)
+    plain_x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        plain_out.sum().backward()
+    reference.zero_grad()  # the layers after the first got theirs before the error
+    out = model(x)
+    x.add_(1.0)
+    try:
+        out.sum().backward()
+    except RuntimeError as error:
+        assert "modified by an inplace operation" in str(error)
+        assert all(p.grad is None for p in model.model.parameters())
+    else:
+        model.synchronize()
+        reference(original).sum().backward()
+        assert_same_grads(model.model, reference)
+    model.zero_grad(), reference.zero_grad()
+    reference(x).sum().backward()  # the model stays usable
+    model(x).sum().backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
+def test_hooks_on_the_wrapped_sequential_are_refused_not_skipped(num_devices: int) -> None:
+    """Plain PyTorch runs hooks registered on the Sequential itself at every call; a RoundPipe
+    call runs the layers one by one, so they are refused before any work (they were skipped,
+    and the output differed), and the same hooks on the RoundPipe model act as on the
+    Sequential."""
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    x = torch.randn(5, 6)
+    for register in (
+        lambda m: m.register_forward_pre_hook(lambda _, args: (args[0] * 3,)),
+        lambda m: m.register_forward_hook(lambda _, args, out: out + 1),
+        lambda m: m.register_full_backward_hook(lambda _, grad_in, grad_out: None),
+    ):
+        handle = register(model.model)
+        with pytest.raises(RuntimeError, match="wrapped Sequential has hooks of its own"):
+            model(x)
+        with pytest.raises(RuntimeError, match="wrapped Sequential has hooks of its own"):
+            model.forward_backward((x,), loss_fn=lambda out, _: out.sum())
+        handle.remove()
+    assert all(p.grad is None for p in model.model.parameters())
+    for module in (reference, model):
+        module.register_forward_pre_hook(lambda _, args: (args[0] * 3,))
+        module.register_forward_hook(lambda _, args, out: out + 1)
+    config = RoundPipeRunConfig(num_microbatch=1)
+    expected = reference(x)
+    out = model(x, roundpipe_run_config=config)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    expected.pow(2).sum().backward()
+    out.pow(2).sum().backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference)
+
+
 def test_gradients_accumulate_over_calls_until_cleared(num_devices: int) -> None:
     reference = mlp()
     model = RoundPipe(copy.deepcopy(reference))
@@ -493,6 +584,22 @@ def test_attribute_forwarding_and_original_model() -> None:
     assert not inner.training and not model.training
     model.train()
     assert inner.training
+
+
+def test_full_backward_hook_on_the_model_runs_as_on_the_module(num_devices: int) -> None:
+    """register_full_backward_hook on a RoundPipe model runs once per backward with the output's
+    gradient, as on the unwrapped module (it never ran: its flag went to the wrapped module)."""
+    reference = mlp()
+    model = RoundPipe(copy.deepcopy(reference))
+    seen: dict[str, list[torch.Tensor]] = {"plain": [], "ours": []}
+    for key, module in (("plain", reference), ("ours", model)):
+        module.register_full_backward_hook(
+            lambda _, grad_in, grad_out, key=key: seen[key].append(grad_out[0])
+        )
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        module(x).pow(2).sum().backward()
+    assert len(seen["ours"]) == len(seen["plain"]) == 1
+    torch.testing.assert_close(seen["ours"][0], seen["plain"][0], rtol=1e-12, atol=1e-12)
 
 
 def test_default_name_is_the_caller_location() -> None:

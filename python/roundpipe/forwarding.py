@@ -52,7 +52,8 @@ class ForwardingModule(RuntimeState, OptimizerCopiesView):
         return getattr(target, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if not self.__dict__.get("_constructed"):
+        # register_full_backward_hook's flag says how the wrapper's own call runs its hooks.
+        if not self.__dict__.get("_constructed") or name == "_is_full_backward_hook":
             super().__setattr__(name, value)
             return
         for target in self._forwarding_targets():

@@ -24,6 +24,7 @@ from roundpipe.batch import (
     split_label,
 )
 from roundpipe.call.autograd import NodeState, backward_into_inputs, connect
+from roundpipe.call.checks import refuse_sequential_hooks
 from roundpipe.call.lock import CallLock, hold_for_fork
 from roundpipe.call.pipeline import Call, CallModel, LossSpec
 from roundpipe.checkpoints.model_state import ModelState
@@ -721,9 +722,9 @@ class RoundPipe(ForwardingModule):
     def _new_call(
         self, config: ResolvedRunConfig, run_type: RunType, input_events: list[list[Any]]
     ) -> Call:
-        """A call about to run (arguments validated, plan chosen) on inputs whose transfers
-        from an upstream RoundPipe are ``input_events``; shared parameters are refreshed first."""
+        """The checked, planned call on inputs whose upstream transfers are ``input_events``."""
         self._check_as_wrapped()
+        refuse_sequential_hooks(self.name, self.model)
         plan = self._plan(config, run_type)
         self._runtime.memory.sync_aliases()
         return Call(

@@ -157,6 +157,18 @@ def has_state_dict_hooks(module: nn.Module) -> bool:
     return any(getattr(module, name, True) for name in names)
 
 
+def call_hook_kinds(module: nn.Module) -> list[str]:
+    """The registration methods of the hooks registered on ``module`` itself that run when it is
+    called (forward pre-hooks, forward hooks, backward pre-hooks and backward hooks)."""
+    kinds = {
+        "_forward_pre_hooks": "register_forward_pre_hook",
+        "_forward_hooks": "register_forward_hook",
+        "_backward_pre_hooks": "register_full_backward_pre_hook",
+        "_backward_hooks": "register_full_backward_hook",
+    }
+    return [method for name, method in kinds.items() if getattr(module, name, None)]
+
+
 def has_optimizer_load_hooks(optimizer: torch.optim.Optimizer) -> bool:
     """Whether a load pre-hook (``register_load_state_dict_pre_hook``) may rewrite the state
     ``optimizer.load_state_dict`` is given."""
@@ -194,6 +206,7 @@ __all__ = [
     "TreeSpec",
     "backward_hooks",
     "buffer_slots",
+    "call_hook_kinds",
     "child_slots",
     "current_graph_task_id",
     "has_optimizer_load_hooks",

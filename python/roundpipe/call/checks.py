@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from roundpipe.torch_internals import tree_flatten
+from roundpipe.torch_internals import call_hook_kinds, tree_flatten
 
 
 def check_output(model: str, last_layer: int, microbatch: int, leaves: list[Any]) -> None:
@@ -118,4 +118,25 @@ def check_loss(loss: Any, name: str, microbatch: int) -> None:
             )
 
 
-__all__ = ["check_loss", "check_output", "hides_gradients", "refuse_hidden_gradients"]
+def refuse_sequential_hooks(model: str, module: torch.nn.Module) -> None:
+    """``RuntimeError`` for hooks registered on a wrapped Sequential itself: a call runs its
+    layers one by one and never calls the Sequential, so they would be skipped silently where
+    plain PyTorch runs them (hooks on the layers run, as in plain PyTorch)."""
+    kinds = call_hook_kinds(module) if isinstance(module, torch.nn.Sequential) else []
+    if kinds:
+        raise RuntimeError(
+            f"RoundPipe model '{model}': the wrapped Sequential has hooks of its own "
+            f"({', '.join(kinds)}), which RoundPipe cannot run: it runs the Sequential's "
+            "layers one by one, never the Sequential itself. Register forward hooks and "
+            "pre-hooks on the RoundPipe model instead (it runs them on each call's whole "
+            "batch, as PyTorch runs them on the Sequential), backward hooks on a layer"
+        )
+
+
+__all__ = [
+    "check_loss",
+    "check_output",
+    "hides_gradients",
+    "refuse_hidden_gradients",
+    "refuse_sequential_hooks",
+]

@@ -142,7 +142,11 @@ class Call:
             # The fused stage recomputes nothing: it keeps its own graph.
             backward = self.plan.bwd_plan[1:] if self.run_type == "fused" else self.plan.bwd_plan
             self.saved = SavedInputs(
-                len(self.model.layers), self.num_microbatch, backward, self.recompute_grain
+                len(self.model.layers),
+                self.num_microbatch,
+                backward,
+                self.recompute_grain,
+                self.model.name,
             )
         if self.saving and self.preserve_rng_state:
             self.rng_states = _C.RngStates(len(self.model.layers), self.num_microbatch)
@@ -366,7 +370,9 @@ class Call:
         if stage.layers.start == 0:
             moved = self._model_input(microbatch, value, stage.device_index)
             if self.saved is not None and 0 in self.saved.starts:
-                self.saved.keep_call_input(microbatch, value, moved)
+                # A chained model's packed outputs may still be written by its transfers.
+                in_flight = bool(self.input_events and self.input_events[microbatch])
+                self.saved.keep_call_input(microbatch, value, moved, check=not in_flight)
             return moved
         with self.mark("activation", stage.layers[:1], microbatch):
             return to_device(value, stage.device_index)

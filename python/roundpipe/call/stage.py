@@ -452,17 +452,20 @@ class Uploads:
 
     def _upload(self, index: int) -> None:
         stage = self.stages[index]
-        resident = ResidentStage(
-            self.memory,
-            stage.layers,
-            next_device(),
-            stage.kind != "forward",
-            self.model,
-            self.nvtx_model,
-            self.grads_from_arena,
-            self.hooks,
-            self.grad_arena,
-        )
+        # Outside inference mode (a call under torch.inference_mode()): the device copies must
+        # have version counters, which the check for parameters changed in place reads.
+        with torch.inference_mode(False):
+            resident = ResidentStage(
+                self.memory,
+                stage.layers,
+                next_device(),
+                stage.kind != "forward",
+                self.model,
+                self.nvtx_model,
+                self.grads_from_arena,
+                self.hooks,
+                self.grad_arena,
+            )
         resident.trace = stage_trace(self.model, resident.device_index, index, stage.layers)
         if resident.trace is not None:
             resident.trace.transfer("upload", "parameter upload", resident.uploaded)
