@@ -183,10 +183,6 @@ class NodeState:
                 module.training = training
 
 
-def _differentiable(tensor: torch.Tensor) -> bool:
-    return tensor.is_floating_point() or tensor.is_complex()
-
-
 def _wants_param_grads(params_node: Any) -> bool:
     """Whether the running backward pass reaches the anchor (a plain ``backward()``), rather
     than only the inputs (``torch.autograd.grad``, ``backward(inputs=...)``). Where the engine
@@ -223,7 +219,13 @@ class PipelineFunction(torch.autograd.Function):
         # retain_graph, so a second backward raises exactly as PyTorch does for its own nodes.
         ctx.save_for_backward(anchor)
         outputs = tuple(node.run_forward())
-        ctx.mark_non_differentiable(*(t for t in outputs if not _differentiable(t)))
+        # Outputs that plain PyTorch's would not have requiring grad (a detached one, or none of
+        # the parameters and inputs they come from requiring grad) stay so: backward through
+        # them raises as in plain PyTorch, where it would otherwise run and reach nothing.
+        requiring_grad = node.call.outputs_requiring_grad
+        ctx.mark_non_differentiable(
+            *(t for t, wanted in zip(outputs, requiring_grad, strict=True) if not wanted)
+        )
         return outputs
 
     @staticmethod

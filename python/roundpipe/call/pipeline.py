@@ -118,6 +118,10 @@ class Call:
     # The fused stage's outputs (if kept) on the output device, and the events of their copies.
     outputs: list[Any] = field(default_factory=list)
     output_events: list[Any] = field(default_factory=list)
+    # Per tensor of a training forward()'s outputs (microbatch by microbatch, in pytree order):
+    # whether it requires grad, as plain PyTorch's would (their copies to the output device are
+    # detached).
+    outputs_requiring_grad: list[bool] = field(init=False, default_factory=list)
     # Whether this call marks NVTX ranges and runs on CUDA devices (decided once per call).
     nvtx: bool = field(init=False, default_factory=nvtx_enabled)
     on_cuda: bool = field(init=False, default_factory=on_cuda)
@@ -162,7 +166,11 @@ class Call:
         if self.saving:
             last = len(self.model.layers) - 1
             for m, value in enumerate(outputs):
-                check_output(self.model.name, last, m, flatten(value)[0])
+                leaves = flatten(value)[0]
+                check_output(self.model.name, last, m, leaves)
+                self.outputs_requiring_grad.extend(
+                    leaf.requires_grad for leaf in leaves if isinstance(leaf, torch.Tensor)
+                )
         return to_output_device(outputs, output_device)
 
     def backward(
