@@ -12,6 +12,7 @@ import gc
 import os
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import roundpipe
@@ -1126,3 +1127,77 @@ def test_module_hooks_run_again_in_the_recompute_and_can_tell(num_devices: int) 
     config = RoundPipeRunConfig(num_microbatch=2)
     model(torch.randn(4, 6), roundpipe_run_config=config).sum().backward()
     assert seen == [False, False, True, True]
+
+
+class _Detached(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x.detach()
+
+
+@pytest.mark.parametrize(
+    "frozen, input_grad",
+    [((), False), ((0, 1, 2), False), ((0, 1, 2), True), ((0,), False)],
+    ids=["trained", "frozen", "frozen-input-grad", "first-frozen"],
+)
+def test_outputs_require_grad_exactly_where_plain_pytorchs_do(
+    num_devices: int, frozen: tuple[int, ...], input_grad: bool
+) -> None:
+    """An output that plain PyTorch's does not have requiring grad (detached, or from frozen
+    layers and an input that requires none) does not require it: a backward through it raises
+    as in plain PyTorch instead of running and reaching nothing. The others train alike."""
+    reference = nn.Sequential(*mlp(layers=3), _Detached())
+    for index in frozen:
+        reference[index].requires_grad_(False)
+    model = RoundPipe(copy.deepcopy(reference))
+    x = torch.randn(4, 6)
+    config = RoundPipeRunConfig(num_microbatch=2)
+    ours = model(x.clone().requires_grad_(input_grad), roundpipe_run_config=config)
+    plain_input = x.clone().requires_grad_(input_grad)
+    plain = [reference(chunk) for chunk in plain_input.tensor_split(2)]
+    for i in range(2):
+        assert ours[i].requires_grad == plain[0][i].requires_grad
+    assert not ours[1].requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        ours[1].sum().backward()
+    if not plain[0][0].requires_grad:
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            ours[0].sum().backward()
+        return
+    ours_input = x.clone().requires_grad_(input_grad)
+    ours = model(ours_input, roundpipe_run_config=config)
+    ours[0].sum().backward()
+    sum(out[0].sum() for out in plain).backward()
+    model.synchronize()
+    for (name, p), q in zip(model.model.named_parameters(), reference.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    if input_grad:
+        torch.testing.assert_close(ours_input.grad, plain_input.grad)
+
+
+@pytest.mark.slow
+def test_compile_compiles_the_models_own_call_as_on_a_plain_module() -> None:
+    """``model.compile()`` compiles the RoundPipe model's call, as nn.Module.compile() compiles
+    the module's (it used to land on the wrapped Sequential, leaving the model's call eager); the
+    compiled call computes what plain PyTorch does, and the wrapped Sequential stays eager."""
+    reference = mlp(layers=3)
+    model = RoundPipe(copy.deepcopy(reference))
+    graphs: list[object] = []
+
+    def backend(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        graphs.append(graph)
+        return graph.forward
+
+    model.compile(backend=backend)
+    x = torch.randn(4, 6)
+    out = model(x)
+    assert graphs, "the model's call was not compiled"
+    compiled = len(graphs)
+    assert torch.equal(model.model(x), reference(x))
+    assert len(graphs) == compiled
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
+    out.sum().backward()
+    reference(x).sum().backward()
+    model.synchronize()
+    assert_same_grads(model.model, reference)

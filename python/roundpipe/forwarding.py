@@ -15,7 +15,7 @@ from torch import nn
 
 from roundpipe.optim.copies import OptimizerCopiesView
 from roundpipe.state_dict import RuntimeState
-from roundpipe.torch_internals import child_slots
+from roundpipe.torch_internals import CALL_STATE, child_slots
 
 
 class ForwardingModule(RuntimeState, OptimizerCopiesView):
@@ -52,8 +52,8 @@ class ForwardingModule(RuntimeState, OptimizerCopiesView):
         return getattr(target, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # register_full_backward_hook's flag says how the wrapper's own call runs its hooks.
-        if not self.__dict__.get("_constructed") or name == "_is_full_backward_hook":
+        # How the wrapper's own call runs (compile(), full backward hooks) stays the wrapper's.
+        if not self.__dict__.get("_constructed") or name in CALL_STATE:
             super().__setattr__(name, value)
             return
         for target in self._forwarding_targets():

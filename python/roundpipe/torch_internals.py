@@ -157,6 +157,11 @@ def has_state_dict_hooks(module: nn.Module) -> bool:
     return any(getattr(module, name, True) for name in names)
 
 
+# The attributes nn.Module sets on a module about how its own call runs: compile()'s compiled
+# call and register_full_backward_hook's flag.
+CALL_STATE = frozenset({"_compiled_call_impl", "_is_full_backward_hook"})
+
+
 def call_hook_kinds(module: nn.Module) -> list[str]:
     """The registration methods of the hooks registered on ``module`` itself that run when it is
     called (forward pre-hooks, forward hooks, backward pre-hooks and backward hooks)."""
@@ -202,6 +207,7 @@ def loads_state_dict_plainly(module: nn.Module) -> bool:
 
 
 __all__ = [
+    "CALL_STATE",
     "NORM_CLASSES",
     "TreeSpec",
     "backward_hooks",
