@@ -289,6 +289,82 @@ def test_one_model_per_folder_and_files_removed(tmp_path: Path) -> None:
     assert second.optim_parameters() is not None
 
 
+def test_relative_folder_stays_where_it_was_when_the_directory_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative folder is the one under the working directory at construction, as with
+    open(): the moments' file, created at the first step, and the lock go there even after a
+    chdir (they went to the new directory, or the step raised FileNotFoundError)."""
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    rp = RoundPipe(
+        model(), optim_dtype=torch.float32, optim_offload=OptimOffload("scratch", **SMALL)
+    )
+    adam = roundpipe.optim.Adam(rp.optim_parameters())
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    train(rp, adam, 2, is_async=False)
+    assert os.listdir(tmp_path / "elsewhere") == []
+    del rp, adam
+    gc.collect()
+    assert os.listdir(tmp_path / "scratch") == []
+
+
+def test_offload_arguments_out_of_range_are_refused_at_construction(tmp_path: Path) -> None:
+    """An empty folder (which would silently be the working directory) and values the native
+    step cannot take raise ValueError naming the field when the config is built, not a
+    TypeError from the binding at the first step."""
+    with pytest.raises(ValueError, match=r"OptimOffload\.folder"):
+        OptimOffload("")
+    for name in ("buffers", "io_threads"):
+        with pytest.raises(ValueError, match=rf"OptimOffload\.{name}"):
+            OptimOffload(tmp_path, **{name: 1 << 40})
+    with pytest.raises(ValueError, match=r"OptimOffload\.chunk_elements"):
+        OptimOffload(tmp_path, chunk_elements=1 << 62)
+
+
+_FORK = """
+import os, subprocess, sys, torch, roundpipe
+folder = sys.argv[1]
+model = roundpipe.RoundPipe(torch.nn.Linear(2, 2).bfloat16(), optim_dtype=torch.float32,
+                            optim_offload=folder)
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # the child ends as a Python program does, running its exit handlers
+os.waitpid(pid, 0)
+print("files", sorted(os.listdir(folder)))
+other = (
+    "import sys, torch, roundpipe\\n"
+    "try:\\n"
+    "    roundpipe.RoundPipe(torch.nn.Linear(2, 2).bfloat16(), optim_dtype=torch.float32,\\n"
+    "                        optim_offload=sys.argv[1])\\n"
+    "    print('taken')\\n"
+    "except ValueError as error:\\n"
+    "    print('refused:', error)\\n"
+)
+print(subprocess.run([sys.executable, "-c", other, folder], capture_output=True, text=True).stdout)
+"""
+
+
+def test_a_forked_child_leaves_the_parents_lock(tmp_path: Path) -> None:
+    """A child forked from a process that holds a folder shares its lock: when the child exits,
+    the lock file stays, and another process is still refused (the child removed the file, and
+    the other process then took the folder in use)."""
+    script = tmp_path / "fork.py"
+    script.write_text(_FORK)
+    folder = tmp_path / "scratch"
+    folder.mkdir()
+    out = subprocess.run(
+        [sys.executable, str(script), str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "files ['roundpipe-rank0.lock']" in out.stdout, out.stdout + out.stderr
+    assert "refused:" in out.stdout and "in use" in out.stdout, out.stdout + out.stderr
+
+
 _FULL_DISK = """
 import errno, sys, torch, roundpipe
 from torch import nn

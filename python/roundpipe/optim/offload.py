@@ -52,6 +52,10 @@ _ALIGN: int = _C.disk_align()
 _WRITE_SLICE = 1 << 26
 # Elements of a parameter converted to fp32 at a time when its master copy is written.
 _CONVERT_ELEMENTS = 1 << 18
+# The largest buffers and io_threads the native step takes (a C int), and chunk_elements (its
+# buffers' byte counts must stay far from overflowing).
+_MOST_INT = (1 << 31) - 1
+_MOST_CHUNK = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -63,9 +67,10 @@ class OptimOffload:
             data-parallel model may share it (each has its own files).
         buffers: chunks of state held in host memory at once (at least 3): one being updated,
             one being written, the rest read ahead.
-        chunk_elements: parameters per chunk (rounded up to a multiple of 262,144). A chunk of
-            fp32 state costs 12 bytes per element (master and two moments), int8 state 6.
-        io_threads: read and write requests in flight.
+        chunk_elements: parameters per chunk (rounded up to a multiple of 262,144; at most
+            2**40). A chunk of fp32 state costs 12 bytes per element (master and two moments),
+            int8 state 6.
+        io_threads: read and write requests in flight (at most 2**31 - 1, as ``buffers``).
     """
 
     folder: str | os.PathLike[str]
@@ -79,12 +84,20 @@ class OptimOffload:
                 f"OptimOffload.folder must be a path (str or os.PathLike), got "
                 f"{type(self.folder).__name__}"
             )
-        for name, least in (("buffers", 3), ("chunk_elements", 1), ("io_threads", 1)):
+        if os.fspath(self.folder) == "":
+            raise ValueError("OptimOffload.folder is empty: name a folder on a fast local disk")
+        for name, least, most in (
+            ("buffers", 3, _MOST_INT),
+            ("chunk_elements", 1, _MOST_CHUNK),
+            ("io_threads", 1, _MOST_INT),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"OptimOffload.{name} must be an int, got {type(value).__name__}")
-            if value < least:
-                raise ValueError(f"OptimOffload.{name} must be at least {least}, got {value}")
+            if not least <= value <= most:
+                raise ValueError(
+                    f"OptimOffload.{name} must be between {least} and {most}, got {value}"
+                )
 
     def buffer_bytes(self, state_dtype: torch.dtype = torch.float32) -> int:
         """Host memory of the step's buffers for moments in ``state_dtype``."""
@@ -168,16 +181,18 @@ class _FolderLock:
     def __init__(self, fd: int, path: str) -> None:
         self.fd: int | None = fd
         self.path = path
+        self.pid = os.getpid()  # a forked child shares the lock: only its owner removes it
         _FolderLock.live.add(self)
 
     def release(self) -> None:
         fd, self.fd = self.fd, None
         if fd is None:
             return
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
+        if os.getpid() == self.pid:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
         os.close(fd)
 
     def __del__(self) -> None:
@@ -232,7 +247,9 @@ class OffloadStore:
     def __init__(self, config: OptimOffload, name: str, rank: int = 0) -> None:
         global _hook_installed
         self.config, self.name = config, name
-        folder = Path(config.folder)
+        # Absolute: the files are created later (the moments' at the first step), maybe after
+        # the working directory changed.
+        folder = Path(os.path.abspath(config.folder))
         if not folder.is_dir():
             raise ValueError(
                 f"optim_offload folder {str(folder)!r} of model {name!r} "
