@@ -213,6 +213,26 @@ def test_a_copied_optimizer_steps_in_memory(tmp_path: Path, how: str) -> None:
     assert_same_state(*copies)
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.int8])
+def test_two_optimizers_over_the_same_copies_keep_their_own_moments(
+    tmp_path: Path, state_dtype: torch.dtype
+) -> None:
+    """A second Adam over the same offloaded copies has moments of its own, as in memory: the
+    first one's state is not overwritten by the second one's (it was: both used one region)."""
+    results = []
+    for offload in (None, OptimOffload(tmp_path, **SMALL)):
+        rp = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=offload)
+        first = roundpipe.optim.Adam(rp.optim_parameters(), state_dtype=state_dtype)
+        train(rp, first, 2, is_async=False)
+        second = roundpipe.optim.Adam(rp.optim_parameters(), lr=0.01, state_dtype=state_dtype)
+        train(rp, second, 1, is_async=False)
+        train(rp, first, 1, is_async=False)
+        results.append((first, second))
+    (memory_first, memory_second), (disk_first, disk_second) = results
+    assert_same_state(disk_first, memory_first)
+    assert_same_state(disk_second, memory_second)
+
+
 def test_other_optimizers_are_refused(tmp_path: Path) -> None:
     rp = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
     sgd = torch.optim.SGD(rp.optim_parameters(), lr=0.1)

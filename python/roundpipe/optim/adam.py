@@ -550,7 +550,7 @@ class Adam(torch.optim.Optimizer):
             if store is None:
                 state.update(adam_state.fresh_moments(param, form))
             else:
-                state.update(store.fresh_moments(param, form))
+                state.update(store.fresh_moments(param, form, self))
             if amsgrad:
                 state["max_exp_avg_sq"] = torch.zeros_like(
                     param, memory_format=torch.preserve_format
@@ -688,6 +688,7 @@ class Adam(torch.optim.Optimizer):
                 [lowp[k] for k in indices],
                 grad_scale_inv,
                 hyper,
+                self,
             )
         return rest
 

@@ -283,7 +283,8 @@ class OffloadStore:
         self._files: list[_StateFile] = []
         # id of the copy -> the copy (weakly: `holds`) and its region
         self._masters: dict[int, tuple[weakref.ref[Tensor], _Region]] = {}
-        self._moments: dict[tuple[int, str], _Region] = {}  # (id of the copy, key) -> region
+        # (id of the optimizer, id of the copy, key) -> region: each optimizer its own moments
+        self._moments: dict[tuple[int, int, str], _Region] = {}
         self._maps: dict[tuple[int, int], Tensor] = {}  # (file, offset) -> its memory map
         self._map_regions: dict[int, _Region] = {}  # data_ptr of a memory map -> its region
         # The last step's bytes read and written, and the I/O threads' seconds reading and
@@ -351,9 +352,12 @@ class OffloadStore:
             copies[key] = copy
         return copies
 
-    def fresh_moments(self, param: Tensor, state_dtype: torch.dtype) -> dict[str, Tensor]:
+    def fresh_moments(
+        self, param: Tensor, state_dtype: torch.dtype, owner: object
+    ) -> dict[str, Tensor]:
         """Zero moments for the offloaded copy ``param`` in ``state_dtype``'s form
-        (:func:`roundpipe.optim.adam_state.fresh_moments`), in the moments' file."""
+        (:func:`roundpipe.optim.adam_state.fresh_moments`), in the moments' file, for the
+        optimizer ``owner``."""
         self._file(1, "moments")
 
         def zeros(shape: torch.Size, dtype: torch.dtype) -> Tensor:
@@ -361,12 +365,15 @@ class OffloadStore:
             region = _Region(1, self._files[1].allocate(nbytes), nbytes)  # reads zeros
             return self._map(region, shape, dtype)
 
-        return self.placed(param, adam_state.fresh_moments(param, state_dtype, zeros))
+        return self.placed(param, adam_state.fresh_moments(param, state_dtype, zeros), owner)
 
-    def placed(self, param: Tensor, moments: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """``moments`` (the tensor entries of ``param``'s state) with every moment and scale in
-        the moments' file: those already there as they are, others written into ``param``'s
-        region for that key (a new region if its size changed, say with ``state_dtype``)."""
+    def placed(
+        self, param: Tensor, moments: Mapping[str, Tensor], owner: object
+    ) -> dict[str, Tensor]:
+        """``moments`` (the tensor entries of ``param``'s state in the optimizer ``owner``) with
+        every moment and scale in the moments' file: those already there as they are, others
+        written into ``param``'s region of ``owner`` for that key (a new region if its size
+        changed, say with ``state_dtype``)."""
         self._file(1, "moments")
         placed = dict(moments)
         for key in (*adam_state.MOMENT_KEYS, *adam_state.SCALE_KEYS.values()):
@@ -374,14 +381,14 @@ class OffloadStore:
             if value is None:
                 continue
             nbytes = value.numel() * value.element_size()
-            region = self._moments.get((id(param), key))
+            region = self._moments.get((id(owner), id(param), key))
             own = self._map_regions.get(value.data_ptr()) if value.numel() else None
             if region is None and own is not None and own.nbytes == nbytes:
-                self._moments[(id(param), key)] = own  # a fresh moment, mapped already
+                self._moments[(id(owner), id(param), key)] = own  # a fresh moment, mapped already
                 continue
             if region is None or region.nbytes != nbytes:
                 region = _Region(1, self._files[1].allocate(nbytes), nbytes)
-                self._moments[(id(param), key)] = region
+                self._moments[(id(owner), id(param), key)] = region
                 mapped = self._map(region, value.shape, value.dtype)
                 if bool(value.any()):  # a new region reads zeros
                     self._write(region, value)
@@ -401,18 +408,20 @@ class OffloadStore:
         lowp: Sequence[Tensor | None],
         grad_scale_inv: float,
         hyper: Mapping[str, Any],
+        owner: object,
     ) -> None:
         """One streamed Adam step over ``params`` (offloaded copies of this store) with their
-        ``states`` (moved into the moments' file first where they are not there)."""
+        ``states`` in the optimizer ``owner`` (moved into the moments' file first where they
+        are not there)."""
         state_dtype = group["state_dtype"]
         regions: list[list[int]] = []
         for param, state in zip(params, states, strict=True):
-            state.update(self.placed(param, state))
+            state.update(self.placed(param, state, owner))
             master = self._masters[id(param)][1]
             row = [master.file, master.offset]
             keys = (*adam_state.MOMENT_KEYS, *adam_state.SCALE_KEYS.values())
             for key in keys:
-                region = self._moments.get((id(param), key))
+                region = self._moments.get((id(owner), id(param), key))
                 row += [-1, 0] if region is None else [region.file, region.offset]
             regions.append(row)
         files = [(file.direct, file.path) for file in self._files]
