@@ -233,6 +233,35 @@ def test_two_optimizers_over_the_same_copies_keep_their_own_moments(
     assert_same_state(disk_second, memory_second)
 
 
+def test_a_step_that_cannot_create_the_moments_file_can_be_retried(tmp_path: Path) -> None:
+    """The folder removed before the first step: that step raises naming the file, and once
+    the folder is back the next step runs as in memory after a failed step (it raised "regions
+    names no file" for ever: the failed step left a state with a step count and no moments)."""
+    results = []
+    for offload in (None, tmp_path / "scratch"):
+        if offload is not None:
+            offload.mkdir()
+        rp = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=offload)
+        adam = roundpipe.optim.Adam(rp.optim_parameters())
+        x, y = data(1)[0]
+        rp.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+
+        def first_step(offload: Path | None = offload, adam: torch.optim.Optimizer = adam) -> None:
+            if offload is None:
+                raise FileNotFoundError("the in-memory run fails its first step too")
+            adam.step()
+
+        if offload is not None:
+            shutil.rmtree(offload)
+        with pytest.raises(FileNotFoundError, match="moments" if offload else "in-memory"):
+            rp.step(first_step, is_async=False)
+        if offload is not None:
+            offload.mkdir()
+        train(rp, adam, 2, is_async=False)
+        results.append(adam)
+    assert_same_state(results[1], results[0])
+
+
 def test_other_optimizers_are_refused(tmp_path: Path) -> None:
     rp = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
     sgd = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
