@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import fcntl
 import gc
 import io
 import json
@@ -336,6 +337,34 @@ def test_one_model_per_folder_and_files_removed(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []
     second = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
     assert second.optim_parameters() is not None
+
+
+def test_a_lock_released_while_it_is_taken_is_taken_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model gone (its lock file removed) between a new model's open of the lock file and its
+    flock: the new model locks the file now in the folder, so a third one is refused (the new
+    model held the removed file's lock, and the third took the folder as well)."""
+    first = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
+    real_flock = fcntl.flock
+    gone = []
+
+    def flock_after_the_first_is_gone(fd: int, operation: int) -> None:
+        if not gone:  # the first model goes right after the second opened the lock file
+            gone.append(True)
+            del first_holder[:]
+            gc.collect()
+        real_flock(fd, operation)
+
+    first_holder = [first]
+    del first
+    monkeypatch.setattr(fcntl, "flock", flock_after_the_first_is_gone)
+    second = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
+    monkeypatch.undo()
+    assert gone
+    with pytest.raises(ValueError, match="in use by another model or process"):
+        RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
+    del second
 
 
 def test_relative_folder_stays_where_it_was_when_the_directory_changes(

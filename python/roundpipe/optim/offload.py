@@ -232,6 +232,14 @@ def _refuse_other_optimizers(optimizer: torch.optim.Optimizer, args: Any, kwargs
 _stores: weakref.WeakValueDictionary[int, OffloadStore] = weakref.WeakValueDictionary()
 
 
+def _names_file(path: Path, fd: int) -> bool:
+    """Whether ``path`` is still the file open as ``fd``."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(fd))
+    except FileNotFoundError:
+        return False
+
+
 def store_of(param: Tensor) -> OffloadStore | None:
     """The store whose file holds ``param`` (an offloaded optimizer copy), else None, also for a
     copy of one (``copy.deepcopy``, ``pickle``, ``torch.load``), which lives in memory."""
@@ -257,21 +265,28 @@ class OffloadStore:
                 f"on a fast local disk, or drop optim_offload"
             )
         lock_path = folder / f"roundpipe-rank{rank}.lock"
-        try:
-            lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as error:
-            raise ValueError(
-                f"optim_offload folder {str(folder)!r} of model {name!r} is not writable "
-                f"({error.strerror}); give a folder this process may write"
-            ) from error
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        while True:
+            try:
+                lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError as error:
+                raise ValueError(
+                    f"optim_offload folder {str(folder)!r} of model {name!r} is not writable "
+                    f"({error.strerror}); give a folder this process may write"
+                ) from error
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(lock)
+                raise ValueError(
+                    f"optim_offload folder {str(folder)!r} of model {name!r} is in use by "
+                    f"another model or process (it holds {str(lock_path)!r}); give each model "
+                    f"its own folder"
+                ) from None
+            if _names_file(lock_path, lock):
+                break
+            # Its holder released the file (and removed it) between the open and the flock: the
+            # lock of a file nobody else can see any more protects nothing.
             os.close(lock)
-            raise ValueError(
-                f"optim_offload folder {str(folder)!r} of model {name!r} is in use by another "
-                f"model or process (it holds {str(lock_path)!r}); give each model its own folder"
-            ) from None
         if not os.access(folder, os.W_OK | os.X_OK):
             os.close(lock)
             raise ValueError(
