@@ -339,6 +339,35 @@ def test_one_model_per_folder_and_files_removed(tmp_path: Path) -> None:
     assert second.optim_parameters() is not None
 
 
+def test_the_files_are_closed_when_the_model_is_gone(tmp_path: Path) -> None:
+    """Once a model is gone, the process holds no file of its folder open, so the unlinked
+    files' disk space is freed (their descriptors stayed open until the process ended: every
+    model built in a process kept its whole state's space on the disk)."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc/self/fd")
+
+    def open_in_folder() -> list[str]:
+        names = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(str(tmp_path)):
+                names.append(target)
+        return names
+
+    rp = RoundPipe(
+        model(), optim_dtype=torch.float32, optim_offload=OptimOffload(tmp_path, **SMALL)
+    )
+    adam = roundpipe.optim.Adam(rp.optim_parameters())
+    train(rp, adam, 1, is_async=True)
+    assert open_in_folder()  # the masters, the moments and the lock
+    del rp, adam
+    gc.collect()
+    assert open_in_folder() == []
+
+
 def test_a_lock_released_while_it_is_taken_is_taken_afresh(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

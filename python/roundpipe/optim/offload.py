@@ -159,6 +159,7 @@ class _StateFile:
         finally:
             os.unlink(path)
         self.size = 0
+        self._open = True
 
     def allocate(self, nbytes: int) -> int:
         """A new region of ``nbytes`` (rounded up to whole pages), reading zeros; its offset."""
@@ -168,8 +169,15 @@ class _StateFile:
         return offset
 
     def close(self) -> None:
+        """Closes the file: its space is freed once its memory maps are gone too."""
+        if not getattr(self, "_open", False):
+            return
+        self._open = False
         for fd in (self.direct, self.buffered):
             os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class _FolderLock:
