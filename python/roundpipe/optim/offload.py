@@ -162,10 +162,20 @@ class _StateFile:
         self._open = True
 
     def allocate(self, nbytes: int) -> int:
-        """A new region of ``nbytes`` (rounded up to whole pages), reading zeros; its offset."""
+        """A new region of ``nbytes`` (rounded up to whole pages), reading zeros; its offset.
+        Its disk space is taken now: a full disk raises here, not as a SIGBUS where a memory
+        map of a hole is touched (a state_dict saved after the disk filled)."""
         offset = self.size
-        self.size += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
-        os.ftruncate(self.buffered, self.size)
+        length = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        try:
+            os.posix_fallocate(self.buffered, offset, length)
+        except OSError as error:
+            raise OSError(
+                error.errno,
+                f"allocating {length} bytes of {self.path} failed: {error.strerror}",
+                self.path,
+            ) from error
+        self.size += length
         return offset
 
     def close(self) -> None:
