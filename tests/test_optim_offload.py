@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import fcntl
 import gc
 import io
 import json
@@ -213,6 +214,55 @@ def test_a_copied_optimizer_steps_in_memory(tmp_path: Path, how: str) -> None:
     assert_same_state(*copies)
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.int8])
+def test_two_optimizers_over_the_same_copies_keep_their_own_moments(
+    tmp_path: Path, state_dtype: torch.dtype
+) -> None:
+    """A second Adam over the same offloaded copies has moments of its own, as in memory: the
+    first one's state is not overwritten by the second one's (it was: both used one region)."""
+    results = []
+    for offload in (None, OptimOffload(tmp_path, **SMALL)):
+        rp = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=offload)
+        first = roundpipe.optim.Adam(rp.optim_parameters(), state_dtype=state_dtype)
+        train(rp, first, 2, is_async=False)
+        second = roundpipe.optim.Adam(rp.optim_parameters(), lr=0.01, state_dtype=state_dtype)
+        train(rp, second, 1, is_async=False)
+        train(rp, first, 1, is_async=False)
+        results.append((first, second))
+    (memory_first, memory_second), (disk_first, disk_second) = results
+    assert_same_state(disk_first, memory_first)
+    assert_same_state(disk_second, memory_second)
+
+
+def test_a_step_that_cannot_create_the_moments_file_can_be_retried(tmp_path: Path) -> None:
+    """The folder removed before the first step: that step raises naming the file, and once
+    the folder is back the next step runs as in memory after a failed step (it raised "regions
+    names no file" for ever: the failed step left a state with a step count and no moments)."""
+    results = []
+    for offload in (None, tmp_path / "scratch"):
+        if offload is not None:
+            offload.mkdir()
+        rp = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=offload)
+        adam = roundpipe.optim.Adam(rp.optim_parameters())
+        x, y = data(1)[0]
+        rp.forward_backward(input_args=(x,), label=y, loss_fn=mse, run_config=CONFIG)
+
+        def first_step(offload: Path | None = offload, adam: torch.optim.Optimizer = adam) -> None:
+            if offload is None:
+                raise FileNotFoundError("the in-memory run fails its first step too")
+            adam.step()
+
+        if offload is not None:
+            shutil.rmtree(offload)
+        with pytest.raises(FileNotFoundError, match="moments" if offload else "in-memory"):
+            rp.step(first_step, is_async=False)
+        if offload is not None:
+            offload.mkdir()
+        train(rp, adam, 2, is_async=False)
+        results.append(adam)
+    assert_same_state(results[1], results[0])
+
+
 def test_other_optimizers_are_refused(tmp_path: Path) -> None:
     rp = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
     sgd = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
@@ -289,6 +339,139 @@ def test_one_model_per_folder_and_files_removed(tmp_path: Path) -> None:
     assert second.optim_parameters() is not None
 
 
+def test_the_files_are_closed_when_the_model_is_gone(tmp_path: Path) -> None:
+    """Once a model is gone, the process holds no file of its folder open, so the unlinked
+    files' disk space is freed (their descriptors stayed open until the process ended: every
+    model built in a process kept its whole state's space on the disk)."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc/self/fd")
+
+    def open_in_folder() -> list[str]:
+        names = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(str(tmp_path)):
+                names.append(target)
+        return names
+
+    rp = RoundPipe(
+        model(), optim_dtype=torch.float32, optim_offload=OptimOffload(tmp_path, **SMALL)
+    )
+    adam = roundpipe.optim.Adam(rp.optim_parameters())
+    train(rp, adam, 1, is_async=True)
+    assert open_in_folder()  # the masters, the moments and the lock
+    del rp, adam
+    gc.collect()
+    assert open_in_folder() == []
+
+
+def test_a_lock_released_while_it_is_taken_is_taken_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model gone (its lock file removed) between a new model's open of the lock file and its
+    flock: the new model locks the file now in the folder, so a third one is refused (the new
+    model held the removed file's lock, and the third took the folder as well)."""
+    first = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
+    real_flock = fcntl.flock
+    gone = []
+
+    def flock_after_the_first_is_gone(fd: int, operation: int) -> None:
+        if not gone:  # the first model goes right after the second opened the lock file
+            gone.append(True)
+            del first_holder[:]
+            gc.collect()
+        real_flock(fd, operation)
+
+    first_holder = [first]
+    del first
+    monkeypatch.setattr(fcntl, "flock", flock_after_the_first_is_gone)
+    second = RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
+    monkeypatch.undo()
+    assert gone
+    with pytest.raises(ValueError, match="in use by another model or process"):
+        RoundPipe(model(), optim_dtype=torch.float32, optim_offload=tmp_path)
+    del second
+
+
+def test_relative_folder_stays_where_it_was_when_the_directory_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative folder is the one under the working directory at construction, as with
+    open(): the moments' file, created at the first step, and the lock go there even after a
+    chdir (they went to the new directory, or the step raised FileNotFoundError)."""
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    rp = RoundPipe(
+        model(), optim_dtype=torch.float32, optim_offload=OptimOffload("scratch", **SMALL)
+    )
+    adam = roundpipe.optim.Adam(rp.optim_parameters())
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    train(rp, adam, 2, is_async=False)
+    assert os.listdir(tmp_path / "elsewhere") == []
+    del rp, adam
+    gc.collect()
+    assert os.listdir(tmp_path / "scratch") == []
+
+
+def test_offload_arguments_out_of_range_are_refused_at_construction(tmp_path: Path) -> None:
+    """An empty folder (which would silently be the working directory) and values the native
+    step cannot take raise ValueError naming the field when the config is built, not a
+    TypeError from the binding at the first step."""
+    with pytest.raises(ValueError, match=r"OptimOffload\.folder"):
+        OptimOffload("")
+    for name in ("buffers", "io_threads"):
+        with pytest.raises(ValueError, match=rf"OptimOffload\.{name}"):
+            OptimOffload(tmp_path, **{name: 1 << 40})
+    with pytest.raises(ValueError, match=r"OptimOffload\.chunk_elements"):
+        OptimOffload(tmp_path, chunk_elements=1 << 62)
+
+
+_FORK = """
+import os, subprocess, sys, torch, roundpipe
+folder = sys.argv[1]
+model = roundpipe.RoundPipe(torch.nn.Linear(2, 2).bfloat16(), optim_dtype=torch.float32,
+                            optim_offload=folder)
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # the child ends as a Python program does, running its exit handlers
+os.waitpid(pid, 0)
+print("files", sorted(os.listdir(folder)))
+other = (
+    "import sys, torch, roundpipe\\n"
+    "try:\\n"
+    "    roundpipe.RoundPipe(torch.nn.Linear(2, 2).bfloat16(), optim_dtype=torch.float32,\\n"
+    "                        optim_offload=sys.argv[1])\\n"
+    "    print('taken')\\n"
+    "except ValueError as error:\\n"
+    "    print('refused:', error)\\n"
+)
+print(subprocess.run([sys.executable, "-c", other, folder], capture_output=True, text=True).stdout)
+"""
+
+
+def test_a_forked_child_leaves_the_parents_lock(tmp_path: Path) -> None:
+    """A child forked from a process that holds a folder shares its lock: when the child exits,
+    the lock file stays, and another process is still refused (the child removed the file, and
+    the other process then took the folder in use)."""
+    script = tmp_path / "fork.py"
+    script.write_text(_FORK)
+    folder = tmp_path / "scratch"
+    folder.mkdir()
+    out = subprocess.run(
+        [sys.executable, str(script), str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "files ['roundpipe-rank0.lock']" in out.stdout, out.stdout + out.stderr
+    assert "refused:" in out.stdout and "in use" in out.stdout, out.stdout + out.stderr
+
+
 _FULL_DISK = """
 import errno, sys, torch, roundpipe
 from torch import nn
@@ -310,6 +493,9 @@ except OSError as error:
     print("message", error)
 out = rp.forward(x)
 print("usable", bool(torch.isfinite(out.float()).all()))
+roundpipe.save_checkpoint(sys.argv[3], rp, adam)  # elsewhere: only the scratch folder is full
+saved = torch.load(sys.argv[3], weights_only=True)["optimizer"]["state"]
+print("saved", all(bool(v.isfinite().all()) for state in saved.values() for v in state.values()))
 """
 
 
@@ -344,7 +530,9 @@ def test_read_only_filesystem_is_refused_at_construction(tmp_path: Path) -> None
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_full_disk_raises_naming_the_file(tmp_path: Path, mode: str) -> None:
     """A 3 MiB tmpfs (mounted in a user and mount namespace of its own) holds the masters
-    (1.7 MB) but not the fp32 moments the first step writes (3.4 MB): ENOSPC."""
+    (1.7 MB) but not the fp32 moments the first step writes (3.4 MB): ENOSPC. A checkpoint saved
+    elsewhere afterwards reads the moments: it works (it died of SIGBUS on a hole of the full
+    filesystem's file)."""
     unshare, mount = shutil.which("unshare"), shutil.which("mount")
     if unshare is None or mount is None:
         pytest.skip("needs unshare and mount for a small filesystem")
@@ -354,7 +542,7 @@ def test_full_disk_raises_naming_the_file(tmp_path: Path, mode: str) -> None:
     script.write_text(_FULL_DISK)
     command = (
         f"mount -t tmpfs -o size=3m tmpfs {folder} && "
-        f"exec {sys.executable} {script} {folder} {mode}"
+        f"exec {sys.executable} {script} {folder} {mode} {tmp_path / 'checkpoint.pt'}"
     )
     env = dict(os.environ)
     out = subprocess.run(
@@ -370,6 +558,7 @@ def test_full_disk_raises_naming_the_file(tmp_path: Path, mode: str) -> None:
     assert f"errno {errno.errorcode[errno.ENOSPC]} file {folder}" in out.stdout, out.stdout
     assert "optimizer step" in out.stdout  # the message names the model's phase
     assert "usable True" in out.stdout
+    assert "saved True" in out.stdout
 
 
 def _run_ranks(tmp_path: Path, tag: str, **cfg: Any) -> list[dict[str, Any]]:

@@ -544,13 +544,16 @@ class Adam(torch.optim.Optimizer):
         state: dict[str, Any] = self.state[param]
         amsgrad = bool(group["amsgrad"])
         if len(state) == 0:
-            state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
             store = offload.store_of(param)
             form = self._form_of(param, group)
+            # The moments first: a failure (the offload folder's file cannot be created) leaves
+            # no state, not a lone step that later steps would take as a state without moments.
             if store is None:
-                state.update(adam_state.fresh_moments(param, form))
+                moments = adam_state.fresh_moments(param, form)
             else:
-                state.update(store.fresh_moments(param, form))
+                moments = store.fresh_moments(param, form, self)
+            state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+            state.update(moments)
             if amsgrad:
                 state["max_exp_avg_sq"] = torch.zeros_like(
                     param, memory_format=torch.preserve_format
@@ -688,6 +691,7 @@ class Adam(torch.optim.Optimizer):
                 [lowp[k] for k in indices],
                 grad_scale_inv,
                 hyper,
+                self,
             )
         return rest
 

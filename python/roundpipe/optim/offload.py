@@ -52,6 +52,10 @@ _ALIGN: int = _C.disk_align()
 _WRITE_SLICE = 1 << 26
 # Elements of a parameter converted to fp32 at a time when its master copy is written.
 _CONVERT_ELEMENTS = 1 << 18
+# The largest buffers and io_threads the native step takes (a C int), and chunk_elements (its
+# buffers' byte counts must stay far from overflowing).
+_MOST_INT = (1 << 31) - 1
+_MOST_CHUNK = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -63,9 +67,10 @@ class OptimOffload:
             data-parallel model may share it (each has its own files).
         buffers: chunks of state held in host memory at once (at least 3): one being updated,
             one being written, the rest read ahead.
-        chunk_elements: parameters per chunk (rounded up to a multiple of 262,144). A chunk of
-            fp32 state costs 12 bytes per element (master and two moments), int8 state 6.
-        io_threads: read and write requests in flight.
+        chunk_elements: parameters per chunk (rounded up to a multiple of 262,144; at most
+            2**40). A chunk of fp32 state costs 12 bytes per element (master and two moments),
+            int8 state 6.
+        io_threads: read and write requests in flight (at most 2**31 - 1, as ``buffers``).
     """
 
     folder: str | os.PathLike[str]
@@ -79,12 +84,20 @@ class OptimOffload:
                 f"OptimOffload.folder must be a path (str or os.PathLike), got "
                 f"{type(self.folder).__name__}"
             )
-        for name, least in (("buffers", 3), ("chunk_elements", 1), ("io_threads", 1)):
+        if os.fspath(self.folder) == "":
+            raise ValueError("OptimOffload.folder is empty: name a folder on a fast local disk")
+        for name, least, most in (
+            ("buffers", 3, _MOST_INT),
+            ("chunk_elements", 1, _MOST_CHUNK),
+            ("io_threads", 1, _MOST_INT),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"OptimOffload.{name} must be an int, got {type(value).__name__}")
-            if value < least:
-                raise ValueError(f"OptimOffload.{name} must be at least {least}, got {value}")
+            if not least <= value <= most:
+                raise ValueError(
+                    f"OptimOffload.{name} must be between {least} and {most}, got {value}"
+                )
 
     def buffer_bytes(self, state_dtype: torch.dtype = torch.float32) -> int:
         """Host memory of the step's buffers for moments in ``state_dtype``."""
@@ -146,17 +159,35 @@ class _StateFile:
         finally:
             os.unlink(path)
         self.size = 0
+        self._open = True
 
     def allocate(self, nbytes: int) -> int:
-        """A new region of ``nbytes`` (rounded up to whole pages), reading zeros; its offset."""
+        """A new region of ``nbytes`` (rounded up to whole pages), reading zeros; its offset.
+        Its disk space is taken now: a full disk raises here, not as a SIGBUS where a memory
+        map of a hole is touched (a state_dict saved after the disk filled)."""
         offset = self.size
-        self.size += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
-        os.ftruncate(self.buffered, self.size)
+        length = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        try:
+            os.posix_fallocate(self.buffered, offset, length)
+        except OSError as error:
+            raise OSError(
+                error.errno,
+                f"allocating {length} bytes of {self.path} failed: {error.strerror}",
+                self.path,
+            ) from error
+        self.size += length
         return offset
 
     def close(self) -> None:
+        """Closes the file: its space is freed once its memory maps are gone too."""
+        if not getattr(self, "_open", False):
+            return
+        self._open = False
         for fd in (self.direct, self.buffered):
             os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class _FolderLock:
@@ -168,16 +199,18 @@ class _FolderLock:
     def __init__(self, fd: int, path: str) -> None:
         self.fd: int | None = fd
         self.path = path
+        self.pid = os.getpid()  # a forked child shares the lock: only its owner removes it
         _FolderLock.live.add(self)
 
     def release(self) -> None:
         fd, self.fd = self.fd, None
         if fd is None:
             return
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
+        if os.getpid() == self.pid:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
         os.close(fd)
 
     def __del__(self) -> None:
@@ -217,6 +250,14 @@ def _refuse_other_optimizers(optimizer: torch.optim.Optimizer, args: Any, kwargs
 _stores: weakref.WeakValueDictionary[int, OffloadStore] = weakref.WeakValueDictionary()
 
 
+def _names_file(path: Path, fd: int) -> bool:
+    """Whether ``path`` is still the file open as ``fd``."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(fd))
+    except FileNotFoundError:
+        return False
+
+
 def store_of(param: Tensor) -> OffloadStore | None:
     """The store whose file holds ``param`` (an offloaded optimizer copy), else None, also for a
     copy of one (``copy.deepcopy``, ``pickle``, ``torch.load``), which lives in memory."""
@@ -232,7 +273,9 @@ class OffloadStore:
     def __init__(self, config: OptimOffload, name: str, rank: int = 0) -> None:
         global _hook_installed
         self.config, self.name = config, name
-        folder = Path(config.folder)
+        # Absolute: the files are created later (the moments' at the first step), maybe after
+        # the working directory changed.
+        folder = Path(os.path.abspath(config.folder))
         if not folder.is_dir():
             raise ValueError(
                 f"optim_offload folder {str(folder)!r} of model {name!r} "
@@ -240,21 +283,28 @@ class OffloadStore:
                 f"on a fast local disk, or drop optim_offload"
             )
         lock_path = folder / f"roundpipe-rank{rank}.lock"
-        try:
-            lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as error:
-            raise ValueError(
-                f"optim_offload folder {str(folder)!r} of model {name!r} is not writable "
-                f"({error.strerror}); give a folder this process may write"
-            ) from error
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        while True:
+            try:
+                lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError as error:
+                raise ValueError(
+                    f"optim_offload folder {str(folder)!r} of model {name!r} is not writable "
+                    f"({error.strerror}); give a folder this process may write"
+                ) from error
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(lock)
+                raise ValueError(
+                    f"optim_offload folder {str(folder)!r} of model {name!r} is in use by "
+                    f"another model or process (it holds {str(lock_path)!r}); give each model "
+                    f"its own folder"
+                ) from None
+            if _names_file(lock_path, lock):
+                break
+            # Its holder released the file (and removed it) between the open and the flock: the
+            # lock of a file nobody else can see any more protects nothing.
             os.close(lock)
-            raise ValueError(
-                f"optim_offload folder {str(folder)!r} of model {name!r} is in use by another "
-                f"model or process (it holds {str(lock_path)!r}); give each model its own folder"
-            ) from None
         if not os.access(folder, os.W_OK | os.X_OK):
             os.close(lock)
             raise ValueError(
@@ -266,7 +316,8 @@ class OffloadStore:
         self._files: list[_StateFile] = []
         # id of the copy -> the copy (weakly: `holds`) and its region
         self._masters: dict[int, tuple[weakref.ref[Tensor], _Region]] = {}
-        self._moments: dict[tuple[int, str], _Region] = {}  # (id of the copy, key) -> region
+        # (id of the optimizer, id of the copy, key) -> region: each optimizer its own moments
+        self._moments: dict[tuple[int, int, str], _Region] = {}
         self._maps: dict[tuple[int, int], Tensor] = {}  # (file, offset) -> its memory map
         self._map_regions: dict[int, _Region] = {}  # data_ptr of a memory map -> its region
         # The last step's bytes read and written, and the I/O threads' seconds reading and
@@ -334,9 +385,12 @@ class OffloadStore:
             copies[key] = copy
         return copies
 
-    def fresh_moments(self, param: Tensor, state_dtype: torch.dtype) -> dict[str, Tensor]:
+    def fresh_moments(
+        self, param: Tensor, state_dtype: torch.dtype, owner: object
+    ) -> dict[str, Tensor]:
         """Zero moments for the offloaded copy ``param`` in ``state_dtype``'s form
-        (:func:`roundpipe.optim.adam_state.fresh_moments`), in the moments' file."""
+        (:func:`roundpipe.optim.adam_state.fresh_moments`), in the moments' file, for the
+        optimizer ``owner``."""
         self._file(1, "moments")
 
         def zeros(shape: torch.Size, dtype: torch.dtype) -> Tensor:
@@ -344,12 +398,15 @@ class OffloadStore:
             region = _Region(1, self._files[1].allocate(nbytes), nbytes)  # reads zeros
             return self._map(region, shape, dtype)
 
-        return self.placed(param, adam_state.fresh_moments(param, state_dtype, zeros))
+        return self.placed(param, adam_state.fresh_moments(param, state_dtype, zeros), owner)
 
-    def placed(self, param: Tensor, moments: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """``moments`` (the tensor entries of ``param``'s state) with every moment and scale in
-        the moments' file: those already there as they are, others written into ``param``'s
-        region for that key (a new region if its size changed, say with ``state_dtype``)."""
+    def placed(
+        self, param: Tensor, moments: Mapping[str, Tensor], owner: object
+    ) -> dict[str, Tensor]:
+        """``moments`` (the tensor entries of ``param``'s state in the optimizer ``owner``) with
+        every moment and scale in the moments' file: those already there as they are, others
+        written into ``param``'s region of ``owner`` for that key (a new region if its size
+        changed, say with ``state_dtype``)."""
         self._file(1, "moments")
         placed = dict(moments)
         for key in (*adam_state.MOMENT_KEYS, *adam_state.SCALE_KEYS.values()):
@@ -357,14 +414,14 @@ class OffloadStore:
             if value is None:
                 continue
             nbytes = value.numel() * value.element_size()
-            region = self._moments.get((id(param), key))
+            region = self._moments.get((id(owner), id(param), key))
             own = self._map_regions.get(value.data_ptr()) if value.numel() else None
             if region is None and own is not None and own.nbytes == nbytes:
-                self._moments[(id(param), key)] = own  # a fresh moment, mapped already
+                self._moments[(id(owner), id(param), key)] = own  # a fresh moment, mapped already
                 continue
             if region is None or region.nbytes != nbytes:
                 region = _Region(1, self._files[1].allocate(nbytes), nbytes)
-                self._moments[(id(param), key)] = region
+                self._moments[(id(owner), id(param), key)] = region
                 mapped = self._map(region, value.shape, value.dtype)
                 if bool(value.any()):  # a new region reads zeros
                     self._write(region, value)
@@ -384,18 +441,20 @@ class OffloadStore:
         lowp: Sequence[Tensor | None],
         grad_scale_inv: float,
         hyper: Mapping[str, Any],
+        owner: object,
     ) -> None:
         """One streamed Adam step over ``params`` (offloaded copies of this store) with their
-        ``states`` (moved into the moments' file first where they are not there)."""
+        ``states`` in the optimizer ``owner`` (moved into the moments' file first where they
+        are not there)."""
         state_dtype = group["state_dtype"]
         regions: list[list[int]] = []
         for param, state in zip(params, states, strict=True):
-            state.update(self.placed(param, state))
+            state.update(self.placed(param, state, owner))
             master = self._masters[id(param)][1]
             row = [master.file, master.offset]
             keys = (*adam_state.MOMENT_KEYS, *adam_state.SCALE_KEYS.values())
             for key in keys:
-                region = self._moments.get((id(param), key))
+                region = self._moments.get((id(owner), id(param), key))
                 row += [-1, 0] if region is None else [region.file, region.offset]
             regions.append(row)
         files = [(file.direct, file.path) for file in self._files]
