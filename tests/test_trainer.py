@@ -280,6 +280,30 @@ def test_save_model_writes_what_trainer_writes(tmp_path: Path, kind: str) -> Non
     assert_weights_equal(load_saved(kind, tmp_path / "ours"), params)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "gpt2_tied", "gpt2_lora"])
+def test_save_pretrained_of_the_converted_model_writes_what_trainer_writes(
+    tmp_path: Path, kind: str
+) -> None:
+    # A model without a preset is converted in place: the user's own ``model.save_pretrained``
+    # (and the wrapper's, which forwards to it) must write the unwrapped model's files too, not
+    # the RoundPipe parts' names (which from_pretrained would load as random weights).
+    model = MODELS[kind]()
+    params = list(model.named_parameters())
+    trainer = RoundPipeTrainer(
+        model, arguments(tmp_path / "run", max_steps=2), train_dataset=dataset(16)
+    )
+    trainer.train()
+    Trainer(model=MODELS[kind](), args=arguments(tmp_path / "ref")).save_model(
+        str(tmp_path / "theirs")
+    )
+    theirs = saved_files(tmp_path / "theirs")
+    theirs.pop("training_args.bin")
+    for saver, folder in ((model, "direct"), (trainer.roundpipe_model, "wrapper")):
+        saver.save_pretrained(str(tmp_path / folder))
+        assert saved_files(tmp_path / folder) == theirs
+        assert_weights_equal(load_saved(kind, tmp_path / folder), params)
+
+
 @pytest.mark.parametrize(
     ("kind", "precision"),
     [("gpt2_tied", {}), ("qwen3", {}), ("gpt2_lora", {}), ("qwen3", {"bf16": True})],
