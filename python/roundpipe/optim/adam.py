@@ -216,6 +216,11 @@ class Adam(torch.optim.Optimizer):
                     f"roundpipe.optim.Adam does not support {option}=True: it updates fp32 "
                     f"parameters on the host outside autograd; use torch.optim.Adam for that"
                 )
+        if foreach and fused:
+            raise ValueError(
+                "`fused` and `foreach` cannot be `True` together (as in torch.optim.Adam); both "
+                "are ignored here: pass at most one"
+            )
         for option, choice in (("foreach", foreach), ("fused", fused)):
             if choice is not None:
                 _warn_once(option)
