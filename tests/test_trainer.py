@@ -348,6 +348,27 @@ def test_checkpoint_model_files_hold_the_steps_weights(
         assert not [key for key in after_three if not torch.equal(ours[key], after_three[key])]
 
 
+@pytest.mark.parametrize("kind", ["gpt2_tied", "qwen3"])
+def test_save_only_model_checkpoints_hold_what_trainer_writes(tmp_path: Path, kind: str) -> None:
+    # save_only_model: each checkpoint-N/ holds the model files and trainer_state.json only, the
+    # same files as plain Trainer's, with the weights after step N.
+    def run(
+        trainer_cls: type, out: Path, steps: int, **overrides: Any
+    ) -> list[tuple[str, torch.nn.Parameter]]:
+        model = MODELS[kind]()
+        params = list(model.named_parameters())  # the unwrapped names
+        args = arguments(out, max_steps=steps, **overrides)
+        trainer_cls(model, args, train_dataset=dataset(24)).train()
+        return params
+
+    only = {"save_strategy": "steps", "save_steps": 2, "save_only_model": True}
+    run(RoundPipeTrainer, tmp_path / "ours", 3, **only)
+    run(Trainer, tmp_path / "theirs", 3, **only)
+    ours, theirs = tmp_path / "ours" / "checkpoint-2", tmp_path / "theirs" / "checkpoint-2"
+    assert saved_files(ours) == saved_files(theirs)
+    assert_weights_equal(load_saved(kind, ours), run(RoundPipeTrainer, tmp_path / "short", 2))
+
+
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
