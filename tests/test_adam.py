@@ -375,6 +375,7 @@ def test_foreach_and_fused_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"weight_decay": -0.1}, ValueError, "Invalid weight_decay value"),
         ({"capturable": True}, ValueError, "capturable=True"),
         ({"differentiable": True}, ValueError, "differentiable=True"),
+        ({"fused": True, "foreach": True}, ValueError, "`fused` and `foreach` cannot be"),
     ],
 )
 def test_invalid_hyper_parameters(kwargs: dict[str, object], error: type, fragment: str) -> None:

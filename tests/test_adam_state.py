@@ -324,6 +324,39 @@ def test_a_state_of_any_form_loads_into_any_other(source: torch.dtype, target: t
     torch.optim.Adam([p.clone() for p in params]).load_state_dict(fp32.state_dict())
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, *COMPACT], ids=str)
+def test_state_dict_hooks_see_what_torchs_adam_hooks_see(state_dtype: torch.dtype) -> None:
+    # torch's Adam: a state-dict post hook sees (and may replace) the dict state_dict()
+    # returns, a load pre hook's result is what loads, a load post hook sees the loaded moments.
+    params, optimizer = trained(state_dtype)
+    seen: dict[str, Any] = {}
+
+    def halve(_: Any, saved: dict[str, Any]) -> dict[str, Any]:
+        seen["saved"] = saved["state"][0]["exp_avg"].dtype
+        state = {
+            i: {**entry, "exp_avg": entry["exp_avg"] / 2} for i, entry in saved["state"].items()
+        }
+        return {**saved, "state": state}
+
+    optimizer.register_state_dict_post_hook(lambda _, saved: seen.update(out=saved) or None)
+    saved = optimizer.state_dict()
+    exported = torch.float32 if state_dtype == torch.int8 else state_dtype  # codes decoded
+    assert seen["out"] is saved and saved["state"][0]["exp_avg"].dtype == exported
+    loaded = Adam([p.clone() for p in params], lr=1e-2, state_dtype=state_dtype)
+    loaded.register_load_state_dict_pre_hook(halve)
+    loaded.register_load_state_dict_post_hook(
+        lambda opt: seen.update(
+            loaded=moment_values(opt.state[opt.param_groups[0]["params"][0]], "exp_avg")
+        )
+    )
+    loaded.load_state_dict(saved)
+    assert seen["saved"] == exported
+    expected = Adam([p.clone() for p in params], lr=1e-2, state_dtype=state_dtype)
+    expected.load_state_dict(halve(None, saved))
+    first = expected.param_groups[0]["params"][0]
+    assert torch.equal(seen["loaded"], moment_values(expected.state[first], "exp_avg"))
+
+
 def test_codes_without_their_scales_are_refused_naming_the_key() -> None:
     params, optimizer = trained(torch.int8)
     saved = legacy_state_dict(optimizer)

@@ -280,6 +280,30 @@ def test_save_model_writes_what_trainer_writes(tmp_path: Path, kind: str) -> Non
     assert_weights_equal(load_saved(kind, tmp_path / "ours"), params)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "gpt2_tied", "gpt2_lora"])
+def test_save_pretrained_of_the_converted_model_writes_what_trainer_writes(
+    tmp_path: Path, kind: str
+) -> None:
+    # A model without a preset is converted in place: the user's own ``model.save_pretrained``
+    # (and the wrapper's, which forwards to it) must write the unwrapped model's files too, not
+    # the RoundPipe parts' names (which from_pretrained would load as random weights).
+    model = MODELS[kind]()
+    params = list(model.named_parameters())
+    trainer = RoundPipeTrainer(
+        model, arguments(tmp_path / "run", max_steps=2), train_dataset=dataset(16)
+    )
+    trainer.train()
+    Trainer(model=MODELS[kind](), args=arguments(tmp_path / "ref")).save_model(
+        str(tmp_path / "theirs")
+    )
+    theirs = saved_files(tmp_path / "theirs")
+    theirs.pop("training_args.bin")
+    for saver, folder in ((model, "direct"), (trainer.roundpipe_model, "wrapper")):
+        saver.save_pretrained(str(tmp_path / folder))
+        assert saved_files(tmp_path / folder) == theirs
+        assert_weights_equal(load_saved(kind, tmp_path / folder), params)
+
+
 @pytest.mark.parametrize(
     ("kind", "precision"),
     [("gpt2_tied", {}), ("qwen3", {}), ("gpt2_lora", {}), ("qwen3", {"bf16": True})],
@@ -322,6 +346,27 @@ def test_checkpoint_model_files_hold_the_steps_weights(
     for name in model_files:
         ours, after_three = load_file(checkpoint / name), load_file(tmp_path / "short_files" / name)
         assert not [key for key in after_three if not torch.equal(ours[key], after_three[key])]
+
+
+@pytest.mark.parametrize("kind", ["gpt2_tied", "qwen3"])
+def test_save_only_model_checkpoints_hold_what_trainer_writes(tmp_path: Path, kind: str) -> None:
+    # save_only_model: each checkpoint-N/ holds the model files and trainer_state.json only, the
+    # same files as plain Trainer's, with the weights after step N.
+    def run(
+        trainer_cls: type, out: Path, steps: int, **overrides: Any
+    ) -> list[tuple[str, torch.nn.Parameter]]:
+        model = MODELS[kind]()
+        params = list(model.named_parameters())  # the unwrapped names
+        args = arguments(out, max_steps=steps, **overrides)
+        trainer_cls(model, args, train_dataset=dataset(24)).train()
+        return params
+
+    only = {"save_strategy": "steps", "save_steps": 2, "save_only_model": True}
+    run(RoundPipeTrainer, tmp_path / "ours", 3, **only)
+    run(Trainer, tmp_path / "theirs", 3, **only)
+    ours, theirs = tmp_path / "ours" / "checkpoint-2", tmp_path / "theirs" / "checkpoint-2"
+    assert saved_files(ours) == saved_files(theirs)
+    assert_weights_equal(load_saved(kind, ours), run(RoundPipeTrainer, tmp_path / "short", 2))
 
 
 @pytest.mark.parametrize(

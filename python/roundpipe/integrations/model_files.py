@@ -11,36 +11,14 @@ ahead of the parameters the next batch trains on.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from roundpipe.models import AutoRoundPipe
+from roundpipe.models.wrap import unwrapped
 from roundpipe.roundpipe import RoundPipe
-
-
-@contextmanager
-def unwrapped(model: nn.Module) -> Iterator[None]:
-    """``model`` as it was before ``wrap_model_to_roundpipe`` turned parts of it into
-    RoundPipes, for the duration: each part's place holds the module it wraps (the same
-    parameters), so ``state_dict()``, ``save_pretrained`` and PEFT see the model's own module
-    tree and names. Nothing may run the model meanwhile."""
-    places = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, RoundPipe)
-    ]
-    try:
-        for parent, name, part in places:
-            setattr(parent, name, part.model)
-        yield
-    finally:
-        for parent, name, part in reversed(places):
-            setattr(parent, name, part)
 
 
 def state_with(model: nn.Module, newest: dict[int, torch.Tensor]) -> dict[str, Any]:

@@ -54,7 +54,6 @@ def _unsupported(args: TrainingArguments) -> list[str]:
         "torch_compile": "leave it off",
         "auto_find_batch_size": "set per_device_train_batch_size",
         "load_best_model_at_end": "checkpoints hold RoundPipe state, not model files",
-        "save_only_model": "a checkpoint holds model and optimizer together",
         "fp16_full_eval": "evaluation runs in the training dtype",
         "bf16_full_eval": "evaluation runs in the training dtype",
         "use_liger_kernel": "leave it off",

@@ -14,6 +14,7 @@ import logging
 import sys
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,35 @@ logger = logging.getLogger("roundpipe")
 _IGNORED_AUTO_KWARGS = frozenset({"pin_model", "model_run_config"})
 
 
+@contextmanager
+def unwrapped(model: nn.Module) -> Iterator[None]:
+    """``model`` as it was before ``wrap_model_to_roundpipe`` turned parts of it into
+    RoundPipes, for the duration: each part's place holds the module it wraps (the same
+    parameters), so ``state_dict()``, ``save_pretrained`` and PEFT see the model's own module
+    tree and names. Nothing may run the model meanwhile."""
+    places = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, RoundPipe)
+    ]
+    try:
+        for parent, name, part in places:
+            setattr(parent, name, part.model)
+        yield
+    finally:
+        for parent, name, part in reversed(places):
+            setattr(parent, name, part)
+
+
+def _save_pretrained_unwrapped(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``save_pretrained`` of a model converted in place (bound to it as its own attribute, so
+    that ``push_to_hub`` and an ``AutoRoundPipe``'s forwarded call use it too): the files of the
+    model as it was, its own parameter names and tied weights, not the parts' wrapper entries."""
+    with unwrapped(model):
+        return type(model).save_pretrained(model, *args, **kwargs)  # type: ignore[attr-defined]
+
+
 def _built(converter: Converter, root: nn.Module | Part, name: str) -> RoundPipe | AutoRoundPipe:
     """The parts ``converter`` planned, built and put in place of their modules, then the
     RoundPipe or AutoRoundPipe over the root. If anything fails on the way, every module put
@@ -55,7 +85,10 @@ def _built(converter: Converter, root: nn.Module | Part, name: str) -> RoundPipe
         if isinstance(root, Part):
             return RoundPipe(root.module, **root.kwargs)
         optim_dtype = converter.roundpipe_kwargs.get("optim_dtype")
-        return AutoRoundPipe(root, name=name, optim_dtype=optim_dtype)
+        wrapped = AutoRoundPipe(root, name=name, optim_dtype=optim_dtype)
+        if placed and callable(getattr(type(root), "save_pretrained", None)):
+            root.__dict__["save_pretrained"] = types.MethodType(_save_pretrained_unwrapped, root)
+        return wrapped
     except BaseException:
         for parent, key, child in reversed(placed):
             _put(parent, key, child)
@@ -585,4 +618,4 @@ def wrap_model_to_roundpipe(
     return _built(converter, root, name)
 
 
-__all__ = ["AutoRoundPipe", "wrap_model", "wrap_model_to_roundpipe"]
+__all__ = ["AutoRoundPipe", "unwrapped", "wrap_model", "wrap_model_to_roundpipe"]

@@ -216,6 +216,11 @@ class Adam(torch.optim.Optimizer):
                     f"roundpipe.optim.Adam does not support {option}=True: it updates fp32 "
                     f"parameters on the host outside autograd; use torch.optim.Adam for that"
                 )
+        if foreach and fused:
+            raise ValueError(
+                "`fused` and `foreach` cannot be `True` together (as in torch.optim.Adam); both "
+                "are ignored here: pass at most one"
+            )
         for option, choice in (("foreach", foreach), ("fused", fused)):
             if choice is not None:
                 _warn_once(option)
@@ -259,49 +264,78 @@ class Adam(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """As torch's, in the form torch's Adam loads: 8-bit moments decoded into float32 values
         (new tensors), beside their block scales, which torch ignores and :meth:`load_state_dict`
-        encodes the values against again, giving back the same codes."""
-        state_dict = super().state_dict()
-        state_dict["state"] = {
-            index: adam_state.exported(entry) if isinstance(entry, Mapping) else entry
-            for index, entry in state_dict["state"].items()
-        }
-        return state_dict
+        encodes the values against again, giving back the same codes. State-dict post hooks see
+        (and may replace) that form, as they see what torch's Adam returns."""
+
+        def export(_: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+            state_dict["state"] = {
+                index: adam_state.exported(entry) if isinstance(entry, Mapping) else entry
+                for index, entry in state_dict["state"].items()
+            }
+            return state_dict
+
+        handle = self.register_state_dict_post_hook(export, prepend=True)
+        try:
+            return super().state_dict()
+        finally:
+            handle.remove()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, and the saved moments, in whatever form they were saved (fp32 as torch's
         Adam saves them, bf16, 8-bit codes with their scales, or :meth:`state_dict`'s decoded
         8-bit moments), are converted into each group's ``state_dtype``: this optimizer's, which
         the saved groups' do not replace. A state already in that form (or saved by
-        :meth:`state_dict` from it) is taken bit for bit."""
+        :meth:`state_dict` from it) is taken bit for bit. Load pre hooks see the state as given
+        (what they return is loaded), post hooks the loaded moments, as with torch's Adam."""
         forms = [group["state_dtype"] for group in self.param_groups]
-        saved = state_dict["state"]
         moment_keys = (
             *adam_state.MOMENT_KEYS,
             *adam_state.SCALE_KEYS.values(),
             adam_state.CODE_KEY,
         )
-        moments = {
-            index: {key: value for key, value in entry.items() if key in moment_keys}
-            for index, entry in saved.items()
-            if isinstance(entry, Mapping)
-        }
-        rest = {
-            index: (
-                {key: value for key, value in entry.items() if key not in moment_keys}
+        moments: dict[Any, dict[str, Any]] = {}
+        saved_ids: list[Any] = []
+
+        def strip(_: torch.optim.Optimizer, given: dict[str, Any]) -> dict[str, Any]:
+            # The last pre hook: torch would cast 8-bit codes to the parameter's dtype.
+            saved = given["state"]
+            moments.update(
+                (index, {key: value for key, value in entry.items() if key in moment_keys})
+                for index, entry in saved.items()
                 if isinstance(entry, Mapping)
-                else entry
             )
-            for index, entry in saved.items()
-        }
-        super().load_state_dict({**state_dict, "state": rest})
-        for group, form in zip(self.param_groups, forms, strict=True):
-            group["state_dtype"] = form
-        saved_ids = [index for group in state_dict["param_groups"] for index in group["params"]]
-        params = [(param, group) for group in self.param_groups for param in group["params"]]
-        for index, (param, group) in zip(saved_ids, params, strict=True):
-            if moments.get(index):
-                form = self._form_of(param, group)
-                self.state[param].update(adam_state.convert_moments(moments[index], param, form))
+            saved_ids.extend(index for group in given["param_groups"] for index in group["params"])
+            rest = {
+                index: (
+                    {key: value for key, value in entry.items() if key not in moment_keys}
+                    if isinstance(entry, Mapping)
+                    else entry
+                )
+                for index, entry in saved.items()
+            }
+            return {**given, "state": rest}
+
+        def convert(_: torch.optim.Optimizer) -> None:
+            # The first post hook: the moments go in before any other post hook sees the state.
+            for group, form in zip(self.param_groups, forms, strict=True):
+                group["state_dtype"] = form
+            params = [(param, group) for group in self.param_groups for param in group["params"]]
+            for index, (param, group) in zip(saved_ids, params, strict=True):
+                if moments.get(index):
+                    form = self._form_of(param, group)
+                    self.state[param].update(
+                        adam_state.convert_moments(moments[index], param, form)
+                    )
+
+        handles = [
+            self.register_load_state_dict_pre_hook(strip),
+            self.register_load_state_dict_post_hook(convert, prepend=True),
+        ]
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """As ``torch.optim.Adam.__setstate__`` (which ``load_state_dict`` runs): missing group
