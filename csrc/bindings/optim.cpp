@@ -38,6 +38,11 @@ void bind_optim(py::module_& m) {
         "streamed through a few aligned buffers (roundpipe.optim.offload). Returns bytes read, "
         "bytes written and the I/O threads' seconds reading and writing. A failed read or write "
         "raises OSError with its errno and file.");
+  m.def("map_file_region", &optim::host_ops::map_file_region, py::arg("fd"), py::arg("path"),
+        py::arg("offset"), py::arg("nbytes"),
+        "nbytes bytes of the open file fd from offset (a multiple of the page size), mapped "
+        "shared as a uint8 tensor and unmapped when the last tensor of it is freed; keeps no "
+        "descriptor of its own. A failed mapping raises OSError naming path.");
   m.def(
       "disk_grain", [] { return optim::kDiskGrain; },
       "Elements on whose multiples an offloaded tensor's chunks start.");

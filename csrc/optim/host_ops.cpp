@@ -1,6 +1,12 @@
 #include "optim/host_ops.h"
 
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <stdexcept>
 #include <string>
@@ -381,6 +387,28 @@ StreamedStats adam_step_streamed(const std::vector<std::pair<int, std::string>>&
   }
   return {stats.bytes_read, stats.bytes_written, stats.read_seconds, stats.write_seconds,
           std::move(spans)};
+}
+
+at::Tensor map_file_region(int fd, const std::string& path, std::int64_t offset,
+                           std::int64_t nbytes) {
+  const std::int64_t page = sysconf(_SC_PAGESIZE);
+  TORCH_CHECK_VALUE(fd >= 0, "map_file_region: fd must be an open descriptor, got ", fd);
+  TORCH_CHECK_VALUE(offset >= 0 && offset % page == 0,
+                    "map_file_region: offset must be a non-negative multiple of the page size (",
+                    page, "), got ", offset);
+  TORCH_CHECK_VALUE(nbytes > 0, "map_file_region: nbytes must be positive, got ", nbytes);
+  void* data = mmap(nullptr, static_cast<std::size_t>(nbytes), PROT_READ | PROT_WRITE, MAP_SHARED,
+                    fd, static_cast<off_t>(offset));
+  if (data == MAP_FAILED) {
+    const int error = errno;
+    throw DiskError(error, path,
+                    "mapping " + std::to_string(nbytes) + " bytes of " + path + " at offset " +
+                        std::to_string(offset) + " failed: " + std::strerror(error));
+  }
+  const auto length = static_cast<std::size_t>(nbytes);
+  return at::from_blob(
+      data, {nbytes}, [length](void* mapped) { munmap(mapped, length); },
+      at::TensorOptions().dtype(at::kByte));
 }
 
 }  // namespace roundpipe::optim::host_ops

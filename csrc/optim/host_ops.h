@@ -54,6 +54,13 @@ StreamedStats adam_step_streamed(const std::vector<std::pair<int, std::string>>&
                                  double grad_scale_inv, std::int64_t chunk_elements, int buffers,
                                  int io_threads, std::optional<int> num_threads);
 
+// `nbytes` bytes of the file open as `fd` (named `path` in errors) from `offset`, a multiple of
+// the page size, mapped shared as a uint8 tensor, unmapped when the last tensor of it is freed.
+// Unlike Python's mmap it keeps no descriptor of its own: a model's hundreds of offloaded tensors
+// cost none of the process's open-file limit. A failed mapping throws optim::DiskError.
+at::Tensor map_file_region(int fd, const std::string& path, std::int64_t offset,
+                           std::int64_t nbytes);
+
 // dsts[k] (fp32) = srcs[k] cast to fp32 (`overwrite`), or += it; without `overwrite` (nullopt)
 // only the check. True iff every src is finite.
 bool grad_pass(const TensorList& dsts, const TensorList& srcs, std::optional<bool> overwrite,

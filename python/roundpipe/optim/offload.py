@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import mmap
 import os
 import weakref
 from collections.abc import Mapping, Sequence
@@ -347,8 +346,10 @@ class OffloadStore:
         numel = shape.numel()
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
-        view = mmap.mmap(self._files[region.file].buffered, region.nbytes, offset=region.offset)
-        mapped = torch.frombuffer(view, dtype=dtype, count=numel).view(shape)
+        file = self._files[region.file]
+        # Mapped natively: Python's mmap would keep a descriptor per tensor.
+        view = _C.map_file_region(file.buffered, file.path, region.offset, region.nbytes)
+        mapped = view[: numel * dtype.itemsize].view(dtype).view(shape)
         self._maps[key] = mapped
         self._map_regions[mapped.data_ptr()] = region
         return mapped
