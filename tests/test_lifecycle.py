@@ -403,6 +403,29 @@ def test_step_fn_error_names_the_phase_and_keeps_type(num_devices: int) -> None:
     model.synchronize()  # raised once
 
 
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_a_model_whose_step_failed_is_freed_once_dropped(num_devices: int, is_async: bool) -> None:
+    """After a failed step has reached the caller, dropping the model frees it, as a plain
+    module and optimizer are freed (the step's error held its model alive, and with it its
+    memory and an offload folder's lock, for the rest of the process)."""
+    import gc
+    import weakref
+
+    model, _ = _trained(num_devices)
+
+    def bad_step() -> None:
+        raise ValueError("bad step")
+
+    model.forward_backward(input_args=(torch.randn(8, 16),), loss_fn=lambda o, _: o.square().mean())
+    with pytest.raises(ValueError, match="bad step"):
+        model.step(bad_step, is_async=is_async)
+        model.synchronize()
+    dropped = weakref.ref(model)
+    del model
+    gc.collect()
+    assert dropped() is None
+
+
 def test_update_accepts_a_tensor_new_scale() -> None:
     scaler = GradScaler(init_scale=8.0)
     reference = torch.amp.GradScaler("cpu", init_scale=8.0)

@@ -386,7 +386,8 @@ class StepPipeline:
             except BaseException as error:
                 if isinstance(error, KeyboardInterrupt) and not job.query():
                     raise  # the step is still running: the next finish() waits for it again
-                self._job = None
+                # Nothing the error's traceback keeps may hold its event (see wait_for_job).
+                self._job = job = None
                 step_thread.settle(self._job_iteration)
                 raise
             # A Ctrl-C half-way would leave some layers without the step's weights, the step
@@ -519,8 +520,9 @@ class StepPipeline:
         succeeded keeps its write-back for the next ``step()`` (staleness 1)."""
         job = self._job
         if job is not None and job.query():
+            del job  # the error's traceback must not hold its event (see wait_for_job)
             try:
-                job.synchronize()
+                self._job.synchronize()
             except BaseException:
                 self.finish()
         raise_detached_errors()

@@ -92,14 +92,19 @@ def wait_for_job(event: Any) -> BaseException | None:
     Ctrl-C that came as the job ended successfully is returned, for the caller to raise once it
     has done what follows a successful job."""
     try:
-        event.synchronize()
-        return None
-    except KeyboardInterrupt as error:
-        if not event.query():
-            raise  # the job is still queued or running
-        interrupt = error
-    event.synchronize()  # it ended: raises its own error again, if it had one
-    return interrupt
+        try:
+            event.synchronize()
+            return None
+        except KeyboardInterrupt as error:
+            if not event.query():
+                raise  # the job is still queued or running
+            interrupt = error
+        event.synchronize()  # it ended: raises its own error again, if it had one
+        return interrupt
+    finally:
+        # The event keeps the job's error, out of the garbage collector's sight: a traceback
+        # frame of the error that referenced the event would keep both, and the model, alive.
+        del event
 
 
 def raise_detached_errors(wait: bool = False) -> None:
