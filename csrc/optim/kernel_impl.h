@@ -34,10 +34,11 @@
 
 namespace roundpipe::optim::kernels {
 
-// How far ahead of the element being updated the Adam kernel prefetches each stream: 2 KiB of
-// fp32 state. The hardware prefetchers stop at every 4 KiB page boundary and track few streams;
-// Adam runs 4 to 6 streams per thread, and without this it is latency-bound below the memory
-// bandwidth (benchmarks/adam_cpu.py measures the distances).
+// How far ahead of the element being updated the Adam kernels with compact moments prefetch each
+// stream: 2 KiB of fp32 state. The hardware prefetchers stop at every 4 KiB page boundary and
+// track few streams. The kernel of fp32 moments, which computes least per byte, leaves its
+// streams to them: each thread streams one long run (host_ops' runs), where the prefetch
+// instructions measured 4 to 7% slower (benchmarks/adam_state_step.py, one 50M tensor).
 inline constexpr std::int64_t kPrefetchAhead = 512;
 
 // The random bits of the stochastic rounding of compact moments: a Weyl sequence, the step's seed
@@ -291,14 +292,16 @@ std::int64_t adam_vectors(const AdamCoefficients& c, const AdamBuffers& b, std::
   constexpr bool kPairs =
       S != StateDType::kFloat32 && (64 / sizeof(float)) % (2 * Isa::kWidth) == 0;
 
-  // One 64-byte line of each fp32 stream per iteration, each line prefetched once, kPrefetchAhead
-  // elements ahead (also past `end`, into the next chunk, but never past the buffer).
+  // One 64-byte line of each fp32 stream per iteration; with bf16 moments each line prefetched
+  // once, kPrefetchAhead elements ahead (also past `end`, into the next run, but never past the
+  // buffer).
   constexpr std::int64_t kLine = 64 / sizeof(float);
   static_assert(kLine % Isa::kWidth == 0);
+  constexpr bool kPrefetch = S != StateDType::kFloat32;
   const std::int64_t prefetch_end = b.numel - kPrefetchAhead;
   std::int64_t i = begin;
   for (; i + kLine <= end; i += kLine) {
-    if (i < prefetch_end) {
+    if (kPrefetch && i < prefetch_end) {
       const std::int64_t j = i + kPrefetchAhead;
       __builtin_prefetch(param_ptr + j, 1);
       __builtin_prefetch(exp_avg_ptr + j, 1);
