@@ -129,3 +129,37 @@ def test_model_of_mixed_dtypes_saves_and_loads(tmp_path: Path) -> None:
         model.model.state_dict().items(), other.model.state_dict().values(), strict=True
     ):
         assert loaded.dtype == value.dtype and torch.equal(loaded, value), name
+
+
+def test_pending_gradients_load_by_value_into_a_model_of_another_dtype() -> None:
+    # As torch casts a checkpoint's bf16 parameters into an fp16 model, the gradients a bf16
+    # model accumulated but did not step load into an fp16 model by value (they were copied as
+    # bytes: bf16 bits read as fp16, wrong gradients and no error).
+    from roundpipe import RoundPipe
+    from torch import nn
+
+    def build(dtype: torch.dtype) -> RoundPipe:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).to(dtype)
+        return RoundPipe(net, optim_dtype=torch.float32)
+
+    def stepped_grads(model: RoundPipe) -> list[torch.Tensor]:
+        grads: list[torch.Tensor] = []
+        model.step(lambda: grads.extend(p.grad.clone() for p in model.optim_parameters()), False)
+        return grads
+
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    source = build(torch.bfloat16)
+    source.forward_backward(
+        input_args=(x.bfloat16(),),
+        label=y.bfloat16(),
+        loss_fn=lambda out, label: ((out.float() - label.float()) ** 2).mean(),
+    )
+    state = source.state_dict()
+    expected = stepped_grads(source)
+    for dtype in (torch.bfloat16, torch.float16):
+        target = build(dtype)
+        target.load_state_dict(state)
+        for got, saved in zip(stepped_grads(target), expected, strict=True):
+            # fp32 copies: the bf16 values survive fp16 (their range here is small)
+            torch.testing.assert_close(got, saved, rtol=1e-2, atol=1e-3)

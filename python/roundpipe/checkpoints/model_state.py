@@ -45,8 +45,16 @@ class ModelState:
             if self.steps.write_back_pending():
                 entries["pending_writeback"] = torch.tensor(True)
         if self.gradients.dirty:
-            entries["grads"] = self.memory.grads.clone()
+            entries["grads"] = self._typed_grads().clone()
         return entries
+
+    def _typed_grads(self) -> torch.Tensor:
+        """The gradient arena typed as its gradients where they share one dtype (else its
+        bytes): a checkpoint's pending gradients then load by value into a model of another
+        float dtype of that size (bf16 into fp16), as torch casts parameters, not as bytes."""
+        memory = self.memory
+        dtypes = {dtype for _, _, dtype in memory.grad_runs(range(len(memory.layers)))}
+        return memory.grads.view(dtypes.pop()) if len(dtypes) == 1 else memory.grads
 
     def stage(
         self, trainable: Named, entries: dict[str, Any], prefix: str, error_msgs: list[str]
@@ -64,7 +72,9 @@ class ModelState:
             key = f"optim.model.{name}"
             known[key] = None if shape is None else trained.new_empty(shape, device="meta")
             whole[key] = trained
-        known["grads"] = self.memory.grads
+        saved_grads = entries.get("grads")
+        raw = isinstance(saved_grads, torch.Tensor) and saved_grads.dtype == torch.uint8
+        known["grads"] = self.memory.grads if raw else self._typed_grads()  # bytes: older files
         known["pending_writeback"] = torch.tensor(True)
         self.staged = {}
         check = RuntimeState._check_entry
@@ -88,7 +98,8 @@ class ModelState:
         grads = staged.pop("grads", None)
         if grads is not None:
             with torch.no_grad():
-                self.memory.grads.copy_(grads)
+                arena = self.memory.grads if grads.dtype == torch.uint8 else self._typed_grads()
+                arena.copy_(grads)
             self.gradients.reach_all()
         pending = staged.pop("pending_writeback", None)
         saved_copies = {key.removeprefix("optim."): value for key, value in staged.items()}
