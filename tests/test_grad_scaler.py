@@ -336,3 +336,23 @@ def test_an_fp16_model_without_fp32_copies_is_refused_as_by_torch(num_devices: i
         model.step(lambda: scaler.step(optimizer), is_async=False)
     for p, q in zip(model.parameters(), before, strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("make", [GradScaler, lambda: torch.amp.GradScaler("cpu")])
+def test_a_second_step_or_a_closure_is_refused_as_torch_refuses_it(make: Callable) -> None:
+    # torch.amp.GradScaler refuses a second step() before update() (it would step the same
+    # gradients twice) and a closure (its loss would not be scaled); ours stepped both.
+    param = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.5)
+    scaler = make()
+    scaler.scale(param.sum()).backward()
+    with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
+        scaler.step(optimizer, closure=lambda: param.sum())
+    scaler.step(optimizer)
+    stepped = param.detach().clone()
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called"):
+        scaler.step(optimizer)
+    assert torch.equal(param.detach(), stepped)
+    scaler.update()
+    scaler.scale(param.sum()).backward()
+    scaler.step(optimizer)  # after update() a step is allowed again

@@ -109,6 +109,7 @@ class GradScaler:
         self._settled_scale = self._scale
         self._updates: list[tuple[float, float]] = []
         self._unscaled: dict[int, bool] = {}  # id(optimizer) -> found inf/NaN
+        self._stepped: set[int] = set()  # id(optimizer) of the steps since update()
 
     @staticmethod
     def _check_interval(value: Any) -> int:
@@ -193,7 +194,16 @@ class GradScaler:
         ``ValueError`` as in :meth:`unscale_`."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:  # as torch.amp.GradScaler: its loss would not be scaled
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._settle_outside_step_fn()
+        if id(optimizer) in self._stepped:  # as torch: the same gradients stepped twice
+            raise RuntimeError("step() has already been called since the last update().")
+        result = self._step(optimizer, *args, **kwargs)
+        self._stepped.add(id(optimizer))  # as torch, once the step ran (not after an error)
+        return result
+
+    def _step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if isinstance(optimizer, Adam) and id(optimizer) not in self._unscaled:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             grads = [gradient_of(p) for p in params]
@@ -266,6 +276,7 @@ class GradScaler:
                         self._scale = grown
                     self._growth_tracker = 0
             self._unscaled.clear()
+            self._stepped.clear()
             self._updates.append((step, self._scale))
             # Scales of earlier iterations are no longer needed: their steps have run.
             for done in [i for i in self._iteration_scales if i < iteration]:
@@ -355,6 +366,7 @@ class GradScaler:
                 {} if loaded.current is None else {current_iteration(): loaded.current}
             )
             self._unscaled.clear()
+            self._stepped.clear()
 
     def check_state_dict(self, state_dict: Any) -> None:
         """Raise what :meth:`load_state_dict` would raise for ``state_dict``; changes nothing
