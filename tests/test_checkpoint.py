@@ -163,3 +163,26 @@ def test_pending_gradients_load_by_value_into_a_model_of_another_dtype() -> None
         for got, saved in zip(stepped_grads(target), expected, strict=True):
             # fp32 copies: the bf16 values survive fp16 (their range here is small)
             torch.testing.assert_close(got, saved, rtol=1e-2, atol=1e-3)
+
+
+def test_a_batchnorm_entry_torch_fills_in_is_not_missing() -> None:
+    # nn.Module.load_state_dict loads a state without BatchNorm's num_batches_tracked (a dict
+    # without version metadata); RoundPipe's strict load refused it as a missing key.
+    from roundpipe import RoundPipe
+    from torch import nn
+
+    def net() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+
+    state = {k: v + 1 for k, v in net().state_dict().items() if "num_batches" not in k}
+    plain = nn.Sequential()
+    plain.add_module("model", net())
+    model = RoundPipe(net())
+    assert str(model.load_state_dict({f"model.{k}": v for k, v in state.items()})) == str(
+        plain.load_state_dict({f"model.{k}": v for k, v in state.items()})
+    )
+    loaded, expected = model.model.state_dict(), plain.model.state_dict()
+    assert loaded.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(loaded[key], value), key

@@ -140,12 +140,17 @@ def check_state_dict(module: nn.Module, state_dict: Any, strict: bool) -> None:
     modules = [m for _, m in module.named_modules(remove_duplicate=False)]
     if not all(loads_state_dict_plainly(m) for m in modules):
         return
-    optional = {  # BatchNorm and the like load a checkpoint without it
+    _check_entries(module, state_dict, strict, same_kind=False, optional=_norm_counters(module))
+
+
+def _norm_counters(module: nn.Module) -> set[str]:
+    """The ``num_batches_tracked`` keys of ``module``'s norms: BatchNorm and the like load a
+    checkpoint without them (one without version metadata, as torch reads it)."""
+    return {
         f"{path}.num_batches_tracked" if path else "num_batches_tracked"
         for path, m in module.named_modules(remove_duplicate=False)
         if isinstance(m, NORM_CLASSES)
     }
-    _check_entries(module, state_dict, strict, same_kind=False, optional=optional)
 
 
 class RuntimeState(nn.Module):
@@ -199,7 +204,7 @@ class RuntimeState(nn.Module):
         ``nn.Module.load_state_dict``'s for entries of the wrong shape or dtype and, under
         ``strict``, missing or unexpected keys (unknown own entries included). The own entries
         stay staged for the load that follows."""
-        _check_entries(self, state_dict, strict, same_kind=True)
+        _check_entries(self, state_dict, strict, same_kind=True, optional=_norm_counters(self))
 
     def _check_state_dict_only(self, state_dict: Any, strict: bool) -> None:
         """:meth:`_check_state_dict`, leaving nothing staged (a check before any state is
