@@ -186,3 +186,13 @@ def test_a_batchnorm_entry_torch_fills_in_is_not_missing() -> None:
     assert loaded.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(loaded[key], value), key
+    # With BatchNorm's version in the metadata (a state_dict() as saved) torch refuses it.
+    saved = plain.state_dict()
+    del saved["model.1.num_batches_tracked"]
+    with pytest.raises(RuntimeError, match=r'Missing key.*"model\.1\.num_batches_tracked"'):
+        plain.load_state_dict(saved)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    saved["model.0.weight"] = saved["model.0.weight"] + 1
+    with pytest.raises(RuntimeError, match=r'Missing key.*"model\.1\.num_batches_tracked"'):
+        model.load_state_dict(saved)  # refused before anything changed
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

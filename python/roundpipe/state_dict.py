@@ -140,16 +140,18 @@ def check_state_dict(module: nn.Module, state_dict: Any, strict: bool) -> None:
     modules = [m for _, m in module.named_modules(remove_duplicate=False)]
     if not all(loads_state_dict_plainly(m) for m in modules):
         return
-    _check_entries(module, state_dict, strict, same_kind=False, optional=_norm_counters(module))
+    optional = _norm_counters(module, state_dict)
+    _check_entries(module, state_dict, strict, same_kind=False, optional=optional)
 
 
-def _norm_counters(module: nn.Module) -> set[str]:
-    """The ``num_batches_tracked`` keys of ``module``'s norms: BatchNorm and the like load a
-    checkpoint without them (one without version metadata, as torch reads it)."""
+def _norm_counters(module: nn.Module, state_dict: Any) -> set[str]:
+    """The ``num_batches_tracked`` keys that ``module``'s norms fill in when ``state_dict``
+    lacks them, as BatchNorm's loading does: where its metadata gives no version 2 or later."""
+    metadata = getattr(state_dict, "_metadata", None) or {}
     return {
         f"{path}.num_batches_tracked" if path else "num_batches_tracked"
         for path, m in module.named_modules(remove_duplicate=False)
-        if isinstance(m, NORM_CLASSES)
+        if isinstance(m, NORM_CLASSES) and (metadata.get(path, {}).get("version") or 0) < 2
     }
 
 
@@ -204,7 +206,8 @@ class RuntimeState(nn.Module):
         ``nn.Module.load_state_dict``'s for entries of the wrong shape or dtype and, under
         ``strict``, missing or unexpected keys (unknown own entries included). The own entries
         stay staged for the load that follows."""
-        _check_entries(self, state_dict, strict, same_kind=True, optional=_norm_counters(self))
+        optional = _norm_counters(self, state_dict)
+        _check_entries(self, state_dict, strict, same_kind=True, optional=optional)
 
     def _check_state_dict_only(self, state_dict: Any, strict: bool) -> None:
         """:meth:`_check_state_dict`, leaving nothing staged (a check before any state is
