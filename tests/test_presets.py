@@ -394,6 +394,23 @@ def test_bad_call_arguments_name_the_fix() -> None:
         wrapped(labels=batch["labels"])
 
 
+def test_hugging_face_output_switches_at_their_defaults_are_accepted() -> None:
+    # A Hugging Face model takes return_dict=True and output_hidden_states/output_attentions
+    # False as no-ops; a preset does the same and refuses what it cannot return by name.
+    reference, wrapped = make_pair("qwen3")
+    batch = make_batch(padding=False)
+    defaults = {"return_dict": True, "output_hidden_states": False, "output_attentions": False}
+    output = wrapped(**batch, **defaults)
+    torch.testing.assert_close(output.loss, reference(**batch, **defaults).loss)
+    for switch, value in [
+        ("return_dict", False),
+        ("output_hidden_states", True),
+        ("output_attentions", True),
+    ]:
+        with pytest.raises(ValueError, match=f"{switch}={value}"):
+            wrapped(**batch, **{switch: value})
+
+
 @pytest.mark.slow
 def test_importing_roundpipe_does_not_import_transformers() -> None:
     code = "import sys, roundpipe; print('transformers' in sys.modules)"
