@@ -419,6 +419,17 @@ def test_importing_roundpipe_does_not_import_transformers() -> None:
     assert result.stdout.strip() == "False"
 
 
+def test_adapters_added_after_wrapping_are_refused() -> None:
+    # get_peft_model() of the RoundPipe inserts parameters no arena holds: they would be
+    # neither uploaded nor trained (optim_parameters() was empty), so the call refuses them.
+    peft = pytest.importorskip("peft", reason="the LoRA path needs peft")
+    _, wrapped = make_pair("qwen3")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(wrapped, lora)
+    with pytest.raises(RuntimeError, match=r"lora_A.*added after wrapping.*before wrapping"):
+        model(**make_batch(padding=False))
+
+
 def test_lora_adapters_train_on_a_frozen_pageable_base(num_devices: int) -> None:
     peft = pytest.importorskip("peft", reason="the LoRA path needs peft")
     torch.manual_seed(0)
