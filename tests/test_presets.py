@@ -392,6 +392,9 @@ def test_bad_call_arguments_name_the_fix() -> None:
         wrapped(**batch, use_cache=True)
     with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
         wrapped(labels=batch["labels"])
+    # Without labels return_logits=False would compute every layer and return nothing.
+    with pytest.raises(ValueError, match=r"return_logits=False.*labels"):
+        wrapped(input_ids=batch["input_ids"], return_logits=False)
 
 
 def test_hugging_face_output_switches_at_their_defaults_are_accepted() -> None:

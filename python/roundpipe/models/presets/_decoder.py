@@ -246,6 +246,11 @@ class DecoderPrefix(nn.Module):
                 )
         if not isinstance(return_logits, bool):
             raise TypeError(f"return_logits must be a bool, got {type(return_logits).__name__}")
+        if not return_logits and labels is None:
+            raise ValueError(
+                "return_logits=False returns only the loss: pass labels, or leave return_logits "
+                "at True for the logits"
+            )
         if output_router_logits is None:
             output_router_logits = bool(getattr(self.config, "output_router_logits", False))
         if output_router_logits and self.family.moe_modeling is None:
