@@ -648,16 +648,15 @@ class RoundPipe(ForwardingModule):
                 "removed or replaced). RoundPipe laid its arenas and plans out for the layers "
                 "it wrapped: wrap the changed Sequential anew"
             )
-        wrapped = {id(param) for _, param in self._runtime.param_names}
-        added = [
-            n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in wrapped
-        ]
+        # By name: a call nested in a running one sees the layers bound to device copies.
+        wrapped = {name for name, _ in self._runtime.param_names}
+        added = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in wrapped]
         if added:
             raise RuntimeError(
-                f"RoundPipe model '{self.name}': parameter '{added[0]}' was added after "
-                "wrapping (a module inserted into the wrapped model, e.g. get_peft_model() of "
-                "the RoundPipe); RoundPipe neither uploads nor trains it. Add adapters before "
-                "wrapping: wrap_model_to_roundpipe(get_peft_model(model, config))"
+                f"RoundPipe model '{self.name}': parameter '{added[0]}' is not one it wrapped "
+                "(a module inserted into the wrapped model after wrapping, e.g. get_peft_model() "
+                "of the RoundPipe): RoundPipe would neither upload nor train it. Add adapters "
+                "before wrapping: wrap_model_to_roundpipe(get_peft_model(model, config))"
             )
         slot = self._runtime.memory.replaced_param()
         if slot is None:
