@@ -392,6 +392,26 @@ def test_bad_call_arguments_name_the_fix() -> None:
         wrapped(**batch, use_cache=True)
     with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
         wrapped(labels=batch["labels"])
+    # Without labels return_logits=False would compute every layer and return nothing.
+    with pytest.raises(ValueError, match=r"return_logits=False.*labels"):
+        wrapped(input_ids=batch["input_ids"], return_logits=False)
+
+
+def test_hugging_face_output_switches_at_their_defaults_are_accepted() -> None:
+    # A Hugging Face model takes return_dict=True and output_hidden_states/output_attentions
+    # False as no-ops; a preset does the same and refuses what it cannot return by name.
+    reference, wrapped = make_pair("qwen3")
+    batch = make_batch(padding=False)
+    defaults = {"return_dict": True, "output_hidden_states": False, "output_attentions": False}
+    output = wrapped(**batch, **defaults)
+    torch.testing.assert_close(output.loss, reference(**batch, **defaults).loss)
+    for switch, value in [
+        ("return_dict", False),
+        ("output_hidden_states", True),
+        ("output_attentions", True),
+    ]:
+        with pytest.raises(ValueError, match=f"{switch}={value}"):
+            wrapped(**batch, **{switch: value})
 
 
 @pytest.mark.slow
@@ -400,6 +420,17 @@ def test_importing_roundpipe_does_not_import_transformers() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_adapters_added_after_wrapping_are_refused() -> None:
+    # get_peft_model() of the RoundPipe inserts parameters no arena holds: they would be
+    # neither uploaded nor trained (optim_parameters() was empty), so the call refuses them.
+    peft = pytest.importorskip("peft", reason="the LoRA path needs peft")
+    _, wrapped = make_pair("qwen3")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(wrapped, lora)
+    with pytest.raises(RuntimeError, match=r"q_proj.*not one it wrapped.*before wrapping"):
+        model(**make_batch(padding=False))
 
 
 def test_lora_adapters_train_on_a_frozen_pageable_base(num_devices: int) -> None:

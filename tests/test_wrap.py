@@ -242,6 +242,14 @@ def test_a_failed_wrap_leaves_the_model_as_it_came(failure: str) -> None:
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_loss_chunk_size_without_a_preset_is_refused_by_name() -> None:
+    model = Net()
+    before = _structure(model)
+    with pytest.raises(TypeError, match=r"loss_chunk_size.*presets"):
+        wrap_model_to_roundpipe(model, loss_chunk_size=4)
+    assert _structure(model) == before
+
+
 def test_forward_backward_explains_what_to_do() -> None:
     _, wrapped = make_pair()
     with pytest.raises(NotImplementedError, match=r"loss.backward\(\)"):

@@ -634,9 +634,10 @@ class RoundPipe(ForwardingModule):
 
     def _check_as_wrapped(self) -> None:
         """``RuntimeError`` if the wrapped Sequential's layers changed since wrapping (one
-        appended, removed or replaced: the calls would run the layers wrapped), or a parameter's
-        data was replaced (the wrapped module converted, ``param.data = ...``: the arenas hold
-        the data it was wrapped with)."""
+        appended, removed or replaced: the calls would run the layers wrapped), a parameter was
+        added to the module (it would be neither uploaded nor trained), or a parameter's data
+        was replaced (the wrapped module converted, ``param.data = ...``: the arenas hold the
+        data it was wrapped with)."""
         model, layers = self.model, self.layers
         if isinstance(model, nn.Sequential) and (
             len(model) != len(layers) or any(a is not b for a, b in zip(model, layers, strict=True))
@@ -646,6 +647,16 @@ class RoundPipe(ForwardingModule):
                 f"after wrapping ({len(layers)} wrapped, {len(model)} now; a layer appended, "
                 "removed or replaced). RoundPipe laid its arenas and plans out for the layers "
                 "it wrapped: wrap the changed Sequential anew"
+            )
+        # By name: a call nested in a running one sees the layers bound to device copies.
+        wrapped = {name for name, _ in self._runtime.param_names}
+        added = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in wrapped]
+        if added:
+            raise RuntimeError(
+                f"RoundPipe model '{self.name}': parameter '{added[0]}' is not one it wrapped "
+                "(a module inserted into the wrapped model after wrapping, e.g. get_peft_model() "
+                "of the RoundPipe): RoundPipe would neither upload nor train it. Add adapters "
+                "before wrapping: wrap_model_to_roundpipe(get_peft_model(model, config))"
             )
         slot = self._runtime.memory.replaced_param()
         if slot is None:

@@ -600,6 +600,11 @@ def wrap_model_to_roundpipe(
                 file=sys.stderr,
             )
         return wrapped
+    if "loss_chunk_size" in roundpipe_kwargs:
+        raise TypeError(
+            f"loss_chunk_size applies to the Hugging Face presets only; {name} "
+            f"({type(model).__name__}) is wrapped recursively, without one: drop loss_chunk_size"
+        )
     if upper_threshold is None:
         upper_threshold = module_bytes(model) // (device_count() + 1)
     converter = Converter(

@@ -227,11 +227,30 @@ class DecoderPrefix(nn.Module):
         num_items_in_batch: torch.Tensor | int | None = None,
         return_logits: bool = True,
         output_router_logits: bool | None = None,
+        return_dict: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        # Hugging Face's output switches: accepted at the values that change nothing.
+        for switch, value, refused in [
+            ("return_dict", return_dict, False),
+            ("output_hidden_states", output_hidden_states, True),
+            ("output_attentions", output_attentions, True),
+        ]:
+            if value is refused:
+                raise ValueError(
+                    f"{switch}={value}: the RoundPipe preset returns the model's output type "
+                    "with loss and logits only; leave it unset (run the original model for it)"
+                )
         if not isinstance(return_logits, bool):
             raise TypeError(f"return_logits must be a bool, got {type(return_logits).__name__}")
+        if not return_logits and labels is None:
+            raise ValueError(
+                "return_logits=False returns only the loss: pass labels, or leave return_logits "
+                "at True for the logits"
+            )
         if output_router_logits is None:
             output_router_logits = bool(getattr(self.config, "output_router_logits", False))
         if output_router_logits and self.family.moe_modeling is None:
