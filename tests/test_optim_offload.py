@@ -453,21 +453,23 @@ print(subprocess.run([sys.executable, "-c", other, folder], capture_output=True,
 """
 
 
+def _run_on_scratch(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
+    """Runs the script ``source`` in a fresh interpreter with a new folder as its argument."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    folder = tmp_path / "scratch"
+    folder.mkdir()
+    return subprocess.run(
+        [sys.executable, str(script), str(folder)], capture_output=True, text=True, timeout=300
+    )
+
+
 def test_a_forked_child_leaves_the_parents_lock(tmp_path: Path) -> None:
     """A child forked from a process that holds a folder shares its lock: when the child exits,
     the lock file stays, and another process is still refused (the child removed the file, and
     the other process then took the folder in use)."""
-    script = tmp_path / "fork.py"
-    script.write_text(_FORK)
-    folder = tmp_path / "scratch"
-    folder.mkdir()
-    out = subprocess.run(
-        [sys.executable, str(script), str(folder)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    out = _run_on_scratch(tmp_path, _FORK)
+    assert out.returncode == 0, out.stdout + out.stderr
     assert "files ['roundpipe-rank0.lock']" in out.stdout, out.stdout + out.stderr
     assert "refused:" in out.stdout and "in use" in out.stdout, out.stdout + out.stderr
 
@@ -499,16 +501,7 @@ def test_a_model_of_many_tensors_needs_no_descriptor_per_tensor(tmp_path: Path) 
     moments and scales number far more than the process's open-file limit trains as in memory
     (Python's mmap kept one per tensor: a 7B model's ~300 tensors with 8-bit moments passed a
     limit of 1,024 and its first step raised 'Too many open files')."""
-    script = tmp_path / "many.py"
-    script.write_text(_MANY_TENSORS)
-    folder = tmp_path / "scratch"
-    folder.mkdir()
-    out = subprocess.run(
-        [sys.executable, str(script), str(folder)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = _run_on_scratch(tmp_path, _MANY_TENSORS)
     assert "same True" in out.stdout, out.stdout + out.stderr
 
 
