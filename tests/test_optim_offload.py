@@ -505,6 +505,25 @@ def test_a_model_of_many_tensors_needs_no_descriptor_per_tensor(tmp_path: Path) 
     assert "same True" in out.stdout, out.stdout + out.stderr
 
 
+def test_a_region_past_the_files_end_is_refused_not_mapped(tmp_path: Path) -> None:
+    """The native mapping refuses bytes past the file's end (touching them would kill the
+    process with SIGBUS) and a closed descriptor, with errors naming the file."""
+    from roundpipe._native import _C
+
+    fd = os.open(tmp_path / "state.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(ValueError, match=r"past the end of state\.bin"):
+            _C.map_file_region(fd, "state.bin", 0, 4096)
+        os.ftruncate(fd, 8192)
+        mapped = _C.map_file_region(fd, "state.bin", 4096, 4096)
+        mapped.fill_(7)
+        assert os.pread(fd, 4, 4096) == bytes([7] * 4)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError, match=r"closed\.bin"):
+        _C.map_file_region(fd, "closed.bin", 0, 4096)
+
+
 _FULL_DISK = """
 import errno, sys, torch, roundpipe
 from torch import nn

@@ -3,6 +3,7 @@
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -397,6 +398,15 @@ at::Tensor map_file_region(int fd, const std::string& path, std::int64_t offset,
                     "map_file_region: offset must be a non-negative multiple of the page size (",
                     page, "), got ", offset);
   TORCH_CHECK_VALUE(nbytes > 0, "map_file_region: nbytes must be positive, got ", nbytes);
+  // A page of the map past the file's end would kill the process (SIGBUS) when touched.
+  struct stat file{};
+  if (fstat(fd, &file) != 0) {
+    const int error = errno;
+    throw DiskError(error, path, "fstat of " + path + " failed: " + std::strerror(error));
+  }
+  TORCH_CHECK_VALUE(offset + nbytes <= file.st_size, "map_file_region: bytes ", offset, " to ",
+                    offset + nbytes, " lie past the end of ", path, " (", file.st_size,
+                    " bytes); allocate them first");
   void* data = mmap(nullptr, static_cast<std::size_t>(nbytes), PROT_READ | PROT_WRITE, MAP_SHARED,
                     fd, static_cast<off_t>(offset));
   if (data == MAP_FAILED) {
